@@ -1,0 +1,185 @@
+"""One validated configuration for every model this project builds.
+
+`ModelConfig` holds what a researcher chooses (size, positional encoding, dropout, precision);
+`transformer_config()` turns it into the megatron-core `TransformerConfig` its layers are built from.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """The pieces one positional encoding is made of (see ../shared/DESIGN.md, the variants table)."""
+
+    input_absolute: bool = False  # learned p added to the word embedding (BERT)
+    untied: bool = False  # (LN(p) U^Q)(LN(p) U^K)^T added to the logits (TUPE Eq. 7)
+    untied_cross: bool = False  # LN(p) U^Q / LN(p) U^K added to each layer's q / k (BERT-A^d)
+    relative: bool = False  # T5 bucketed bias b_h(j - i) added to the logits (Eq. 5, 8)
+    cls_reset: bool = False  # [CLS] row and column of the positional logits reset (Eq. 9)
+    rotary: bool = False  # rotary embedding of q and k
+    causal_prefix: bool = False  # causal mask in the first `causal_layers` layers
+    logit_terms: int = 1  # the word logits are scaled by 1/sqrt(logit_terms * d_head)
+
+    @property
+    def has_positional_logits(self) -> bool:
+        """Whether there is a content-free [heads, n, n] term to compute once per forward."""
+        return self.untied or self.untied_cross or self.relative
+
+
+ENCODINGS = {
+    "bert-a": Encoding(input_absolute=True),
+    "bert-r": Encoding(input_absolute=True, relative=True),
+    "tupe-a": Encoding(untied=True, cls_reset=True, logit_terms=2),
+    "tupe-r": Encoding(untied=True, relative=True, cls_reset=True, logit_terms=2),
+    "tupe-a-tie-cls": Encoding(untied=True, logit_terms=2),
+    "bert-a-d": Encoding(untied_cross=True, logit_terms=4),
+    "nope": Encoding(),
+    "mask-nope": Encoding(causal_prefix=True),
+    "rope": Encoding(rotary=True),
+}
+
+PRESETS = {
+    "bert-base": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072),
+    "bert-large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096),
+    "electra-base-discriminator": dict(
+        num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072
+    ),
+    "electra-base-generator": dict(
+        num_layers=12, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024
+    ),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        vocab_size=512,
+        max_position_embeddings=64,
+        seq_length=64,
+    ),
+}
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A BERT-style encoder with one of the positional encodings in `ENCODINGS`."""
+
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    ffn_hidden_size: int = 3072
+    vocab_size: int = 32768
+    max_position_embeddings: int = 512  # rows of p (and the longest sequence the model accepts)
+    seq_length: int = 512  # the training sequence length; at most max_position_embeddings
+    pos_encoding: str = "tupe-r"  # one of ENCODINGS
+    causal_layers: Optional[int] = None  # mask-nope only: layers with a causal mask (default 1)
+    relative_buckets: int = 32  # T5 bidirectional buckets (-r variants)
+    relative_max_distance: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    tensor_parallel_size: int = 1
+    dtype: str = "fp32"  # parameter dtype: fp32, fp16 or bf16
+
+    def __post_init__(self):
+        def require(condition, field, message):
+            if not condition:
+                raise ValueError(f"ModelConfig.{field}: {message}")
+
+        for field in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                      "vocab_size", "max_position_embeddings", "seq_length",
+                      "relative_buckets", "relative_max_distance", "tensor_parallel_size"):
+            value = getattr(self, field)
+            require(isinstance(value, int) and value > 0, field,
+                    f"must be a positive integer, got {value!r}")
+        require(self.pos_encoding in ENCODINGS, "pos_encoding",
+                f"unknown encoding {self.pos_encoding!r}; choose one of {', '.join(ENCODINGS)}")
+        require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+                f"{self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}")
+        require(self.num_attention_heads % self.tensor_parallel_size == 0, "num_attention_heads",
+                f"{self.num_attention_heads} heads cannot be split over tensor_parallel_size="
+                f"{self.tensor_parallel_size}; choose a tp that divides the number of heads")
+        require(self.vocab_size % self.tensor_parallel_size == 0, "vocab_size",
+                f"{self.vocab_size} is not divisible by tensor_parallel_size="
+                f"{self.tensor_parallel_size}")
+        require(self.seq_length <= self.max_position_embeddings, "seq_length",
+                f"{self.seq_length} is beyond max_position_embeddings="
+                f"{self.max_position_embeddings}; lower seq_length or add positions")
+        if self.encoding.causal_prefix:
+            layers = 1 if self.causal_layers is None else self.causal_layers
+            require(isinstance(layers, int) and 1 <= layers <= self.num_layers, "causal_layers",
+                    f"must be between 1 and num_layers={self.num_layers}, got {layers!r}")
+            object.__setattr__(self, "causal_layers", layers)
+        else:
+            require(self.causal_layers is None, "causal_layers",
+                    f"only applies to pos_encoding='mask-nope', not {self.pos_encoding!r}")
+        for field in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, field)
+            require(0.0 <= value < 1.0, field, f"must be in [0, 1), got {value!r}")
+        require(self.dtype in DTYPES, "dtype",
+                f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {', '.join(unknown)}; "
+                             f"known fields: {', '.join(sorted(known))}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def encoding(self) -> Encoding:
+        return ENCODINGS[self.pos_encoding]
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def logit_scale(self) -> float:
+        """1/sqrt(d_head) for BERT, 1/sqrt(2 d_head) for TUPE (Eq. 7), 1/sqrt(4 d_head) for BERT-A^d."""
+        return 1.0 / math.sqrt(self.encoding.logit_terms * self.head_size)
+
+    def transformer_config(self) -> TransformerConfig:
+        """The megatron-core config of the encoder layers.
+
+        Weights are initialised on the CPU from the full (unsplit) matrices, so the same seed gives
+        the same model whatever the tensor-parallel size. Fusions that need CUDA kernels are off.
+        """
+        dtype = DTYPES[self.dtype]
+        return TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            kv_channels=self.head_size,
+            tensor_model_parallel_size=self.tensor_parallel_size,
+            hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout,
+            layernorm_epsilon=self.layernorm_epsilon,
+            init_method_std=self.init_std,
+            softmax_scale=self.logit_scale,
+            activation_func=F.gelu,
+            params_dtype=dtype,
+            fp16=dtype == torch.float16,
+            bf16=dtype == torch.bfloat16,
+            use_cpu_initialization=True,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+        )

@@ -1,0 +1,47 @@
+"""Process groups and devices: megatron-core's parallel_state, set up when nobody else did."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def accelerator_device() -> torch.device:
+    """The device of this process, as DeepSpeed's accelerator sees it (cuda:N, cpu, ...)."""
+    from deepspeed.accelerator import get_accelerator  # slow import: only when a model is built
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def ensure_model_parallel(tensor_parallel_size: int) -> None:
+    """Make megatron-core's parallel state ready for `tensor_parallel_size`.
+
+    In a plain process (a notebook, a test) this starts a one-process gloo group and tp=1 state.
+    Under a launcher the caller initialises torch.distributed; the model-parallel groups are
+    created here if they are not yet.
+    """
+    if not dist.is_initialized():
+        if tensor_parallel_size != 1:
+            raise RuntimeError(
+                f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} processes: "
+                "start them with torchrun or deepspeed and call torch.distributed.init_process_group "
+                "before building the model"
+            )
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            raise RuntimeError("launched with WORLD_SIZE > 1 but torch.distributed is not initialised")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_world_size()
+        if current != tensor_parallel_size:
+            raise RuntimeError(
+                f"megatron-core's parallel state has tensor_parallel_size={current}, but the model "
+                f"asks for {tensor_parallel_size}; build the model with tensor_parallel_size={current}"
+            )
+        return
+    world = dist.get_world_size()
+    if world % tensor_parallel_size:
+        raise RuntimeError(
+            f"world size {world} is not divisible by tensor_parallel_size={tensor_parallel_size}"
+        )
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
