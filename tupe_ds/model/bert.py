@@ -47,6 +47,7 @@ class BertForMaskedLM(MegatronModule):
             gather_output=False,
         )
         self.output_layer.bias.data.zero_()
+        self.to(tconfig.params_dtype)  # the modules megatron-core does not build follow its dtype
 
     def forward(
         self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None
@@ -65,8 +66,8 @@ class BertForMaskedLM(MegatronModule):
             return full_logits
         labels = labels.transpose(0, 1)
         counted = labels != IGNORE_INDEX
-        losses = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.float(), labels.masked_fill(~counted, 0)
+        losses = tensor_parallel.vocab_parallel_cross_entropy(  # works in place on its input
+            logits.to(torch.float32, copy=True), labels.masked_fill(~counted, 0)
         )
         loss = (losses * counted).sum() / counted.sum().clamp(min=1)
         return loss, full_logits

@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.relative_pos_embedding import RelativePositionEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
@@ -104,7 +105,9 @@ class RelativeBias(RelativePositionEmbedding):
         table = torch.empty(config.relative_buckets, heads)
         tconfig.init_method(table)
         rank = parallel_state.get_tensor_model_parallel_rank()
-        self.relative_attention_bias.weight.data.copy_(table.chunk(tp, dim=1)[rank])
+        weight = self.relative_attention_bias.weight
+        weight.data.copy_(table.chunk(tp, dim=1)[rank])
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=1, stride=1)
 
     def forward(self, n: int) -> Tensor:
         return super().forward(n, n)[0]  # [heads, n, n]

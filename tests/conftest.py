@@ -1,0 +1,30 @@
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tupe_ds  # noqa: E402
+
+
+def perturb(model, seed=1):
+    """Move every weight off its initial value (biases start at 0, LayerNorms at 1), so that a
+    test comparing against a reference sees each parameter used."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return model
+
+
+@pytest.fixture
+def tiny_model():
+    """tiny_model(pos_encoding, **overrides): a dropout-free tiny model, seeded, perturbed."""
+
+    def build(pos_encoding, **overrides):
+        torch.manual_seed(0)
+        overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides}
+        return perturb(tupe_ds.build_model("tiny", pos_encoding=pos_encoding, **overrides))
+
+    return build
