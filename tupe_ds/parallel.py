@@ -4,6 +4,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn as dist_nn
 from megatron.core import parallel_state
 
 
@@ -45,3 +46,15 @@ def ensure_model_parallel(tensor_parallel_size: int) -> None:
             f"world size {world} is not divisible by tensor_parallel_size={tensor_parallel_size}"
         )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+
+
+def gather_tensor_parallel(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The tensor-parallel ranks' shards of `tensor` joined along `dim`, differentiably.
+
+    Written here because megatron-core's gather_from_tensor_model_parallel_region allocates its
+    output on CUDA whatever the tensor's device.
+    """
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return tensor
+    return torch.cat(dist_nn.all_gather(tensor.contiguous(), group=group), dim=dim)

@@ -17,7 +17,7 @@ from torch import Tensor
 from tupe_ds.model.attention import encoder_layer_spec
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.positional import PositionalEncoding
-from tupe_ds.parallel import accelerator_device, ensure_model_parallel
+from tupe_ds.parallel import accelerator_device, ensure_model_parallel, gather_tensor_parallel
 
 IGNORE_INDEX = -100
 
@@ -60,8 +60,7 @@ class BertForMaskedLM(MegatronModule):
         logits, _ = self.output_layer(
             self.lm_head(hidden), weight=self.embedding.word_embeddings.weight
         )  # [seq, batch, vocab / tp]
-        full_logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-        full_logits = full_logits.transpose(0, 1)
+        full_logits = gather_tensor_parallel(logits, dim=-1).transpose(0, 1)
         if labels is None:
             return full_logits
         labels = labels.transpose(0, 1)
@@ -96,9 +95,7 @@ class BertForMaskedLM(MegatronModule):
 
         Raises ValueError for encodings that have none (bert-a, nope, mask-nope, rope).
         """
-        v = self.positional.content_free_logits(n)  # this rank's heads
-        v = tensor_parallel.gather_from_tensor_model_parallel_region(v.permute(1, 2, 0))
-        return v.permute(2, 0, 1)
+        return gather_tensor_parallel(self.positional.content_free_logits(n), dim=0)
 
 
 def build_model(preset_or_config: Union[str, ModelConfig] = "bert-base", **overrides) -> BertForMaskedLM:

@@ -95,13 +95,14 @@ class RelativeBias(RelativePositionEmbedding):
     def __init__(self, config: ModelConfig, tconfig: TransformerConfig):
         heads = config.num_attention_heads
         tp = config.tensor_parallel_size
-        super().__init__(
-            bidirectional=True,
-            init_method=lambda weight: None,
-            num_attention_heads=heads // tp,
-            relative_attention_num_buckets=config.relative_buckets,
-            relative_attention_max_distance=config.relative_max_distance,
-        )
+        with torch.random.fork_rng(devices=[]):  # its nn.Embedding draws a (tp-sized) init
+            super().__init__(
+                bidirectional=True,
+                init_method=lambda weight: None,
+                num_attention_heads=heads // tp,
+                relative_attention_num_buckets=config.relative_buckets,
+                relative_attention_max_distance=config.relative_max_distance,
+            )
         table = torch.empty(config.relative_buckets, heads)
         tconfig.init_method(table)
         rank = parallel_state.get_tensor_model_parallel_rank()
