@@ -1,0 +1,5 @@
+import sys
+
+from data_prep.cli import main
+
+sys.exit(main())

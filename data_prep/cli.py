@@ -1,0 +1,107 @@
+"""tupe-prep: raw text -> cleaned, de-duplicated, sentence-split, BPE-encoded indexed datasets.
+
+    tupe-prep --input corpus/ --output data/prep
+    tupe-prep --input part-*.jsonl.gz --output data/shard0 --tokenizer tok.json --shard 0/4
+    tupe-prep merge --output data/all data/shard0 data/shard1 data/shard2 data/shard3
+"""
+
+import argparse
+import sys
+import warnings
+
+# megatron-core's import says, once per process, that it falls back from Apex/TE: not our news.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from data_prep.merge import merge
+from data_prep.pipeline import PrepConfig, prepare
+from data_prep.read import InputError
+
+
+def shard(value: str):
+    try:
+        index, count = (int(v) for v in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, got {value!r}") from None
+    return index, count
+
+
+def prep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tupe-prep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = PrepConfig(inputs=[], output="")
+    p.add_argument("--input", nargs="+", required=True, dest="inputs", metavar="PATH",
+                   help=".txt, .jsonl[.gz], .parquet files, folders of them, or a saved HF dataset")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    p.add_argument("--min-frequency", type=int, default=defaults.min_frequency,
+                   help="BPE merges rarer than this are not learnt")
+    p.add_argument("--workers", type=int, default=defaults.workers)
+    p.add_argument("--lowercase", action="store_true")
+    p.add_argument("--dedup", choices=["exact", "minhash", "none"], default=defaults.dedup)
+    p.add_argument("--jaccard-threshold", type=float, default=defaults.jaccard_threshold,
+                   help="near-duplicate threshold of --dedup minhash")
+    p.add_argument("--text-key", default=defaults.text_key, help="text field of JSON lines/parquet")
+    p.add_argument("--txt-documents", choices=["blank-line", "file"], default=defaults.txt_documents,
+                   help="in .txt files, documents are separated by blank lines, or one per file")
+    p.add_argument("--tokenizer", metavar="FILE", help="encode with this tokenizer.json, train none")
+    p.add_argument("--valid-fraction", type=float, default=defaults.valid_fraction,
+                   help="fraction of documents (chosen by content hash) in valid.bin/.idx")
+    p.add_argument("--min-words", type=int, default=defaults.min_words,
+                   help="documents with fewer words after cleaning are dropped (and counted)")
+    p.add_argument("--min-sentence-words", type=int, default=defaults.min_sentence_words,
+                   help="shorter sentences are joined to the next one")
+    p.add_argument("--spacy-model", default=defaults.spacy_model,
+                   help="an installed spaCy pipeline; default: rule-based sentencizer")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip (and count) malformed JSON lines and records without text")
+    p.add_argument("--shard", type=shard, metavar="I/N",
+                   help="process the I-th of N contiguous groups of input files (needs --tokenizer)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def merge_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tupe-prep merge",
+                                description="Merge shard outputs, removing exact duplicates "
+                                            "across shards.")
+    p.add_argument("shards", nargs="+", metavar="SHARD_DIR")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def summary(manifest: dict) -> str:
+    rows = [(key, manifest.get(key)) for key in (
+        "documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
+        "near_duplicates_removed", "cross_shard_duplicates_removed", "invalid_utf8_lines",
+        "bad_lines_skipped", "documents_out", "sentences", "tokens", "bytes_in", "vocab_size")
+        if key in manifest]
+    rows += [(f"{split} documents/tokens", f"{c['documents']:,} / {c['tokens']:,}")
+             for split, c in manifest["splits"].items()]
+    rows += [(f"seconds {stage}", value) for stage, value in manifest["seconds"].items()]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value:,}" if isinstance(value, int) else
+                     f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["merge"]:
+            args = merge_parser().parse_args(argv[1:])
+            manifest = merge(args.shards, args.output, quiet=args.quiet)
+            output = args.output
+        else:
+            args = vars(prep_parser().parse_args(argv))
+            manifest = prepare(PrepConfig(**args))
+            output = args["output"]
+    except (InputError, ValueError) as error:
+        print(f"tupe-prep: error: {error}", file=sys.stderr)
+        return 2
+    print(summary(manifest))
+    print(f"wrote {output}/{{train,valid}}.{{bin,idx}}, tokenizer.json, manifest.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

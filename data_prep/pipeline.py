@@ -1,0 +1,279 @@
+"""The prep run: read -> clean -> dedup -> split -> BPE -> encode -> indexed datasets + manifest.
+
+Pass 1 streams the inputs through worker processes (cleaning, MinHash signatures, sentence
+splitting) and de-duplicates in input order in this process, spooling the kept documents to disk.
+Pass 2 trains the tokenizer on the spool (unless one is given); pass 3 encodes it in batches
+(tokenizers' own threads) into megatron-core indexed datasets. Outputs are written in a work
+folder and renamed into place when complete, so a crash leaves no partial output and running the
+same command again does the work again from the start.
+"""
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from tqdm import tqdm
+
+from data_prep.clean import Cleaner
+from data_prep.dedup import Deduplicator, exact_key, minhash_signature
+from data_prep.read import InputError, Reader, expand_inputs
+from data_prep.sentences import SentenceSplitter
+from data_prep.tokenizer import load_tokenizer, train_tokenizer
+
+SPLITS = ("train", "valid")
+WORK_DIR = ".tmp-prep"
+ENCODE_BATCH_DOCS = 256
+
+
+@dataclass
+class PrepConfig:
+    inputs: List[str]
+    output: str
+    vocab_size: int = 32768
+    min_frequency: int = 2
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    lowercase: bool = False
+    dedup: str = "minhash"
+    jaccard_threshold: float = 0.8
+    num_perm: int = 128
+    shingle: int = 5
+    text_key: str = "text"
+    txt_documents: str = "blank-line"
+    tokenizer: Optional[str] = None
+    valid_fraction: float = 0.01
+    min_words: int = 5
+    min_sentence_words: int = 4
+    spacy_model: str = ""
+    skip_bad_lines: bool = False
+    shard: Optional[Tuple[int, int]] = None
+    quiet: bool = False
+
+    def validate(self) -> None:
+        def fail(option, message):
+            raise ValueError(f"{option}: {message}")
+
+        if self.vocab_size < 300:
+            fail("--vocab-size", f"{self.vocab_size} is too small for byte-level BPE (>= 300)")
+        if self.workers < 1:
+            fail("--workers", f"must be at least 1, got {self.workers}")
+        if self.dedup not in ("exact", "minhash", "none"):
+            fail("--dedup", f"choose exact, minhash or none, not {self.dedup!r}")
+        if not 0 < self.jaccard_threshold <= 1:
+            fail("--jaccard-threshold", f"must be in (0, 1], got {self.jaccard_threshold}")
+        if not 0 <= self.valid_fraction < 1:
+            fail("--valid-fraction", f"must be in [0, 1), got {self.valid_fraction}")
+        if self.txt_documents not in ("blank-line", "file"):
+            fail("--txt-documents", f"choose blank-line or file, not {self.txt_documents!r}")
+        if self.shard is not None:
+            index, count = self.shard
+            if not 0 <= index < count:
+                fail("--shard", f"I/N needs 0 <= I < N, got {index}/{count}")
+            if self.tokenizer is None:
+                fail("--shard", "shards must share one tokenizer: pass --tokenizer FILE "
+                     "(train it first with a run on a sample of the corpus)")
+        if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
+            fail("--tokenizer", f"{self.tokenizer}: no such file")
+
+    def shard_files(self, files: List[str]) -> List[str]:
+        """The I-th of N contiguous groups of input files (so merged shards keep input order)."""
+        if self.shard is None:
+            return files
+        index, count = self.shard
+        if len(files) < count:
+            raise ValueError(f"--shard: {len(files)} input file(s) cannot make {count} shards; "
+                             "split the input into at least as many files as shards")
+        bounds = np.linspace(0, len(files), count + 1).round().astype(int)
+        return files[bounds[index]:bounds[index + 1]]
+
+
+# ---- pass 1: per-document work, in worker processes -------------------------------------------
+
+_worker = {}
+
+
+def _init_worker(config: PrepConfig) -> None:
+    _worker["config"] = config
+    _worker["cleaner"] = Cleaner(lowercase=config.lowercase)
+    _worker["splitter"] = SentenceSplitter(config.spacy_model, config.min_sentence_words)
+
+
+def _process(text: str) -> dict:
+    """Clean, fingerprint and split one document; timings come back with it."""
+    config = _worker["config"]
+    timings = {}
+    start = time.perf_counter()
+    clean = _worker["cleaner"].normalize(text)
+    timings["clean"] = time.perf_counter() - start
+    if not clean:
+        return {"drop": "empty", "seconds": timings}
+    if len(clean.split()) < config.min_words:
+        return {"drop": "short", "seconds": timings}
+    start = time.perf_counter()
+    key = exact_key(clean)
+    signature = (minhash_signature(clean, config.num_perm, config.shingle)
+                 if config.dedup == "minhash" else None)
+    timings["dedup"] = time.perf_counter() - start
+    start = time.perf_counter()
+    sentences = _worker["splitter"].split(clean)
+    timings["split"] = time.perf_counter() - start
+    return {"key": key, "signature": signature, "sentences": sentences, "seconds": timings}
+
+
+def _map(config: PrepConfig, texts):
+    if config.workers == 1:
+        _init_worker(config)
+        yield from map(_process, texts)
+        return
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with context.Pool(config.workers, initializer=_init_worker, initargs=(config,)) as pool:
+        yield from pool.imap(_process, texts, chunksize=8)
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def prepare(config: PrepConfig) -> dict:
+    """Run every stage; returns the manifest (also written to OUTPUT/manifest.json)."""
+    config.validate()
+    files = config.shard_files(expand_inputs(config.inputs))
+    os.makedirs(config.output, exist_ok=True)
+    work = os.path.join(config.output, WORK_DIR)
+    shutil.rmtree(work, ignore_errors=True)  # what a crashed run left
+    os.makedirs(work)
+    try:
+        return _prepare(config, files, work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # a killed process leaves it to the next run
+        raise
+
+
+def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
+    os.environ.setdefault("RAYON_NUM_THREADS", str(config.workers))  # tokenizers' threads
+    started = time.perf_counter()
+    manifest = {"inputs": files, "config": {k: v for k, v in asdict(config).items() if k != "inputs"}}
+    seconds = {"clean": 0.0, "dedup": 0.0, "split": 0.0}
+
+    reader = Reader(config.text_key, config.txt_documents, config.skip_bad_lines)
+    dedup = Deduplicator(config.dedup, config.jaccard_threshold, config.num_perm)
+    counts = {"documents_in": 0, "empty_dropped": 0, "short_dropped": 0, "documents_out": 0,
+              "sentences": 0}
+    spool_path = os.path.join(work, "documents.jsonl")
+    pass_start = time.perf_counter()
+    with open(spool_path, "w", encoding="utf-8") as spool:
+        texts = (document.text for document in reader.documents(files))
+        for result in tqdm(_map(config, texts), desc="clean, dedup, split", unit=" docs",
+                           disable=config.quiet):
+            counts["documents_in"] += 1
+            for stage, value in result["seconds"].items():
+                seconds[stage] += value
+            if "drop" in result:
+                counts[f"{result['drop']}_dropped"] += 1
+                continue
+            start = time.perf_counter()
+            kept = dedup.keep(result["key"], result["signature"])
+            seconds["dedup"] += time.perf_counter() - start
+            if kept:
+                counts["documents_out"] += 1
+                counts["sentences"] += len(result["sentences"])
+                spool.write(json.dumps({"key": result["key"], "sentences": result["sentences"]}) + "\n")
+    seconds["read_clean_dedup_split_wall"] = time.perf_counter() - pass_start
+    if counts["documents_out"] == 0:
+        raise InputError(f"no document left to write from {len(files)} input file(s) "
+                         f"({counts['documents_in']} read, {counts['empty_dropped']} empty, "
+                         f"{counts['short_dropped']} shorter than --min-words {config.min_words})")
+
+    def spooled():
+        with open(spool_path, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)
+
+    start = time.perf_counter()
+    if config.tokenizer:
+        tokenizer = load_tokenizer(config.tokenizer)
+    else:
+        sentences = (s for document in spooled() for s in document["sentences"])
+        tokenizer = train_tokenizer(sentences, config.vocab_size, config.min_frequency,
+                                    length=counts["sentences"])
+    tokenizer.save(os.path.join(work, "tokenizer.json"))
+    seconds["train_bpe"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    vocab = tokenizer.get_vocab_size()
+    dtype = DType.optimal_dtype(vocab)
+    builders = {split: IndexedDatasetBuilder(os.path.join(work, f"{split}.bin"), dtype=dtype)
+                for split in SPLITS}
+    keys = {split: [] for split in SPLITS}
+    split_counts = {split: {"documents": 0, "sentences": 0, "tokens": 0} for split in SPLITS}
+    progress = tqdm(total=counts["documents_out"], desc="encode", unit=" docs", disable=config.quiet)
+    batch = []
+    for document in spooled():
+        batch.append(document)
+        if len(batch) == ENCODE_BATCH_DOCS:
+            _encode(batch, tokenizer, config, builders, keys, split_counts)
+            progress.update(len(batch))
+            batch = []
+    _encode(batch, tokenizer, config, builders, keys, split_counts)
+    progress.update(len(batch))
+    progress.close()
+    for split in SPLITS:
+        builders[split].finalize(os.path.join(work, f"{split}.idx"))
+        np.save(os.path.join(work, f"{split}.keys.npy"), np.array(keys[split], dtype=np.uint64))
+    seconds["encode_write"] = time.perf_counter() - start
+    seconds["total"] = time.perf_counter() - started
+
+    manifest.update(
+        counts,
+        bytes_in=reader.stats.bytes_in,
+        exact_duplicates_removed=dedup.exact_removed,
+        near_duplicates_removed=dedup.near_removed,
+        invalid_utf8_lines=reader.stats.invalid_utf8_lines,
+        invalid_utf8_examples=reader.stats.invalid_utf8_examples,
+        bad_lines_skipped=reader.stats.bad_lines_skipped,
+        empty_files=reader.stats.empty_files,
+        tokens=sum(c["tokens"] for c in split_counts.values()),
+        splits=split_counts,
+        vocab_size=vocab,
+        dtype=np.dtype(dtype).name,
+        seconds={k: round(v, 3) for k, v in seconds.items()},
+    )
+    publish(work, config.output, manifest)
+    return manifest
+
+
+def _encode(batch, tokenizer, config, builders, keys, split_counts) -> None:
+    sentences = [s for document in batch for s in document["sentences"]]
+    encoded = iter(tokenizer.encode_batch(sentences, add_special_tokens=False))
+    for document in batch:
+        ids = [next(encoded).ids for _ in document["sentences"]]
+        split = "valid" if (document["key"] >> 11) / 2**53 < config.valid_fraction else "train"
+        builders[split].add_document(torch.tensor([t for s in ids for t in s], dtype=torch.int64),
+                                     [len(s) for s in ids])
+        keys[split].append(document["key"])
+        counts = split_counts[split]
+        counts["documents"] += 1
+        counts["sentences"] += len(ids)
+        counts["tokens"] += sum(len(s) for s in ids)
+
+
+def publish(work: str, output: str, manifest: dict) -> None:
+    """Move the finished files of `work` into `output`, the manifest last, then drop `work`.
+
+    An output folder is complete when it has a manifest.json; an older one goes first.
+    """
+    old_manifest = os.path.join(output, "manifest.json")
+    if os.path.exists(old_manifest):
+        os.remove(old_manifest)
+    with open(os.path.join(work, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    names = sorted(n for n in os.listdir(work) if n != "documents.jsonl" and n != "manifest.json")
+    for name in names + ["manifest.json"]:
+        os.replace(os.path.join(work, name), os.path.join(output, name))
+    shutil.rmtree(work)

@@ -1,0 +1,240 @@
+"""data_prep: round trip, de-duplication, bad inputs, indexed outputs, shards and merge."""
+
+import gzip
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tokenizers import Tokenizer
+
+from data_prep.clean import Cleaner
+from data_prep.cli import main
+from data_prep.merge import merge
+from data_prep.pipeline import PrepConfig, prepare
+from data_prep.read import InputError
+
+SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sample")
+WORDS = ("time house river light garden letter morning friend answer window evening carriage "
+         "sister fortune promise silence country manner journey family opinion moment").split()
+
+
+def unique_document(rng, words=60):
+    """A paragraph of a few sentences of random words: shares few 5-word shingles with others."""
+    sentences = []
+    while words > 0:
+        length = min(words, rng.randint(6, 14))
+        sentences.append(" ".join(rng.choice(WORDS) for _ in range(length)).capitalize() + ".")
+        words -= length
+    return " ".join(sentences)
+
+
+def write_txt(path, documents):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(documents) + "\n")
+    return str(path)
+
+
+def run(inputs, output, **options):
+    options = {"workers": 1, "vocab_size": 400, "min_frequency": 1, "valid_fraction": 0.0,
+               "quiet": True, **options}
+    return prepare(PrepConfig(inputs=[str(p) for p in inputs], output=str(output), **options))
+
+
+def documents_of(prefix, tokenizer):
+    """The decoded sentences of each document of an indexed dataset."""
+    dataset = IndexedDataset(str(prefix))
+    bounds = dataset.document_indices
+    return [[tokenizer.decode(dataset[i].tolist(), skip_special_tokens=False)
+             for i in range(bounds[d], bounds[d + 1])] for d in range(len(bounds) - 1)]
+
+
+def test_round_trip_and_manifest_counts(tmp_path):
+    documents = [
+        "Mr. Darcy   walked in.\tShe said „hello“ - and left! Did he notice? No.",
+        "Write to jane@example.org or see https://example.com/austen?id=3 for more text here.",
+        "Ünïcödé ﬁne ligatures and full-width ＡＢＣ survive NFKC. Short. Sentences are joined.",
+    ]
+    source = write_txt(tmp_path / "in.txt", documents)
+    manifest = run([source], tmp_path / "out", dedup="none", min_words=3)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    decoded = documents_of(tmp_path / "out" / "train", tokenizer)
+    cleaner = Cleaner()
+    assert [" ".join(sentences) for sentences in decoded] == [cleaner.normalize(d) for d in documents]
+    assert "[EMAIL]" in decoded[1][0] and "[URL]" in decoded[1][0]
+    assert all(len(s.split()) >= 4 for doc in decoded for s in doc)  # short ones were joined
+    dataset = IndexedDataset(str(tmp_path / "out" / "train"))
+    assert manifest["documents_in"] == manifest["documents_out"] == 3
+    assert len(dataset) == manifest["sentences"] == sum(len(d) for d in decoded)
+    assert int(dataset.sequence_lengths.sum()) == manifest["tokens"]
+    assert len(dataset.document_indices) - 1 == manifest["splits"]["train"]["documents"] == 3
+    assert dataset[0].dtype == np.uint16
+    with open(tmp_path / "out" / "manifest.json") as f:
+        on_disk = json.load(f)
+    for key in ("documents_in", "documents_out", "empty_dropped", "exact_duplicates_removed",
+                "near_duplicates_removed", "sentences", "tokens", "bytes_in", "seconds"):
+        assert key in on_disk
+    assert on_disk["bytes_in"] == os.path.getsize(source)
+    assert Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).token_to_id("[PAD]") == 0
+
+
+def test_exact_and_near_duplicates_are_removed_and_nothing_unique(tmp_path):
+    rng = random.Random(0)
+    originals = [unique_document(rng, words=200) for _ in range(30)]
+    near = []
+    for text in originals[:5]:  # a few words changed: Jaccard of 5-word shingles about 0.9
+        words = text.split()
+        for position in (50, 150):
+            words[position] = "changed"
+        near.append(" ".join(words))
+    exact = [originals[7], originals[9], originals[7]]
+    source = write_txt(tmp_path / "in.txt", originals + near + exact)
+    manifest = run([source], tmp_path / "out", dedup="minhash")
+    assert manifest["exact_duplicates_removed"] == 3
+    assert manifest["near_duplicates_removed"] == 5
+    assert manifest["documents_out"] == 30
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    kept = [" ".join(doc) for doc in documents_of(tmp_path / "out" / "train", tokenizer)]
+    assert kept == [Cleaner().normalize(text) for text in originals]  # the first of each kept
+
+    manifest = run([source], tmp_path / "exact", dedup="exact")
+    assert (manifest["exact_duplicates_removed"], manifest["near_duplicates_removed"]) == (3, 0)
+    assert manifest["documents_out"] == 35
+
+
+def assert_no_output(folder):
+    left = set(os.listdir(folder)) if os.path.exists(folder) else set()
+    assert not left & {"train.bin", "train.idx", "valid.bin", "valid.idx", "manifest.json",
+                       "tokenizer.json", ".tmp-prep"}, left
+
+
+def test_invalid_utf8_nul_and_empty_files(tmp_path):
+    rng = random.Random(1)
+    good = unique_document(rng)
+    (tmp_path / "bad.txt").write_bytes(b"Broken \xff\xfe bytes in this line of text here.\n\n"
+                                       b"A NUL\x00 byte sits in this other line of text.\n")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    manifest = run([write_txt(tmp_path / "good.txt", [good]), tmp_path / "bad.txt",
+                    tmp_path / "empty.txt"], tmp_path / "out", min_words=3)
+    assert manifest["invalid_utf8_lines"] == 1
+    assert manifest["invalid_utf8_examples"] == [f"{tmp_path / 'bad.txt'}:1"]
+    assert manifest["empty_files"] == [str(tmp_path / "empty.txt")]
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    text = " ".join(" ".join(d) for d in documents_of(tmp_path / "out" / "train", tokenizer))
+    assert "\ufffd" in text and "\x00" not in text and "A NUL byte sits" in text
+
+    with pytest.raises(InputError, match="no document left"):
+        run([tmp_path / "empty.txt"], tmp_path / "nothing")
+    assert_no_output(tmp_path / "nothing")
+
+
+def test_ten_megabyte_single_line(tmp_path):
+    rng = random.Random(2)
+    line = " ".join(unique_document(rng, words=30) for _ in range(8000))
+    line = (line * (10_000_000 // len(line) + 1))[:10_000_000]
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": line}) + "\n")
+    manifest = run([tmp_path / "long.jsonl"], tmp_path / "out", dedup="exact")
+    assert manifest["documents_out"] == 1 and manifest["sentences"] > 100_000
+    assert manifest["bytes_in"] > 10_000_000
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "fine"\n', r"bad.jsonl:2: malformed JSON"),
+    ('{"body": "no text field"}\n', r"bad.jsonl:2: no string field 'text'"),
+])
+def test_bad_json_lines_fail_or_are_skipped(tmp_path, line, message):
+    good = json.dumps({"text": unique_document(random.Random(3))}) + "\n"
+    path = tmp_path / "bad.jsonl"
+    path.write_text(good + line + good.replace("Time", "Light"))
+    with pytest.raises(InputError, match=message):
+        run([path], tmp_path / "out")
+    assert_no_output(tmp_path / "out")
+    manifest = run([path], tmp_path / "out", skip_bad_lines=True)
+    assert manifest["bad_lines_skipped"] == 1 and manifest["documents_in"] == 2
+
+
+def test_truncated_gzip_is_an_error_and_leaves_nothing(tmp_path, capsys):
+    data = gzip.compress(("\n".join(json.dumps({"text": unique_document(random.Random(i))})
+                                    for i in range(200)) + "\n").encode())
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    assert main(["--input", str(path), "--output", str(tmp_path / "out"), "--quiet",
+                 "--workers", "1"]) == 2
+    assert f"{path}: truncated or corrupt gzip file" in capsys.readouterr().err
+    assert_no_output(tmp_path / "out")
+
+
+def test_a_crash_leaves_no_partial_output_and_a_rerun_finishes(tmp_path, monkeypatch):
+    source = write_txt(tmp_path / "in.txt", [unique_document(random.Random(i)) for i in range(20)])
+    import data_prep.pipeline as pipeline
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "_encode", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run([source], tmp_path / "out")
+    assert not {"train.bin", "train.idx", "manifest.json"} & set(os.listdir(tmp_path / "out"))
+    monkeypatch.undo()
+    manifest = run([source], tmp_path / "out")
+    assert manifest["documents_out"] == 20
+    assert not os.path.exists(tmp_path / "out" / ".tmp-prep")
+
+
+def test_inputs_of_every_kind(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [unique_document(random.Random(i)) for i in range(4)]
+    write_txt(tmp_path / "a.txt", texts[:1])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"content": texts[1]}) + "\n")
+    pq.write_table(pa.table({"content": [texts[2]]}), tmp_path / "c.parquet")
+    datasets.Dataset.from_dict({"content": [texts[3]]}).save_to_disk(str(tmp_path / "d"))
+    manifest = run([tmp_path / "a.txt", tmp_path / "b.jsonl.gz", tmp_path / "c.parquet",
+                    tmp_path / "d"], tmp_path / "out", text_key="content")
+    assert manifest["documents_out"] == 4
+
+
+def test_shards_merged_equal_one_run_with_the_same_tokenizer(tmp_path):
+    rng = random.Random(4)
+    documents = [unique_document(rng) for _ in range(40)]
+    files = [write_txt(tmp_path / f"part{i}.txt", documents[i * 10:(i + 1) * 10] + ([documents[3]] if i == 2 else []))
+             for i in range(4)]  # part2 repeats a document of part0: removed only by the merge
+    tokenizer = run(files, tmp_path / "tok", dedup="exact")  # a tokenizer for every run
+    options = dict(dedup="exact", valid_fraction=0.2, tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
+    single = run(files, tmp_path / "single", **options)
+    for index in range(2):
+        run(files, tmp_path / f"shard{index}", shard=(index, 2), **options)
+    merged = merge([str(tmp_path / "shard0"), str(tmp_path / "shard1")], str(tmp_path / "merged"),
+                   quiet=True)
+    assert merged["cross_shard_duplicates_removed"] == 1
+    for key in ("documents_out", "sentences", "tokens", "exact_duplicates_removed", "splits"):
+        assert merged[key] == single[key], key
+    for split in ("train", "valid"):
+        one = IndexedDataset(str(tmp_path / "single" / split))
+        two = IndexedDataset(str(tmp_path / "merged" / split))
+        assert (one.document_indices == two.document_indices).all()
+        assert (one.sequence_lengths == two.sequence_lengths).all()
+        assert all((one[i] == two[i]).all() for i in range(len(one)))
+    assert tokenizer["documents_out"] == 40
+
+
+def test_bundled_sample_corpus_is_there():
+    names = sorted(os.listdir(SAMPLE))
+    assert "persuasion.txt.gz" in names and len(names) == 6
+
+
+def test_configuration_errors_name_the_option(tmp_path, capsys):
+    source = write_txt(tmp_path / "in.txt", ["some words here and there"])
+    for argv, words in [
+        (["--shard", "0/2"], "--shard: shards must share one tokenizer"),
+        (["--shard", "3/2", "--tokenizer", source], "--shard: I/N needs 0 <= I < N"),
+        (["--valid-fraction", "1.5"], "--valid-fraction: must be in [0, 1)"),
+        (["--tokenizer", str(tmp_path / "missing.json")], "--tokenizer:"),
+    ]:
+        assert main(["--input", source, "--output", str(tmp_path / "out"), *argv]) == 2
+        assert words in capsys.readouterr().err
