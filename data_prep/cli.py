@@ -99,6 +99,9 @@ def main(argv=None) -> int:
         print(f"tupe-prep: error: {error}", file=sys.stderr)
         return 2
     print(summary(manifest))
+    if manifest["splits"]["valid"]["documents"] == 0:
+        print("warning: the valid split is empty (raise --valid-fraction for a validation set)",
+              file=sys.stderr)
     print(f"wrote {output}/{{train,valid}}.{{bin,idx}}, tokenizer.json, manifest.json")
     return 0
 

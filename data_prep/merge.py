@@ -73,6 +73,8 @@ def _merge(shards, manifests, output, work, started, quiet) -> dict:
         for shard in tqdm(shards, desc=f"merge {split}", unit=" shards", disable=quiet):
             prefix = os.path.join(shard, split)
             keys = np.load(f"{prefix}.keys.npy")
+            if len(keys) == 0:  # an empty .bin cannot be memory-mapped
+                continue
             duplicate = np.array([int(k) in seen for k in keys], dtype=bool)
             seen.update(int(k) for k in keys)
             dataset = IndexedDataset(prefix)
