@@ -58,3 +58,25 @@ def gather_tensor_parallel(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return tensor
     return torch.cat(dist_nn.all_gather(tensor.contiguous(), group=group), dim=dim)
+
+
+class MegatronMPU:
+    """megatron-core's parallel_state under the names DeepSpeed asks an `mpu` for: its "model
+    parallel" is our tensor parallelism, its data parallelism ours."""
+
+    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(
+        parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_src_rank = staticmethod(
+        parallel_state.get_tensor_model_parallel_src_rank)
+    get_model_parallel_group = get_tensor_model_parallel_group
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+
+    @staticmethod
+    def get_data_parallel_group_ranks():
+        return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())

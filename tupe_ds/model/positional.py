@@ -111,7 +111,21 @@ class RelativeBias(RelativePositionEmbedding):
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=1, stride=1)
 
     def forward(self, n: int) -> Tensor:
-        return super().forward(n, n)[0]  # [heads, n, n]
+        """[heads, n, n] with [h, i, j] = b_h(bucket(j - i)).
+
+        Looked up once per distance (2n - 1 rows, not n^2 pairs) and laid out as a Toeplitz
+        matrix through a strided view: the backward then sums over 2n - 1 rows too.
+        """
+        distance = torch.arange(1 - n, n, device=self.relative_attention_bias.weight.device)
+        bucket = self._relative_position_bucket(
+            distance,
+            bidirectional=self.bidirectional,
+            num_buckets=self.relative_attention_num_buckets,
+            max_distance=self.relative_attention_max_distance,
+        )
+        per_distance = self.relative_attention_bias(bucket).t()  # [heads, 2n - 1]
+        # window k of unfold holds distances k - (n - 1) ... k; row i is window n - 1 - i.
+        return per_distance.unfold(1, n, 1).flip(1)
 
 
 class Rotary(RotaryEmbedding):
@@ -129,13 +143,11 @@ class Rotary(RotaryEmbedding):
 
 
 def reset_cls(v: Tensor, theta1: Tensor, theta2: Tensor) -> Tensor:
-    """Eq. 9: row 0 ([CLS] to all) becomes theta1, column 0 below it (all to [CLS]) theta2."""
-    heads, n, _ = v.shape
-    row = torch.arange(n, device=v.device)
-    from_cls = (row == 0).view(1, n, 1)
-    to_cls = (row != 0).view(n, 1) & (row == 0).view(1, n)
-    v = torch.where(from_cls, theta1.view(heads, 1, 1), v)
-    return torch.where(to_cls, theta2.view(heads, 1, 1), v)
+    """Eq. 9, in place: row 0 ([CLS] to all) becomes theta1, column 0 below it (all to [CLS])
+    theta2. v: [heads, n, n], theta: [heads]."""
+    v[:, 0, :] = theta1[:, None]
+    v[:, 1:, 0] = theta2[:, None]
+    return v
 
 
 class PositionalEncoding(nn.Module):

@@ -1,0 +1,174 @@
+"""Pretraining under the real launchers (deepspeed, torchrun), 1-2 CPU processes, tiny models."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from data_prep.pipeline import PrepConfig, prepare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prep")
+    prepare(PrepConfig(inputs=[os.path.join(ROOT, "data", "sample", "persuasion.txt.gz")],
+                       output=str(out), vocab_size=1000, workers=1, valid_fraction=0.05, quiet=True))
+    return str(out)
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def command(launcher, processes, data, out, *flags):
+    flags = ["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out),
+             "--seq-len", "64", "--log-interval", "1", "--eval-samples", "32", *flags]
+    if launcher == "deepspeed":
+        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(processes), "--master_port",
+                free_port(), "--module", "tupe_ds.pretrain", *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_port", free_port(), "-m", "tupe_ds.pretrain", *flags]
+
+
+def environment():
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                   os.path.join(ROOT, "build", "torch_extensions"))}
+
+
+def train(launcher, processes, data, out, *flags, timeout=400):
+    result = subprocess.run(command(launcher, processes, data, out, *flags), env=environment(),
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def log(out):
+    """{step: entry} of a run's train_log.jsonl; a step logged twice keeps its last entry."""
+    entries = {}
+    with open(os.path.join(out, "train_log.jsonl")) as f:
+        for line in f:
+            entry = json.loads(line)
+            entries.setdefault(entry["step"], {}).update(entry)
+    return entries
+
+
+def losses(out):
+    return {step: e["train/loss"] for step, e in log(out).items() if "train/loss" in e}
+
+
+@pytest.mark.parametrize("encoding", ["tupe-r", "bert-a"])
+def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
+    out = tmp_path / encoding
+    stdout = train("deepspeed", 2, data, out, "--pos-encoding", encoding, "--steps", "30",
+                   "--warmup-steps", "5", "--lr", "2e-3", "--eval-interval", "15",
+                   "--image-interval", "30")
+    loss = losses(out)
+    assert loss[30] < loss[1] - 0.5, loss  # a model that learns nothing moves by ~0.05
+    valid = {s: e["valid/loss"] for s, e in log(out).items() if "valid/loss" in e}
+    assert valid[30] < valid[15], valid
+    assert "final valid loss" in stdout and f"tensorboard --logdir {out}/tensorboard" in stdout
+
+    events = EventAccumulator(str(out / "tensorboard" / "tupe"), size_guidance={"images": 0}).Reload()
+    tags = events.Tags()
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "valid/loss", "valid/accuracy",
+                "throughput/samples_per_s", "throughput/tokens_per_s", "throughput/tflops_per_rank"):
+        assert tag in tags["scalars"], tag
+    assert 0 < events.Scalars("valid/accuracy")[-1].value < 1
+    assert events.Scalars("throughput/tflops_per_rank")[-1].value > 0
+    assert max(e.value for e in events.Scalars("train/lr")) == pytest.approx(2e-3, rel=0.05)
+    if encoding == "tupe-r":
+        assert {f"positional_logits/head{h}" for h in range(4)} <= set(tags["images"])
+    deepspeed_events = EventAccumulator(str(out / "tensorboard" / "deepspeed")).Reload()
+    assert "Train/Samples/lr" in deepspeed_events.Tags()["scalars"]  # DeepSpeed's own monitor
+
+
+def test_zero2_two_data_parallel_ranks_equal_one(data, tmp_path):
+    flags = ["--pos-encoding", "tupe-r", "--steps", "5", "--dropout", "0", "--global-batch", "16",
+             "--micro-batch", "8", "--eval-interval", "5"]
+    train("deepspeed", 2, data, tmp_path / "dp2", *flags)
+    train("deepspeed", 1, data, tmp_path / "dp1", *flags)  # 2 accumulation steps instead
+    two, one = log(tmp_path / "dp2"), log(tmp_path / "dp1")
+    for step in range(1, 6):
+        assert two[step]["train/loss"] == pytest.approx(one[step]["train/loss"], rel=1e-4, abs=1e-4)
+    assert two[5]["valid/loss"] == pytest.approx(one[5]["valid/loss"], rel=1e-4, abs=1e-4)
+
+
+def test_tensor_parallel_two_equals_one_under_torchrun(data, tmp_path):
+    flags = ["--pos-encoding", "tupe-r", "--steps", "5", "--dropout", "0", "--global-batch", "8",
+             "--micro-batch", "8", "--eval-interval", "5"]
+    train("torchrun", 2, data, tmp_path / "tp2", "--tp", "2", *flags)
+    train("torchrun", 1, data, tmp_path / "tp1", *flags)
+    two, one = log(tmp_path / "tp2"), log(tmp_path / "tp1")
+    for step in range(1, 6):
+        assert two[step]["train/loss"] == pytest.approx(one[step]["train/loss"], rel=1e-4, abs=1e-4)
+
+
+def wait_for(condition, process, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def test_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(data, tmp_path):
+    flags = ["--pos-encoding", "tupe-r", "--steps", "20", "--save-interval", "2",
+             "--eval-interval", "20", "--keep-checkpoints", "2"]
+    train("deepspeed", 2, data, tmp_path / "whole", *flags)
+    out = tmp_path / "killed"
+    process = subprocess.Popen(command("deepspeed", 2, data, out, *flags), env=environment(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    latest = out / "checkpoints" / "latest"
+    wait_for(lambda: latest.exists() and int(latest.read_text()[4:]) >= 4, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    resumed_from = int(latest.read_text()[4:])
+    stdout = train("deepspeed", 2, data, out, *flags)
+    assert resumed_from < 20 and f"resumed at step {resumed_from} of 20" in stdout
+    whole, killed = losses(tmp_path / "whole"), losses(out)
+    for step in range(resumed_from + 1, 21):
+        assert killed[step] == pytest.approx(whole[step], rel=1e-5, abs=1e-6), step
+    assert sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step")) == ["step18", "step20"]
+
+
+def test_sigusr1_saves_a_checkpoint_and_stops_cleanly(data, tmp_path):
+    out = tmp_path / "preempted"
+    process = subprocess.Popen(command("torchrun", 2, data, out, "--steps", "1000",
+                                       "--save-interval", "1000", "--eval-interval", "1000"),
+                               env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    wait_for(lambda: os.path.exists(out / "train_log.jsonl") and len(losses(out)) >= 3, process)
+    workers = subprocess.run(["pgrep", "-f", f"tupe_ds.pretrain.*{out}"], capture_output=True,
+                             text=True).stdout.split()
+    workers = [int(pid) for pid in workers if int(pid) != process.pid]
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGUSR1)  # one rank only: every rank must stop with it
+    stdout, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, stdout[-4000:]
+    assert "stopping at step" in stdout and "run the same command to continue" in stdout
+    step = int((out / "checkpoints" / "latest").read_text()[4:])
+    assert 3 <= step < 1000
+
+
+def test_fp16_without_cuda_stops_before_training_and_names_the_cpu_config(data, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "tupe_ds.pretrain", "--data", data, "--out", str(tmp_path / "x"),
+         "--ds-config", os.path.join(ROOT, "ds_configs", "bert_base_fp16_zero2.json"), "--steps", "1"],
+        env=environment(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "ds_configs/cpu_zero2.json" in result.stderr
+    assert not os.path.exists(tmp_path / "x")

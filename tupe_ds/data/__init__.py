@@ -1,0 +1,1 @@
+"""Indexed data -> packed FULL-SENTENCES samples -> dynamic masking -> batches per rank."""

@@ -1,0 +1,140 @@
+"""tupe-pretrain: masked-LM pretraining of a tupe_ds model with DeepSpeed.
+
+    deepspeed --num_gpus 8 --module tupe_ds.pretrain --data prep/ --model bert-large \\
+        --pos-encoding tupe-r --ds-config ds_configs/bert_large_fp16_zero2.json --out runs/large \\
+        --steps 1000000
+    torchrun --nproc_per_node 2 -m tupe_ds.pretrain ... (the same flags)
+
+Run again with the same --out (and a larger --steps to train on): it resumes from the latest
+complete checkpoint, data position included. SIGTERM or SIGUSR1 saves a checkpoint and stops.
+"""
+
+import os
+import sys
+import warnings
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from megatron.core import parallel_state
+
+from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
+from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX
+from tupe_ds.data.packing import PackedSentences
+from tupe_ds.model import build_model
+from tupe_ds.parallel import MegatronMPU, accelerator_device
+from tupe_ds.train import checkpoint
+from tupe_ds.train.config import RunConfig, load
+from tupe_ds.train.monitor import Monitor
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list:
+    """Weight decay on matrices only: no decay on biases, LayerNorms and other vectors."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def datasets(run: RunConfig, vocab: Vocabulary):
+    prefix = os.path.join(run.args.data, "{}")
+    packed = {split: PackedSentences(prefix.format(split), run.args.seq_len, vocab.cls, vocab.sep)
+              for split in ("train", "valid")}
+    return {split: MaskedSamples(p, vocab, BERT_MASKING, run.args.seed) for split, p in packed.items()}
+
+
+def evaluate(engine, samples: MaskedSamples, run: RunConfig, device) -> dict:
+    """Mean masked-token loss and accuracy over the first --eval-samples valid samples."""
+    dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
+    count = min(run.args.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
+    engine.eval()
+    with torch.no_grad():
+        for batch in valid_batches(samples, run.args.seq_len, engine.train_micro_batch_size_per_gpu(),
+                                   rank, dp, max(count, dp)):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss, logits = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
+            counted = batch["labels"] != IGNORE_INDEX
+            correct = (logits.argmax(-1) == batch["labels"]) & counted
+            totals += torch.stack([loss.double() * counted.sum(), counted.sum().double(),
+                                   correct.sum().double()])
+    engine.train()
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return {"valid/loss": (totals[0] / totals[1]).item(), "valid/accuracy": (totals[2] / totals[1]).item()}
+
+
+def main(argv=None) -> int:
+    run = load(argv)  # everything checkable is checked before any process group starts
+    args = run.args
+    device = accelerator_device()
+    backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    rank = dist.get_rank()
+    os.makedirs(args.out, exist_ok=True)
+
+    torch.manual_seed(args.seed)
+    model = build_model(run.model)
+    weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, weight_decay),
+                                           config=run.ds_config, mpu=MegatronMPU())
+    vocab = Vocabulary.from_data_dir(args.data)
+    data = datasets(run, vocab)
+    checkpoints = os.path.join(args.out, "checkpoints")
+    state = checkpoint.resume(engine, checkpoints) if args.resume == "auto" else None
+    step = state["step"] if state else 0
+    batches = TrainBatches(data["train"], args.seq_len, engine.train_micro_batch_size_per_gpu(),
+                           engine.gradient_accumulation_steps(),
+                           parallel_state.get_data_parallel_rank(), run.dp_size,
+                           consumed=state["consumed"] if state else 0)
+    monitor = Monitor(args.out, run.model, batches.global_batch, args.seq_len, run.world_size, rank)
+    stop = checkpoint.StopSignal()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"{'resumed at' if state else 'starting'} step {step} of {args.steps}: {args.model} "
+        f"{args.pos_encoding}, {run.world_size} processes (tp {args.tp}, dp {run.dp_size}), "
+        f"global batch {batches.global_batch} x {args.seq_len} tokens, {len(data['train'].packed)} "
+        f"train samples", flush=True)
+
+    metrics = {}
+    while step < args.steps:
+        losses = []
+        for batch in batches.next_step():
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss, _ = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        step += 1
+        if step % args.log_interval == 0 or step == args.steps:
+            loss = torch.stack(losses).mean()
+            dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
+            say(monitor.train(step, loss.item() / run.dp_size, engine.get_lr()[0],
+                              engine.get_global_grad_norm(), scale), flush=True)
+        if step % args.eval_interval == 0 or step == args.steps:
+            metrics = evaluate(engine, data["valid"], run, device)
+            monitor.scalars(step, metrics)
+            say(f"step {step} valid loss {metrics['valid/loss']:.4f} "
+                f"accuracy {metrics['valid/accuracy']:.4f}", flush=True)
+        if (step % args.image_interval == 0 or step == args.steps) and run.model.encoding.has_positional_logits:
+            monitor.positional_images(step, model.positional_scores(min(args.seq_len, 128)))
+        stopping = stop.any_rank(device)
+        if step % args.save_interval == 0 or step == args.steps or stopping:
+            checkpoint.save(engine, checkpoints, step, {"step": step, "consumed": batches.consumed},
+                            args.keep_checkpoints)
+        if stopping:
+            say(f"stopping at step {step} on {stop.received or 'a signal to another rank'}; "
+                "run the same command to continue", flush=True)
+            break
+    monitor.close()
+    if metrics:
+        say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
+    say(f"tensorboard --logdir {os.path.join(args.out, 'tensorboard')}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Command line and DeepSpeed config of a pretraining run, validated before any heavy work."""
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+from tupe_ds.model.config import ENCODINGS, PRESETS, ModelConfig
+
+CPU_CONFIG = "ds_configs/cpu_zero2.json"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tupe-pretrain",
+        description="Masked-LM pretraining with DeepSpeed. Start it with `deepspeed --num_gpus N "
+                    "--module tupe_ds.pretrain ...` or `torchrun --nproc_per_node N -m "
+                    "tupe_ds.pretrain ...`.")
+    p.add_argument("--data", required=True, help="a folder written by tupe-prep")
+    p.add_argument("--model", default="bert-base", choices=sorted(PRESETS))
+    p.add_argument("--pos-encoding", default="tupe-r", choices=list(ENCODINGS))
+    p.add_argument("--ds-config", required=True, help="DeepSpeed JSON config (ds_configs/)")
+    p.add_argument("--out", required=True, help="run folder: checkpoints/, tensorboard/, log")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--steps", type=int, required=True,
+                   help="total optimizer steps of the run; a larger value resumes and goes on")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--micro-batch", type=int, help="overrides train_micro_batch_size_per_gpu")
+    p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
+    p.add_argument("--lr", type=float, help="overrides the peak learning rate")
+    p.add_argument("--warmup-steps", type=int, help="overrides the scheduler's warmup_num_steps")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--eval-interval", type=int, default=1000, help="steps between validations")
+    p.add_argument("--eval-samples", type=int, default=256, help="valid samples per validation")
+    p.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints kept")
+    p.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
+    p.add_argument("--image-interval", type=int, default=1000,
+                   help="steps between images of the positional logits in TensorBoard")
+    p.add_argument("--resume", choices=["auto", "never"], default="auto",
+                   help="auto: continue from the latest complete checkpoint in --out")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
+    return p
+
+
+@dataclass
+class RunConfig:
+    args: argparse.Namespace
+    model: ModelConfig
+    ds_config: dict
+    world_size: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.args.tp
+
+
+def load(argv=None) -> RunConfig:
+    """Parse, read the DeepSpeed config, apply the overrides and check everything that can be
+    checked without starting a process group: errors say what to change."""
+    args = parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def fail(message):
+        raise SystemExit(f"tupe-pretrain: error: {message}")
+
+    for name in ("steps", "seq_len", "tp", "eval_interval", "save_interval", "log_interval",
+                 "image_interval", "keep_checkpoints", "eval_samples"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("train.idx", "valid.idx", "tokenizer.json"):
+        if not os.path.exists(os.path.join(args.data, name)):
+            fail(f"--data {args.data}: no {name}; run tupe-prep --output {args.data} first")
+    try:
+        with open(args.ds_config) as f:
+            ds_config = json.load(f)
+    except FileNotFoundError:
+        fail(f"--ds-config {args.ds_config}: no such file")
+    except json.JSONDecodeError as error:
+        fail(f"--ds-config {args.ds_config}: invalid JSON at line {error.lineno}: {error.msg}")
+
+    if ds_config.get("fp16", {}).get("enabled") and not _cuda_available():
+        fail(f"{args.ds_config} enables fp16, which DeepSpeed refuses without CUDA; on a CPU use "
+             f"{CPU_CONFIG} (fp32) or enable bf16 instead")
+    if world % args.tp:
+        fail(f"--tp {args.tp} does not divide the {world} processes")
+    dp = world // args.tp
+    if args.micro_batch is not None:
+        ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.global_batch is not None:
+        ds_config["train_batch_size"] = args.global_batch
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    batch = ds_config.get("train_batch_size")
+    if micro is None or batch is None:
+        fail(f"{args.ds_config}: set train_batch_size and train_micro_batch_size_per_gpu "
+             "(or --global-batch and --micro-batch)")
+    if batch % (micro * dp):
+        fail(f"global batch {batch} is not a multiple of micro-batch {micro} x {dp} data-parallel "
+             "ranks; change --global-batch or --micro-batch")
+    ds_config["gradient_accumulation_steps"] = batch // (micro * dp)
+
+    scheduler = ds_config.get("scheduler", {}).get("params", {})
+    if "total_num_steps" in scheduler:
+        scheduler["total_num_steps"] = args.steps  # linear decay to zero at the last step
+    if args.warmup_steps is not None:
+        scheduler["warmup_num_steps"] = args.warmup_steps
+    if args.lr is not None:
+        ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
+        if "warmup_max_lr" in scheduler:
+            scheduler["warmup_max_lr"] = args.lr
+    if scheduler.get("warmup_num_steps", 0) > args.steps:
+        scheduler["warmup_num_steps"] = args.steps
+    ds_config["tensorboard"] = {"enabled": True, "output_path": os.path.join(args.out, "tensorboard"),
+                                "job_name": "deepspeed"}
+    ds_config.setdefault("steps_per_print", 10**9)
+
+    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else (
+        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
+    try:
+        model = ModelConfig.from_preset(
+            args.model, pos_encoding=args.pos_encoding, tensor_parallel_size=args.tp,
+            vocab_size=padded_vocab(args.data, args.tp), seq_length=args.seq_len,
+            max_position_embeddings=max(args.seq_len, PRESETS[args.model].get(
+                "max_position_embeddings", 512)),
+            hidden_dropout=args.dropout, attention_dropout=args.dropout, dtype=dtype)
+    except ValueError as error:
+        fail(str(error))
+    return RunConfig(args=args, model=model, ds_config=ds_config, world_size=world)
+
+
+def padded_vocab(data_dir: str, tp: int) -> int:
+    """The tokenizer's vocabulary rounded up to a multiple of 128 x tp (as Megatron pads it)."""
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(os.path.join(data_dir, "tokenizer.json")).get_vocab_size()
+    multiple = 128 * tp
+    return -(-size // multiple) * multiple
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,75 @@
+"""What a run reports: log lines, and on rank 0 a TensorBoard writer beside DeepSpeed's monitor."""
+
+import json
+import os
+import time
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from tupe_ds.model.config import ModelConfig
+
+
+def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> float:
+    """Megatron's training FLOPs per iteration: 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
+    b, s, l, h, v = global_batch, seq_len, config.num_layers, config.hidden_size, config.vocab_size
+    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+class Monitor:
+    def __init__(self, out: str, config: ModelConfig, global_batch: int, seq_len: int,
+                 world_size: int, rank: int):
+        self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe")) if rank == 0 else None
+        self.rank = rank
+        self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
+        self.step_flops = flops_per_step(config, global_batch, seq_len)
+        self.samples = global_batch
+        self.tokens = global_batch * seq_len
+        self.world_size = world_size
+        self.last_time, self.last_step = time.perf_counter(), None
+
+    def scalars(self, step: int, values: dict) -> None:
+        """To TensorBoard and to the run's train_log.jsonl (one JSON object per call)."""
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+
+    def train(self, step: int, loss: float, lr: float, grad_norm, loss_scale) -> str:
+        """Log line and scalars of the steps since the last call."""
+        now = time.perf_counter()
+        steps = step - self.last_step if self.last_step is not None else 1
+        seconds = (now - self.last_time) / max(steps, 1)
+        self.last_time, self.last_step = now, step
+        values = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "throughput/samples_per_s": self.samples / seconds,
+            "throughput/tokens_per_s": self.tokens / seconds,
+            "throughput/tflops_per_rank": self.step_flops / seconds / self.world_size / 1e12,
+        }
+        if grad_norm is not None:
+            values["train/grad_norm"] = float(grad_norm)
+        if loss_scale is not None:
+            values["train/loss_scale"] = float(loss_scale)
+        self.scalars(step, values)
+        return (f"step {step} loss {loss:.4f} lr {lr:.3g} "
+                f"{values['throughput/samples_per_s']:.1f} samples/s "
+                f"{values['throughput/tflops_per_rank'] * 1e3:.2f} GFLOP/s per rank")
+
+    def positional_images(self, step: int, scores: torch.Tensor) -> None:
+        """One grey image per head of the content-free logits [heads, n, n] (paper, Figure 6)."""
+        if self.writer is None:
+            return
+        scores = scores.detach().float().cpu()
+        low = scores.amin(dim=(1, 2), keepdim=True)
+        high = scores.amax(dim=(1, 2), keepdim=True)
+        images = (scores - low) / (high - low).clamp(min=1e-12)
+        for head, image in enumerate(images):
+            self.writer.add_image(f"positional_logits/head{head}", image[None], step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
