@@ -11,7 +11,9 @@ HAVE_GPU := $(if $(shell command -v nvidia-smi 2>/dev/null),1,)
 VENV_FLAGS := $(if $(HAVE_GPU),--system-site-packages,)
 CPU_TORCH := $(if $(HAVE_GPU),,torch==2.13.0)
 
-.PHONY: venv test smoke bench clean
+DEMO_STEPS ?= 300
+
+.PHONY: venv test demo smoke bench clean
 
 venv: $(VENV)/.installed
 
@@ -25,11 +27,22 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 test: venv
 	$(BIN)/python -m pytest -q tests
 
+# The main job on the bundled corpus: prepare it, then pretrain a tiny TUPE-R BERT with 2 CPU
+# ranks (ZeRO-2) under the deepspeed launcher. Run again to resume; DEMO_STEPS=600 to go on.
+demo: venv
+	$(BIN)/tupe-prep --input data/sample --output build/sample-prep --vocab-size 8192 --workers 2
+	$(BIN)/deepspeed --num_gpus 2 --module tupe_ds.pretrain --data build/sample-prep \
+	  --model tiny --pos-encoding tupe-r --ds-config ds_configs/cpu_zero2.json --out build/demo-run \
+	  --steps $(DEMO_STEPS) --seq-len 128 --eval-interval 100 --save-interval 100 \
+	  --image-interval 100 --log-interval 20
+
+# Every encoding, a few AdamW steps each, in one process (no launcher, no data).
 smoke: venv
 	$(BIN)/tupe-smoke
 
 bench: venv
 	$(BIN)/python bench/step_time.py
+	$(BIN)/python bench/prep_throughput.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -128,9 +128,10 @@ def main(argv=None) -> int:
             say(f"stopping at step {step} on {stop.received or 'a signal to another rank'}; "
                 "run the same command to continue", flush=True)
             break
+    if not metrics:  # nothing left to train: report where the run stands
+        metrics = evaluate(engine, data["valid"], run, device)
     monitor.close()
-    if metrics:
-        say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
+    say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(args.out, 'tensorboard')}")
     dist.destroy_process_group()
     return 0
