@@ -39,7 +39,7 @@ PREPARE = ("import sys, warnings; warnings.filterwarnings('ignore'); "
            "quiet=True))")
 # manifest "seconds" keys: summed over worker processes (time inside the stage), or wall clock
 STAGES = [("clean", "worker-s"), ("dedup", "worker-s"), ("split", "worker-s"),
-          ("read_clean_dedup_split_wall", "wall"), ("train_bpe", "wall"),
+          ("read_clean_dedup_split_wall", "wall"), ("train_bpe_after_pass", "wall"),
           ("encode_write", "wall"), ("total", "wall")]
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -11,8 +11,8 @@ EMAIL_TOKEN = "[EMAIL]"
 EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
 URL = re.compile(r"\b(?:https?://|ftp://|www\.)[^\s<>\"']+[^\s<>\"'.,;:!?)\]}]", re.IGNORECASE)
 # Cc (NUL, escapes, ...) and Cf/Cs/Co (format, surrogates, private use) go; whitespace stays.
-CONTROL = re.compile(r"[^\S\n]|[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff"
-                     r"\ud800-\udfff\ue000-\uf8ff]")
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+                     r"\ufeff\ud800-\udfff\ue000-\uf8ff]")
 WHITESPACE = re.compile(r"\s+")
 
 
@@ -26,8 +26,10 @@ class Cleaner:
     def normalize(self, text: str) -> str:
         text = unicodedata.normalize("NFKC", text)
         text = CONTROL.sub(" ", text)
-        text = EMAIL.sub(EMAIL_TOKEN, text)  # before URLs: an address is no URL
-        text = URL.sub(URL_TOKEN, text)
+        if "@" in text:  # the cheap test spares most documents the regular expression
+            text = EMAIL.sub(EMAIL_TOKEN, text)  # before URLs: an address is no URL
+        if "://" in text or "www." in text.lower():
+            text = URL.sub(URL_TOKEN, text)
         text = WHITESPACE.sub(" ", text)
         text = self.moses.normalize(text)
         if self.lowercase:

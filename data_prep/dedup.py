@@ -63,10 +63,11 @@ class Deduplicator:
         self.seen.add(key)
         if self.lsh is not None:
             signature = np.asarray(signature, dtype=np.uint32)
-            for candidate in self.lsh.query(minhash(self.num_perm, signature)):
+            sketch = minhash(self.num_perm, signature)
+            for candidate in self.lsh.query(sketch):
                 if np.mean(self.signatures[candidate] == signature) >= self.threshold:
                     self.near_removed += 1
                     return False
             self.signatures[key] = signature
-            self.lsh.insert(key, minhash(self.num_perm, signature))
+            self.lsh.insert(key, sketch)
         return True

@@ -1,9 +1,9 @@
 """The prep run: read -> clean -> dedup -> split -> BPE -> encode -> indexed datasets + manifest.
 
 Pass 1 streams the inputs through worker processes (cleaning, MinHash signatures, sentence
-splitting) and de-duplicates in input order in this process, spooling the kept documents to disk.
-Pass 2 trains the tokenizer on the spool (unless one is given); pass 3 encodes it in batches
-(tokenizers' own threads) into megatron-core indexed datasets. Outputs are written in a work
+splitting) and de-duplicates in input order in this process, spooling the kept documents to disk
+and feeding their sentences straight to the BPE trainer (unless a tokenizer is given). Pass 2
+encodes the spool in batches (tokenizers' own threads) into megatron-core indexed datasets. Outputs are written in a work
 folder and renamed into place when complete, so a crash leaves no partial output and running the
 same command again does the work again from the start.
 """
@@ -134,7 +134,7 @@ def _map(config: PrepConfig, texts):
         return
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with context.Pool(config.workers, initializer=_init_worker, initargs=(config,)) as pool:
-        yield from pool.imap(_process, texts, chunksize=8)
+        yield from pool.imap(_process, texts, chunksize=64)
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -167,24 +167,40 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
               "sentences": 0}
     spool_path = os.path.join(work, "documents.jsonl")
     pass_start = time.perf_counter()
-    with open(spool_path, "w", encoding="utf-8") as spool:
-        texts = (document.text for document in reader.documents(files))
-        for result in tqdm(_map(config, texts), desc="clean, dedup, split", unit=" docs",
-                           disable=config.quiet):
-            counts["documents_in"] += 1
-            for stage, value in result["seconds"].items():
-                seconds[stage] += value
-            if "drop" in result:
-                counts[f"{result['drop']}_dropped"] += 1
-                continue
-            start = time.perf_counter()
-            kept = dedup.keep(result["key"], result["signature"])
-            seconds["dedup"] += time.perf_counter() - start
-            if kept:
-                counts["documents_out"] += 1
-                counts["sentences"] += len(result["sentences"])
-                spool.write(json.dumps({"key": result["key"], "sentences": result["sentences"]}) + "\n")
-    seconds["read_clean_dedup_split_wall"] = time.perf_counter() - pass_start
+
+    def kept_sentences():
+        """Pass 1: spools the kept documents and yields their sentences, so that BPE training
+        counts words while the workers clean and split."""
+        with open(spool_path, "w", encoding="utf-8") as spool:
+            texts = (document.text for document in reader.documents(files))
+            for result in tqdm(_map(config, texts), desc="clean, dedup, split", unit=" docs",
+                               disable=config.quiet):
+                counts["documents_in"] += 1
+                for stage, value in result["seconds"].items():
+                    seconds[stage] += value
+                if "drop" in result:
+                    counts[f"{result['drop']}_dropped"] += 1
+                    continue
+                start = time.perf_counter()
+                kept = dedup.keep(result["key"], result["signature"])
+                seconds["dedup"] += time.perf_counter() - start
+                if kept:
+                    counts["documents_out"] += 1
+                    counts["sentences"] += len(result["sentences"])
+                    spool.write(json.dumps({"key": result["key"],
+                                            "sentences": result["sentences"]}) + "\n")
+                    yield from result["sentences"]
+        seconds["read_clean_dedup_split_wall"] = time.perf_counter() - pass_start
+
+    if config.tokenizer:
+        tokenizer = load_tokenizer(config.tokenizer)
+        for _ in kept_sentences():
+            pass
+    else:
+        tokenizer = train_tokenizer(kept_sentences(), config.vocab_size, config.min_frequency,
+                                    show_progress=not config.quiet)
+    seconds["train_bpe_after_pass"] = time.perf_counter() - pass_start - seconds[
+        "read_clean_dedup_split_wall"]
     if counts["documents_out"] == 0:
         raise InputError(f"no document left to write from {len(files)} input file(s) "
                          f"({counts['documents_in']} read, {counts['empty_dropped']} empty, "
@@ -195,15 +211,7 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
             for line in f:
                 yield json.loads(line)
 
-    start = time.perf_counter()
-    if config.tokenizer:
-        tokenizer = load_tokenizer(config.tokenizer)
-    else:
-        sentences = (s for document in spooled() for s in document["sentences"])
-        tokenizer = train_tokenizer(sentences, config.vocab_size, config.min_frequency,
-                                    length=counts["sentences"])
     tokenizer.save(os.path.join(work, "tokenizer.json"))
-    seconds["train_bpe"] = time.perf_counter() - start
 
     start = time.perf_counter()
     vocab = tokenizer.get_vocab_size()

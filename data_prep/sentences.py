@@ -47,7 +47,7 @@ def join_short(sentences: List[str], min_words: int) -> List[str]:
     pending = ""
     for sentence in sentences:
         pending = f"{pending} {sentence}" if pending else sentence
-        if len(pending.split()) >= min_words:
+        if pending.count(" ") + 1 >= min_words:  # whitespace is single spaces by now
             joined.append(pending)
             pending = ""
     if pending:

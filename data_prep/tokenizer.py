@@ -11,7 +11,7 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", URL_TOKEN, EMAIL
 
 
 def train_tokenizer(sentences: Iterable[str], vocab_size: int, min_frequency: int,
-                    length: int = None) -> Tokenizer:
+                    show_progress: bool = True) -> Tokenizer:
     """Byte-level BPE: every byte is in the alphabet, so decoding gives the text back exactly."""
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -21,9 +21,9 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int, min_frequency: in
         min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=True,
+        show_progress=show_progress,
     )
-    tokenizer.train_from_iterator(sentences, trainer=trainer, length=length)
+    tokenizer.train_from_iterator(sentences, trainer=trainer)
     return tokenizer
 
 
