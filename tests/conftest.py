@@ -28,3 +28,15 @@ def tiny_model():
         return perturb(tupe_ds.build_model("tiny", pos_encoding=pos_encoding, **overrides))
 
     return build
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """One novel of the bundled corpus through tupe-prep (vocabulary 1000): a data folder."""
+    from data_prep.pipeline import PrepConfig, prepare
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path_factory.mktemp("prep")
+    prepare(PrepConfig(inputs=[os.path.join(root, "data", "sample", "persuasion.txt.gz")],
+                       output=str(out), vocab_size=1000, workers=1, valid_fraction=0.05, quiet=True))
+    return str(out)

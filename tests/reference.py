@@ -50,20 +50,20 @@ def positional_logits(w, config, n):
         scale = 1 / math.sqrt((4 if enc == "bert-a-d" else 2) * d)
 
         def project(vectors):  # LN(p) U^Q_h, LN(p) U^K_h: [heads, m, d]
-            p = layer_norm(vectors, w, "positional.untied.layernorm", eps)
-            q = p @ w["positional.untied.query.weight"].T
-            k = p @ w["positional.untied.key.weight"].T
+            p = layer_norm(vectors, w, "encoder.positional.untied.layernorm", eps)
+            q = p @ w["encoder.positional.untied.query.weight"].T
+            k = p @ w["encoder.positional.untied.key.weight"].T
             return (t.view(-1, H, d).transpose(0, 1) for t in (q, k))
 
-        pq, pk = project(w["positional.untied.embedding"][:n])
+        pq, pk = project(w["encoder.positional.untied.embedding"][:n])
         v = torch.einsum("hid,hjd->hij", pq, pk) * scale  # Eq. 7
     if enc in ("bert-r", "tupe-r"):
         i = torch.arange(n)
         buckets = t5_bucket(i[None, :] - i[:, None])  # j - i
-        b = w["positional.relative.relative_attention_bias.weight"][buckets].permute(2, 0, 1)
+        b = w["encoder.positional.relative.relative_attention_bias.weight"][buckets].permute(2, 0, 1)
         v = b if v is None else v + b  # Eq. 5 / Eq. 8
     if enc in ("tupe-a", "tupe-r"):
-        tq, tk = project(w["positional.untied.cls_vectors"])  # appendix B
+        tq, tk = project(w["encoder.positional.untied.cls_vectors"])  # appendix B
         theta = (tq * tk).sum(-1) * scale  # [heads, 2]
         v = v.clone()
         v[:, 0, :] = theta[:, 0, None]  # Eq. 9: from [CLS] to all
@@ -83,13 +83,13 @@ def reference_logits(model, input_ids, attention_mask=None):
         x = x + w["embedding.position_embeddings.weight"][:n]  # Eq. 3: w + p at the input
     v = positional_logits(w, config, n)
     if enc == "bert-a-d":
-        p = layer_norm(w["positional.untied.embedding"][:n], w, "positional.untied.layernorm", eps)
-        pq = (p @ w["positional.untied.query.weight"].T).view(n, H, d)
-        pk = (p @ w["positional.untied.key.weight"].T).view(n, H, d)
+        p = layer_norm(w["encoder.positional.untied.embedding"][:n], w, "encoder.positional.untied.layernorm", eps)
+        pq = (p @ w["encoder.positional.untied.query.weight"].T).view(n, H, d)
+        pk = (p @ w["encoder.positional.untied.key.weight"].T).view(n, H, d)
     scale = 1 / math.sqrt({"tupe-a": 2, "tupe-r": 2, "tupe-a-tie-cls": 2, "bert-a-d": 4}.get(enc, 1) * d)
     keep = torch.ones(b, n, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     for layer in range(config.num_layers):
-        pre = f"encoder.layers.{layer}."
+        pre = f"encoder.block.layers.{layer}."
         h = layer_norm(x, w, pre + "input_layernorm", eps)
         qkv = h @ w[pre + "self_attention.linear_qkv.weight"].T + w[pre + "self_attention.linear_qkv.bias"]
         q, k, val = qkv.view(b, n, H, 3, d).unbind(3)  # megatron's per-head [q k v] layout
@@ -109,7 +109,7 @@ def reference_logits(model, input_ids, attention_mask=None):
         h = layer_norm(x, w, pre + "pre_mlp_layernorm", eps)
         h = F.gelu(h @ w[pre + "mlp.linear_fc1.weight"].T + w[pre + "mlp.linear_fc1.bias"])
         x = x + h @ w[pre + "mlp.linear_fc2.weight"].T + w[pre + "mlp.linear_fc2.bias"]
-    x = layer_norm(x, w, "encoder.final_layernorm", eps)
+    x = layer_norm(x, w, "encoder.block.final_layernorm", eps)
     x = F.gelu(x @ w["lm_head.dense.weight"].T + w["lm_head.dense.bias"])
     x = layer_norm(x, w, "lm_head.layer_norm", eps)
-    return x @ w["embedding.word_embeddings.weight"].T + w["output_layer.bias"]  # tied decoder
+    return x @ w["embedding.word_embeddings.weight"].T + w["lm_head.output_layer.bias"]  # tied decoder

@@ -29,7 +29,7 @@ def test_positional_module_runs_once_per_forward(tiny_model, encoding, num_layer
     with mock.patch.object(PositionalEncoding, "attention_bias", counting):
         model(ids)[0].sum().backward()
     assert len(calls) == 1
-    used = [p for p in model.positional.parameters() if p.grad is not None]
+    used = [p for p in model.encoder.positional.parameters() if p.grad is not None]
     assert used and all(p.grad.abs().sum() > 0 for p in used)
 
 

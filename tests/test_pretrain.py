@@ -1,4 +1,6 @@
-"""Pretraining under the real launchers (deepspeed, torchrun), 1-2 CPU processes, tiny models."""
+"""Pretraining under the real launchers (deepspeed, torchrun), 1-2 CPU processes, tiny models.
+
+`data` (conftest.py) is a small corpus prepared once per test session."""
 
 import json
 import os
@@ -11,19 +13,9 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from data_prep.pipeline import PrepConfig, prepare
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prep")
-    prepare(PrepConfig(inputs=[os.path.join(ROOT, "data", "sample", "persuasion.txt.gz")],
-                       output=str(out), vocab_size=1000, workers=1, valid_fraction=0.05, quiet=True))
-    return str(out)
 
 
 def free_port() -> str:

@@ -20,13 +20,12 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
-from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX
 from tupe_ds.data.packing import PackedSentences
-from tupe_ds.model import build_model
 from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train import checkpoint
 from tupe_ds.train.config import RunConfig, load
 from tupe_ds.train.monitor import Monitor
+from tupe_ds.train.objectives import OBJECTIVES, add
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
@@ -38,31 +37,37 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def datasets(run: RunConfig, vocab: Vocabulary):
+def datasets(run: RunConfig, vocab: Vocabulary, masking):
     prefix = os.path.join(run.args.data, "{}")
     packed = {split: PackedSentences(prefix.format(split), run.args.seq_len, vocab.cls, vocab.sep)
               for split in ("train", "valid")}
-    return {split: MaskedSamples(p, vocab, BERT_MASKING, run.args.seed) for split, p in packed.items()}
+    return {split: MaskedSamples(p, vocab, masking, run.args.seed) for split, p in packed.items()}
 
 
-def evaluate(engine, samples: MaskedSamples, run: RunConfig, device) -> dict:
-    """Mean masked-token loss and accuracy over the first --eval-samples valid samples."""
+def reduce_metrics(totals: dict, device) -> dict:
+    """Sum the (sum, count) totals over data-parallel ranks; name -> sum / count."""
+    if not totals:
+        return {}
+    names = sorted(totals)
+    stacked = torch.stack([totals[name].to(device) for name in names])
+    dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+    return {name: (pair[0] / pair[1].clamp(min=1)).item() for name, pair in zip(names, stacked)}
+
+
+def evaluate(engine, objective, samples: MaskedSamples, run: RunConfig, device) -> dict:
+    """The objective's metrics over the first --eval-samples valid samples, as valid/NAME."""
     dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
     count = min(run.args.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, correct
+    totals = {}
     engine.eval()
     with torch.no_grad():
         for batch in valid_batches(samples, run.args.seq_len, engine.train_micro_batch_size_per_gpu(),
                                    rank, dp, max(count, dp)):
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss, logits = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
-            counted = batch["labels"] != IGNORE_INDEX
-            correct = (logits.argmax(-1) == batch["labels"]) & counted
-            totals += torch.stack([loss.double() * counted.sum(), counted.sum().double(),
-                                   correct.sum().double()])
+            loss, output = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
+            add(totals, objective.metrics(batch, loss, output))
     engine.train()
-    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-    return {"valid/loss": (totals[0] / totals[1]).item(), "valid/accuracy": (totals[2] / totals[1]).item()}
+    return {f"valid/{name}": value for name, value in reduce_metrics(totals, device).items()}
 
 
 def main(argv=None) -> int:
@@ -75,13 +80,14 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     os.makedirs(args.out, exist_ok=True)
 
+    objective = OBJECTIVES[args.objective]
     torch.manual_seed(args.seed)
-    model = build_model(run.model)
+    model = objective.build(run.models)
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, weight_decay),
                                            config=run.ds_config, mpu=MegatronMPU())
     vocab = Vocabulary.from_data_dir(args.data)
-    data = datasets(run, vocab)
+    data = datasets(run, vocab, objective.masking)
     checkpoints = os.path.join(args.out, "checkpoints")
     state = checkpoint.resume(engine, checkpoints) if args.resume == "auto" else None
     step = state["step"] if state else 0
@@ -89,37 +95,35 @@ def main(argv=None) -> int:
                            engine.gradient_accumulation_steps(),
                            parallel_state.get_data_parallel_rank(), run.dp_size,
                            consumed=state["consumed"] if state else 0)
-    monitor = Monitor(args.out, run.model, batches.global_batch, args.seq_len, run.world_size, rank)
+    monitor = Monitor(args.out, run.models, batches.global_batch, args.seq_len, run.world_size, rank)
     stop = checkpoint.StopSignal()
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"{'resumed at' if state else 'starting'} step {step} of {args.steps}: {args.model} "
-        f"{args.pos_encoding}, {run.world_size} processes (tp {args.tp}, dp {run.dp_size}), "
+    say(f"{'resumed at' if state else 'starting'} step {step} of {args.steps}: {args.objective} "
+        f"{args.model} {args.pos_encoding}, {run.world_size} processes (tp {args.tp}, dp {run.dp_size}), "
         f"global batch {batches.global_batch} x {args.seq_len} tokens, {len(data['train'].packed)} "
         f"train samples", flush=True)
 
-    metrics = {}
+    metrics, totals = {}, {}
     while step < args.steps:
-        losses = []
         for batch in batches.next_step():
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss, _ = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
+            loss, output = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
             engine.backward(loss)
             engine.step()
-            losses.append(loss.detach().float())
+            add(totals, objective.metrics(batch, loss, output))
         step += 1
         if step % args.log_interval == 0 or step == args.steps:
-            loss = torch.stack(losses).mean()
-            dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
             scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
-            say(monitor.train(step, loss.item() / run.dp_size, engine.get_lr()[0],
+            say(monitor.train(step, reduce_metrics(totals, device), engine.get_lr()[0],
                               engine.get_global_grad_norm(), scale), flush=True)
+            totals = {}
         if step % args.eval_interval == 0 or step == args.steps:
-            metrics = evaluate(engine, data["valid"], run, device)
+            metrics = evaluate(engine, objective, data["valid"], run, device)
             monitor.scalars(step, metrics)
-            say(f"step {step} valid loss {metrics['valid/loss']:.4f} "
-                f"accuracy {metrics['valid/accuracy']:.4f}", flush=True)
-        if (step % args.image_interval == 0 or step == args.steps) and run.model.encoding.has_positional_logits:
-            monitor.positional_images(step, model.positional_scores(min(args.seq_len, 128)))
+            say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        if (step % args.image_interval == 0 or step == args.steps) and run.models[0].encoding.has_positional_logits:
+            for tag, encoder in objective.encoders(model).items():
+                monitor.positional_images(step, tag, encoder.positional_scores(min(args.seq_len, 128)))
         stopping = stop.any_rank(device)
         if step % args.save_interval == 0 or step == args.steps or stopping:
             checkpoint.save(engine, checkpoints, step, {"step": step, "consumed": batches.consumed},
@@ -129,7 +133,7 @@ def main(argv=None) -> int:
                 "run the same command to continue", flush=True)
             break
     if not metrics:  # nothing left to train: report where the run stands
-        metrics = evaluate(engine, data["valid"], run, device)
+        metrics = evaluate(engine, objective, data["valid"], run, device)
     monitor.close()
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(args.out, 'tensorboard')}")

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from tupe_ds.model.layers import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

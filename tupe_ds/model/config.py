@@ -54,6 +54,15 @@ PRESETS = {
     "electra-base-generator": dict(
         num_layers=12, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024
     ),
+    "tiny-generator": dict(  # the tiny ELECTRA pair's generator: half the width of "tiny"
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=64,
+        vocab_size=512,
+        max_position_embeddings=64,
+        seq_length=64,
+    ),
     "tiny": dict(
         num_layers=2,
         hidden_size=64,

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from tupe_ds.model.config import ENCODINGS, PRESETS, ModelConfig
+from tupe_ds.model.electra import PAIRS
 
 CPU_CONFIG = "ds_configs/cpu_zero2.json"
 
@@ -17,7 +18,10 @@ def parser() -> argparse.ArgumentParser:
                     "--module tupe_ds.pretrain ...` or `torchrun --nproc_per_node N -m "
                     "tupe_ds.pretrain ...`.")
     p.add_argument("--data", required=True, help="a folder written by tupe-prep")
-    p.add_argument("--model", default="bert-base", choices=sorted(PRESETS))
+    p.add_argument("--objective", default="mlm", choices=["mlm", "electra"],
+                   help="mlm: BERT masked LM; electra: generator + discriminator")
+    p.add_argument("--model", default="bert-base", choices=sorted(set(PRESETS) | set(PAIRS)),
+                   help="a preset; with --objective electra a pair: electra-base or tiny")
     p.add_argument("--pos-encoding", default="tupe-r", choices=list(ENCODINGS))
     p.add_argument("--ds-config", required=True, help="DeepSpeed JSON config (ds_configs/)")
     p.add_argument("--out", required=True, help="run folder: checkpoints/, tensorboard/, log")
@@ -47,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
 @dataclass
 class RunConfig:
     args: argparse.Namespace
-    model: ModelConfig
+    models: tuple  # (ModelConfig,) for mlm; (discriminator, generator) for electra
     ds_config: dict
     world_size: int
 
@@ -117,16 +121,21 @@ def load(argv=None) -> RunConfig:
 
     dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else (
         "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
+    if args.objective == "electra" and args.model not in PAIRS:
+        fail(f"--objective electra needs --model {' or '.join(PAIRS)}, not {args.model!r}")
+    if args.objective == "mlm" and args.model not in PRESETS:
+        fail(f"--model {args.model!r} is an ELECTRA pair: add --objective electra")
+    presets = PAIRS[args.model] if args.objective == "electra" else (args.model,)
+    positions = max(args.seq_len, max(PRESETS[p].get("max_position_embeddings", 512) for p in presets))
     try:
-        model = ModelConfig.from_preset(
-            args.model, pos_encoding=args.pos_encoding, tensor_parallel_size=args.tp,
+        models = tuple(ModelConfig.from_preset(
+            preset, pos_encoding=args.pos_encoding, tensor_parallel_size=args.tp,
             vocab_size=padded_vocab(args.data, args.tp), seq_length=args.seq_len,
-            max_position_embeddings=max(args.seq_len, PRESETS[args.model].get(
-                "max_position_embeddings", 512)),
-            hidden_dropout=args.dropout, attention_dropout=args.dropout, dtype=dtype)
+            max_position_embeddings=positions, hidden_dropout=args.dropout,
+            attention_dropout=args.dropout, dtype=dtype) for preset in presets)
     except ValueError as error:
         fail(str(error))
-    return RunConfig(args=args, model=model, ds_config=ds_config, world_size=world)
+    return RunConfig(args=args, models=models, ds_config=ds_config, world_size=world)
 
 
 def padded_vocab(data_dir: str, tp: int) -> int:

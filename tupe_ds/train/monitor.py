@@ -17,12 +17,12 @@ def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> floa
 
 
 class Monitor:
-    def __init__(self, out: str, config: ModelConfig, global_batch: int, seq_len: int,
+    def __init__(self, out: str, configs: tuple, global_batch: int, seq_len: int,
                  world_size: int, rank: int):
         self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe")) if rank == 0 else None
         self.rank = rank
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
-        self.step_flops = flops_per_step(config, global_batch, seq_len)
+        self.step_flops = sum(flops_per_step(c, global_batch, seq_len) for c in configs)
         self.samples = global_batch
         self.tokens = global_batch * seq_len
         self.world_size = world_size
@@ -37,29 +37,29 @@ class Monitor:
         with open(self.log_path, "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
 
-    def train(self, step: int, loss: float, lr: float, grad_norm, loss_scale) -> str:
-        """Log line and scalars of the steps since the last call."""
+    def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale) -> str:
+        """Log line and scalars of the steps since the last call; metrics: name -> value."""
         now = time.perf_counter()
         steps = step - self.last_step if self.last_step is not None else 1
         seconds = (now - self.last_time) / max(steps, 1)
         self.last_time, self.last_step = now, step
-        values = {
-            "train/loss": loss,
+        values = {f"train/{name}": value for name, value in metrics.items()}
+        values.update({
             "train/lr": lr,
             "throughput/samples_per_s": self.samples / seconds,
             "throughput/tokens_per_s": self.tokens / seconds,
             "throughput/tflops_per_rank": self.step_flops / seconds / self.world_size / 1e12,
-        }
+        })
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
         if loss_scale is not None:
             values["train/loss_scale"] = float(loss_scale)
         self.scalars(step, values)
-        return (f"step {step} loss {loss:.4f} lr {lr:.3g} "
+        return (f"step {step} loss {metrics['loss']:.4f} lr {lr:.3g} "
                 f"{values['throughput/samples_per_s']:.1f} samples/s "
                 f"{values['throughput/tflops_per_rank'] * 1e3:.2f} GFLOP/s per rank")
 
-    def positional_images(self, step: int, scores: torch.Tensor) -> None:
+    def positional_images(self, step: int, tag: str, scores: torch.Tensor) -> None:
         """One grey image per head of the content-free logits [heads, n, n] (paper, Figure 6)."""
         if self.writer is None:
             return
@@ -68,7 +68,7 @@ class Monitor:
         high = scores.amax(dim=(1, 2), keepdim=True)
         images = (scores - low) / (high - low).clamp(min=1e-12)
         for head, image in enumerate(images):
-            self.writer.add_image(f"positional_logits/head{head}", image[None], step)
+            self.writer.add_image(f"{tag}/head{head}", image[None], step)
 
     def close(self) -> None:
         if self.writer is not None:

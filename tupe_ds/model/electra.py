@@ -1,0 +1,135 @@
+"""ELECTRA (Clark et al., 2020) with TUPE in both networks, as the TUPE paper's appendix C.
+
+The generator (a narrow masked-LM) fills the masked positions with tokens sampled from its own
+predictions; the discriminator tells, at every token, whether it was replaced:
+
+    loss = generator MLM loss + 50 * discriminator binary cross-entropy (all non-pad tokens)
+
+The word embedding (and p for the BERT-A/R encodings) is one tensor shared by both networks; the
+generator reads it through a projection to its width and predicts through it (tied). Each network
+has its own positional module of the chosen encoding.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor, nn
+
+from tupe_ds.model.config import ModelConfig
+from tupe_ds.model.layers import (IGNORE_INDEX, Encoder, MaskedLMHead, embed, masked_lm_loss,
+                                  token_embedding)
+from tupe_ds.parallel import accelerator_device, ensure_model_parallel, gather_tensor_parallel
+
+DISCRIMINATOR_WEIGHT = 50.0
+PAIRS = {  # --model with --objective electra: (discriminator preset, generator preset)
+    "electra-base": ("electra-base-discriminator", "electra-base-generator"),
+    "tiny": ("tiny", "tiny-generator"),
+}
+
+
+@dataclass
+class ElectraOutput:
+    """The two losses (with their gradients) and the metrics of one micro-batch, as (sum, count)
+    pairs so that micro-batches and ranks can be added up."""
+
+    generator_loss: Tensor
+    discriminator_loss: Tensor
+    metrics: Dict[str, tuple]
+
+
+class ElectraForPretraining(MegatronModule):
+    def __init__(self, discriminator: ModelConfig, generator: ModelConfig):
+        tconfig = discriminator.transformer_config()
+        super().__init__(config=tconfig)
+        generator_tconfig = generator.transformer_config()
+        self.model_config, self.generator_config = discriminator, generator
+        width = discriminator.hidden_size
+        self.embedding = token_embedding(discriminator, tconfig)  # shared by both networks
+        self.generator_projection = nn.Linear(width, generator.hidden_size)
+        self.generator = Encoder(generator, generator_tconfig)
+        self.generator_head = MaskedLMHead(generator.hidden_size, width, discriminator.vocab_size,
+                                           generator_tconfig)
+        self.discriminator = Encoder(discriminator, tconfig)
+        self.discriminator_head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1))
+        for linear in (self.generator_projection, self.discriminator_head[0], self.discriminator_head[2]):
+            tconfig.init_method(linear.weight.data)
+            linear.bias.data.zero_()
+        self.to(tconfig.params_dtype)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor):
+        """input_ids (masked), attention_mask, labels (original ids where masked, else -100):
+        [batch, seq]. Returns (generator loss + 50 x discriminator loss, ElectraOutput)."""
+        max_positions = self.model_config.max_position_embeddings
+        padding = attention_mask == 0
+        labels = labels.transpose(0, 1)  # [n, b] like the hidden states
+        embedded = embed(self.embedding, input_ids, max_positions)  # [n, b, width]
+        hidden = self.generator(self.generator_projection(embedded), padding)
+        logits = self.generator_head(hidden, self.embedding.word_embeddings.weight)  # [n, b, V/tp]
+        generator_loss = masked_lm_loss(logits, labels)
+
+        masked = labels != IGNORE_INDEX
+        sampled, predicted_ids = self.sample(logits[masked])  # [masked positions] each
+        original = torch.where(masked, labels, input_ids.transpose(0, 1))
+        corrupted = input_ids.transpose(0, 1).masked_scatter(masked, sampled)
+        replaced = corrupted != original  # a sample equal to the original counts as original
+
+        hidden = self.discriminator(embed(self.embedding, corrupted.transpose(0, 1), max_positions),
+                                    padding)
+        scores = self.discriminator_head(hidden).squeeze(-1).float()  # [n, b]
+        real = ~padding.transpose(0, 1)
+        discriminator_loss = F.binary_cross_entropy_with_logits(scores[real], replaced[real].float())
+        loss = generator_loss + DISCRIMINATOR_WEIGHT * discriminator_loss
+
+        with torch.no_grad():
+            predicted = (scores > 0) & real
+            replaced_real = replaced & real
+            tokens, n_masked = real.sum(), masked.sum()
+            metrics = {
+                "loss": (loss.detach() * n_masked, n_masked),
+                "generator_loss": (generator_loss.detach() * n_masked, n_masked),
+                "discriminator_loss": (discriminator_loss.detach() * tokens, tokens),
+                "generator_accuracy": ((predicted_ids == labels[masked]).sum(), n_masked),
+                "replaced_fraction": (replaced_real.sum(), tokens),
+                "discriminator_accuracy": (((predicted == replaced) & real).sum(), tokens),
+                "discriminator_precision": ((predicted & replaced_real).sum(), predicted.sum()),
+                "discriminator_recall": ((predicted & replaced_real).sum(), replaced_real.sum()),
+            }
+        return loss, ElectraOutput(generator_loss, discriminator_loss, metrics)
+
+    @torch.no_grad()
+    def sample(self, local_logits: Tensor) -> tuple:
+        """(Gumbel-max sample at temperature 1, argmax) of the generator's logits [m, vocab / tp],
+        without gradient. The sample is drawn on the first tensor-parallel rank and sent to the
+        others, so that every rank of a tensor-parallel group corrupts the batch in the same way."""
+        logits = gather_tensor_parallel(local_logits, dim=-1).float()
+        gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp(min=1e-20)))
+        sample = (logits + gumbel).argmax(-1)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.broadcast(sample, parallel_state.get_tensor_model_parallel_src_rank(),
+                           group=parallel_state.get_tensor_model_parallel_group())
+        return sample, logits.argmax(-1)
+
+    def positional_scores(self, n: int) -> Tensor:
+        """The discriminator's (the network users fine-tune): see Encoder.positional_scores."""
+        return self.discriminator.positional_scores(n)
+
+
+def build_electra(model: Union[str, tuple] = "electra-base", **overrides) -> ElectraForPretraining:
+    """ElectraForPretraining from a pair name of PAIRS (or a (discriminator, generator) pair of
+    ModelConfigs); overrides (ModelConfig fields) apply to both networks."""
+    if isinstance(model, str):
+        if model not in PAIRS:
+            raise ValueError(f"unknown ELECTRA model {model!r}; choose one of {', '.join(PAIRS)}")
+        discriminator, generator = (ModelConfig.from_preset(name, **overrides) for name in PAIRS[model])
+    else:
+        discriminator, generator = (dataclasses.replace(c, **overrides) for c in model)
+    if generator.vocab_size != discriminator.vocab_size:
+        generator = dataclasses.replace(generator, vocab_size=discriminator.vocab_size)
+    ensure_model_parallel(discriminator.tensor_parallel_size)
+    return ElectraForPretraining(discriminator, generator).to(accelerator_device())

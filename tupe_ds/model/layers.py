@@ -1,0 +1,94 @@
+"""The pieces the BERT and ELECTRA models are made of: embedding, encoder, masked-LM head.
+
+Layout inside: megatron-core's [seq, batch, hidden].
+"""
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor, nn
+
+from tupe_ds.model.attention import encoder_layer_spec
+from tupe_ds.model.config import ModelConfig
+from tupe_ds.model.positional import PositionalEncoding
+from tupe_ds.parallel import gather_tensor_parallel
+
+IGNORE_INDEX = -100
+
+
+def token_embedding(config: ModelConfig, tconfig: TransformerConfig) -> LanguageModelEmbedding:
+    """Vocab-parallel word embedding (+ the learned absolute p for the BERT-A/R encodings)."""
+    return LanguageModelEmbedding(
+        tconfig,
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_position_embeddings,
+        position_embedding_type="learned_absolute" if config.encoding.input_absolute else "none",
+    )
+
+
+def embed(embedding: LanguageModelEmbedding, input_ids: Tensor, max_positions: int) -> Tensor:
+    """[batch, seq] ids -> [seq, batch, hidden]."""
+    batch, n = input_ids.shape
+    if n > max_positions:
+        raise ValueError(f"sequence length {n} is beyond max_position_embeddings={max_positions}")
+    return embedding(input_ids, torch.arange(n, device=input_ids.device).expand(batch, n))
+
+
+class Encoder(MegatronModule):
+    """The positional module and megatron-core's TransformerBlock: [n, b, h] -> [n, b, h]."""
+
+    def __init__(self, config: ModelConfig, tconfig: TransformerConfig):
+        super().__init__(config=tconfig)
+        self.positional = PositionalEncoding(config, tconfig)
+        self.block = TransformerBlock(tconfig, spec=encoder_layer_spec(config))
+
+    def forward(self, hidden: Tensor, padding) -> Tensor:
+        """padding: [batch, seq] True at padded positions, or None."""
+        n = hidden.shape[0]
+        bias = self.positional.attention_bias(n, padding, hidden.dtype, hidden.device)
+        return self.block(hidden, attention_mask=None, attention_bias=bias,
+                          rotary_pos_emb=self.positional.rotary_embedding(n))
+
+    def positional_scores(self, n: int) -> Tensor:
+        """The content-free positional logits of every head, [heads, n, n] (the paper's Figure 6).
+
+        Raises ValueError for encodings that have none (bert-a, nope, mask-nope, rope).
+        """
+        return gather_tensor_parallel(self.positional.content_free_logits(n), dim=0)
+
+
+class MaskedLMHead(MegatronModule):
+    """dense -> GELU -> LayerNorm -> decoder tied to the word embedding, with its own bias.
+
+    `hidden_size` is the encoder's width, `embedding_size` the word embedding's (they differ for
+    ELECTRA's generator, which is narrower than the embedding it shares).
+    """
+
+    def __init__(self, hidden_size: int, embedding_size: int, vocab_size: int,
+                 tconfig: TransformerConfig):
+        super().__init__(config=tconfig)
+        self.dense = nn.Linear(hidden_size, embedding_size)
+        self.layer_norm = nn.LayerNorm(embedding_size, eps=tconfig.layernorm_epsilon)
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            embedding_size, vocab_size, config=tconfig, init_method=tconfig.init_method,
+            bias=True, skip_weight_param_allocation=True, gather_output=False)
+        tconfig.init_method(self.dense.weight.data)
+        self.dense.bias.data.zero_()
+        self.output_layer.bias.data.zero_()
+
+    def forward(self, hidden: Tensor, embedding_weight: Tensor) -> Tensor:
+        """[n, b, hidden] -> this rank's vocabulary shard of the logits, [n, b, vocab / tp]."""
+        hidden = self.layer_norm(torch.nn.functional.gelu(self.dense(hidden)))
+        logits, _ = self.output_layer(hidden, weight=embedding_weight)
+        return logits
+
+
+def masked_lm_loss(local_logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy over labels != -100; local_logits [n, b, vocab / tp], labels [n, b]."""
+    counted = labels != IGNORE_INDEX
+    losses = tensor_parallel.vocab_parallel_cross_entropy(  # works in place on its input
+        local_logits.to(torch.float32, copy=True), labels.masked_fill(~counted, 0))
+    return (losses * counted).sum() / counted.sum().clamp(min=1)
