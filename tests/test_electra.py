@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from test_pretrain import log, train
+from test_pretrain import assert_tp2_matches_tp1, log, train
 from tupe_ds.model.electra import ElectraForPretraining, build_electra
 
 
@@ -108,14 +108,8 @@ def test_tiny_electra_run_learns(data, tmp_path):
 
 
 def test_electra_tensor_parallel_two_equals_one(data, tmp_path):
-    flags = ["--objective", "electra", "--steps", "3", "--dropout", "0", "--global-batch", "8",
-             "--micro-batch", "8", "--eval-interval", "3"]
-    train("torchrun", 2, data, tmp_path / "tp2", "--tp", "2", *flags)
-    train("torchrun", 1, data, tmp_path / "tp1", *flags)
-    two, one = log(tmp_path / "tp2"), log(tmp_path / "tp1")
-    for step in range(1, 4):
-        for name in ("train/generator_loss", "train/discriminator_loss"):
-            assert two[step][name] == pytest.approx(one[step][name], rel=1e-4, abs=1e-4), (step, name)
+    assert_tp2_matches_tp1(data, tmp_path, 3, ["train/generator_loss", "train/discriminator_loss"],
+                           "--objective", "electra")
 
 
 def test_electra_checkpoints_hold_both_networks(data, tmp_path):

@@ -2,5 +2,7 @@
 
 from tupe_ds.model.bert import BertForMaskedLM, build_model
 from tupe_ds.model.config import ENCODINGS, PRESETS, ModelConfig
+from tupe_ds.model.electra import ElectraForPretraining, build_electra
 
-__all__ = ["BertForMaskedLM", "ENCODINGS", "ModelConfig", "PRESETS", "build_model"]
+__all__ = ["BertForMaskedLM", "ENCODINGS", "ElectraForPretraining", "ModelConfig", "PRESETS",
+           "build_electra", "build_model"]
