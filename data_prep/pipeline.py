@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
 import numpy as np
-import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
@@ -262,8 +261,7 @@ def _encode(batch, tokenizer, config, builders, keys, split_counts) -> None:
     for document in batch:
         ids = [next(encoded).ids for _ in document["sentences"]]
         split = "valid" if (document["key"] >> 11) / 2**53 < config.valid_fraction else "train"
-        builders[split].add_document(torch.tensor([t for s in ids for t in s], dtype=torch.int64),
-                                     [len(s) for s in ids])
+        builders[split].add_document([t for s in ids for t in s], [len(s) for s in ids])  # numpy'd there
         keys[split].append(document["key"])
         counts = split_counts[split]
         counts["documents"] += 1
