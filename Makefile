@@ -43,6 +43,7 @@ smoke: venv
 bench: venv
 	$(BIN)/python bench/step_time.py
 	$(BIN)/python bench/prep_throughput.py
+	$(BIN)/deepspeed --num_gpus 2 bench/train_throughput.py --model tiny
 
 clean:
 	rm -rf $(VENV) build *.egg-info
