@@ -128,3 +128,15 @@ def test_electra_checkpoints_hold_both_networks(data, tmp_path):
     for step in (5, 6):
         for name in ("train/generator_loss", "train/discriminator_loss"):
             assert resumed[step][name] == pytest.approx(whole[step][name], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("encoding", ["bert-a", "bert-r", "tupe-a", "tupe-a-tie-cls", "bert-a-d",
+                                      "nope", "mask-nope", "rope"])
+def test_every_encoding_trains_in_both_networks(encoding):
+    model = tiny_electra(pos_encoding=encoding)
+    assert model.generator.positional is not model.discriminator.positional
+    ids, mask, labels, _ = masked_batch()
+    loss, output = model(ids, mask, labels)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
