@@ -13,6 +13,7 @@ on each rank and prints the fraction of it the training step achieves.
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -42,8 +43,9 @@ p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
 args = p.parse_args()
 
-device = accelerator_device()
 accelerator = get_accelerator()
+accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
+device = accelerator_device()
 deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu"
                            else accelerator.communication_backend_name())
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)

@@ -73,6 +73,7 @@ def evaluate(engine, objective, samples: MaskedSamples, run: RunConfig, device) 
 def main(argv=None) -> int:
     run = load(argv)  # everything checkable is checked before any process group starts
     args = run.args
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
     device = accelerator_device()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend)
