@@ -3,9 +3,9 @@
 Pass 1 streams the inputs through worker processes (cleaning, MinHash signatures, sentence
 splitting) and de-duplicates in input order in this process, spooling the kept documents to disk
 and feeding their sentences straight to the BPE trainer (unless a tokenizer is given). Pass 2
-encodes the spool in batches (tokenizers' own threads) into megatron-core indexed datasets. Outputs are written in a work
-folder and renamed into place when complete, so a crash leaves no partial output and running the
-same command again does the work again from the start.
+encodes the spool in batches (tokenizers' own threads) into megatron-core indexed datasets.
+Outputs are written in a work folder and renamed into place when complete, so a crash leaves no
+partial output and running the same command again does the work again from the start.
 """
 
 import json

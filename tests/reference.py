@@ -83,7 +83,8 @@ def reference_logits(model, input_ids, attention_mask=None):
         x = x + w["embedding.position_embeddings.weight"][:n]  # Eq. 3: w + p at the input
     v = positional_logits(w, config, n)
     if enc == "bert-a-d":
-        p = layer_norm(w["encoder.positional.untied.embedding"][:n], w, "encoder.positional.untied.layernorm", eps)
+        p = layer_norm(w["encoder.positional.untied.embedding"][:n], w,
+                       "encoder.positional.untied.layernorm", eps)
         pq = (p @ w["encoder.positional.untied.query.weight"].T).view(n, H, d)
         pk = (p @ w["encoder.positional.untied.key.weight"].T).view(n, H, d)
     scale = 1 / math.sqrt({"tupe-a": 2, "tupe-r": 2, "tupe-a-tie-cls": 2, "bert-a-d": 4}.get(enc, 1) * d)
@@ -105,7 +106,8 @@ def reference_logits(model, input_ids, attention_mask=None):
             allowed = allowed & torch.ones(n, n, dtype=torch.bool).tril()
         logits = logits.masked_fill(~allowed, float("-inf"))
         context = torch.einsum("bhij,bjhd->bihd", logits.softmax(-1), val).reshape(b, n, H * d)
-        x = x + context @ w[pre + "self_attention.linear_proj.weight"].T + w[pre + "self_attention.linear_proj.bias"]
+        proj = pre + "self_attention.linear_proj."
+        x = x + context @ w[proj + "weight"].T + w[proj + "bias"]
         h = layer_norm(x, w, pre + "pre_mlp_layernorm", eps)
         h = F.gelu(h @ w[pre + "mlp.linear_fc1.weight"].T + w[pre + "mlp.linear_fc1.bias"])
         x = x + h @ w[pre + "mlp.linear_fc2.weight"].T + w[pre + "mlp.linear_fc2.bias"]

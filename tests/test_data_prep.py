@@ -202,8 +202,9 @@ def test_inputs_of_every_kind(tmp_path):
 def test_shards_merged_equal_one_run_with_the_same_tokenizer(tmp_path):
     rng = random.Random(4)
     documents = [unique_document(rng) for _ in range(40)]
-    files = [write_txt(tmp_path / f"part{i}.txt", documents[i * 10:(i + 1) * 10] + ([documents[3]] if i == 2 else []))
-             for i in range(4)]  # part2 repeats a document of part0: removed only by the merge
+    parts = [documents[i * 10:(i + 1) * 10] for i in range(4)]
+    parts[2].append(documents[3])  # a document of part0 again: removed only by the merge
+    files = [write_txt(tmp_path / f"part{i}.txt", part) for i, part in enumerate(parts)]
     tokenizer = run(files, tmp_path / "tok", dedup="exact")  # a tokenizer for every run
     options = dict(dedup="exact", valid_fraction=0.2, tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
     single = run(files, tmp_path / "single", **options)

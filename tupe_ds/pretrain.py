@@ -85,8 +85,9 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = objective.build(run.models)
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, weight_decay),
-                                           config=run.ds_config, mpu=MegatronMPU())
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config,
+        mpu=MegatronMPU())
     vocab = Vocabulary.from_data_dir(args.data)
     data = datasets(run, vocab, objective.masking)
     checkpoints = os.path.join(args.out, "checkpoints")
@@ -122,7 +123,8 @@ def main(argv=None) -> int:
             metrics = evaluate(engine, objective, data["valid"], run, device)
             monitor.scalars(step, metrics)
             say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
-        if (step % args.image_interval == 0 or step == args.steps) and run.models[0].encoding.has_positional_logits:
+        has_images = run.models[0].encoding.has_positional_logits
+        if has_images and (step % args.image_interval == 0 or step == args.steps):
             for tag, encoder in objective.encoders(model).items():
                 monitor.positional_images(step, tag, encoder.positional_scores(min(args.seq_len, 128)))
         stopping = stop.any_rank(device)

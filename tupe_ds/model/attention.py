@@ -7,7 +7,6 @@ in a layer (QKV and output projections, MLP, LayerNorms, residuals) is megatron-
 import copy
 import functools
 
-import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
