@@ -1,0 +1,62 @@
+"""tupe-pretrain's configuration is checked before any process group starts; errors say what to change."""
+
+import json
+import os
+
+import pytest
+
+from tupe_ds.train.config import load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
+
+
+def fails(argv, monkeypatch, world=2):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as error:
+        load(argv)
+    return str(error.value)
+
+
+def base(data_dir, tmp_path, *extra, **options):
+    """The flags of a valid tiny run, with `options` ({"model": "bert-large"}) replacing some."""
+    flags = {"data": data_dir, "ds-config": CPU_CONFIG, "out": str(tmp_path / "run"), "steps": "10",
+             "model": "tiny", "seq-len": "64"}
+    flags.update({key.replace("_", "-"): value for key, value in options.items()})
+    return [item for key, value in flags.items() for item in (f"--{key}", value)] + list(extra)
+
+
+def test_errors_name_what_to_change(data, tmp_path, monkeypatch):
+    assert "--tp 2 does not divide the 3 processes" in fails(base(data, tmp_path, "--tp", "2"),
+                                                             monkeypatch, world=3)
+    assert "not a multiple of micro-batch 8 x 2 data-parallel ranks" in fails(
+        base(data, tmp_path, "--global-batch", "24"), monkeypatch)
+    assert "--objective electra needs --model electra-base or tiny, not 'bert-large'" in fails(
+        base(data, tmp_path, "--objective", "electra", model="bert-large"), monkeypatch)
+    assert "is an ELECTRA pair: add --objective electra" in fails(
+        base(data, tmp_path, model="electra-base"), monkeypatch)
+    assert f"--data {tmp_path}: no train.idx" in fails(base(data, tmp_path, data=str(tmp_path)),
+                                                       monkeypatch)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"train_batch_size": 16,\n oops}')
+    assert "invalid JSON at line 2" in fails(base(data, tmp_path, ds_config=str(broken)), monkeypatch)
+    assert "ModelConfig.num_attention_heads" in fails(base(data, tmp_path, "--tp", "8"), monkeypatch,
+                                                      world=8)
+    assert not os.path.exists(tmp_path / "run")  # nothing was started or written
+
+
+def test_overrides_and_derived_settings(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = load(base(data, tmp_path, "--global-batch", "32", "--micro-batch", "4", "--lr", "5e-4",
+                    "--warmup-steps", "3"))
+    config = run.ds_config
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == (32, 4, 4)
+    scheduler = config["scheduler"]["params"]
+    assert (scheduler["total_num_steps"], scheduler["warmup_num_steps"], scheduler["warmup_max_lr"]) == (
+        10, 3, 5e-4)
+    assert config["optimizer"]["params"]["lr"] == 5e-4
+    with open(os.path.join(data, "manifest.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    assert run.models[0].vocab_size == -(-vocab // 128) * 128
+    assert run.dp_size == 2
