@@ -168,7 +168,7 @@ class PositionalEncoding(nn.Module):
 
     def content_free_logits(self, n: int) -> Tensor:
         """v: the position-only logits of this rank's heads, [heads, n, n]."""
-        if not (self.encoding.untied or self.encoding.untied_cross or self.relative):
+        if not self.encoding.has_positional_logits:
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no content-free positional logits: "
                 + {
