@@ -4,6 +4,7 @@
         --pos-encoding tupe-r --ds-config ds_configs/bert_large_fp16_zero2.json --out runs/large \\
         --steps 1000000
     torchrun --nproc_per_node 2 -m tupe_ds.pretrain ... (the same flags)
+    deepspeed --num_gpus 8 --module tupe_ds.pretrain ... --pp 4 --zero-stage 1   (pipeline, BERT)
 
 Run again with the same --out (and a larger --steps to train on): it resumes from the latest
 complete checkpoint, data position included. SIGTERM or SIGUSR1 saves a checkpoint and stops.
@@ -21,11 +22,13 @@ from megatron.core import parallel_state
 
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train import checkpoint
 from tupe_ds.train.config import RunConfig, load
 from tupe_ds.train.monitor import Monitor
-from tupe_ds.train.objectives import OBJECTIVES, add
+from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
@@ -44,30 +47,32 @@ def datasets(run: RunConfig, vocab: Vocabulary, masking):
     return {split: MaskedSamples(p, vocab, masking, run.args.seed) for split, p in packed.items()}
 
 
-def reduce_metrics(totals: dict, device) -> dict:
-    """Sum the (sum, count) totals over data-parallel ranks; name -> sum / count."""
-    if not totals:
-        return {}
-    names = sorted(totals)
-    stacked = torch.stack([totals[name].to(device) for name in names])
-    dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
-    return {name: (pair[0] / pair[1].clamp(min=1)).item() for name, pair in zip(names, stacked)}
-
-
-def evaluate(engine, objective, samples: MaskedSamples, run: RunConfig, device) -> dict:
+def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int) -> dict:
     """The objective's metrics over the first --eval-samples valid samples, as valid/NAME."""
     dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
     count = min(run.args.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
     totals = {}
-    engine.eval()
-    with torch.no_grad():
-        for batch in valid_batches(samples, run.args.seq_len, engine.train_micro_batch_size_per_gpu(),
-                                   rank, dp, max(count, dp)):
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss, output = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
-            add(totals, objective.metrics(batch, loss, output))
-    engine.train()
-    return {f"valid/{name}": value for name, value in reduce_metrics(totals, device).items()}
+    steps.evaluate(valid_batches(samples, run.args.seq_len, micro_batch, rank, dp, max(count, dp)),
+                   totals)
+    return {f"valid/{name}": value for name, value in steps.reduce(totals).items()}
+
+
+def build_engine(run: RunConfig, objective, device):
+    """The model (a pipeline of stages when --pp > 1), its DeepSpeed engine and its steps."""
+    args = run.args
+    torch.manual_seed(args.seed)
+    weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    if args.pp > 1:
+        loss = PipelineLoss(objective)
+        model = BertPipeline(run.models[0], pipeline_topology(args.pp, args.tp, run.dp_size), loss)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config)
+        return model, engine, PipelineSteps(engine, loss, device)
+    model = objective.build(run.models)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config,
+        mpu=MegatronMPU())
+    return model, engine, EngineSteps(engine, objective, device)
 
 
 def main(argv=None) -> int:
@@ -77,17 +82,13 @@ def main(argv=None) -> int:
     device = accelerator_device()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                             pipeline_model_parallel_size=args.pp)
     rank = dist.get_rank()
     os.makedirs(args.out, exist_ok=True)
 
     objective = OBJECTIVES[args.objective]
-    torch.manual_seed(args.seed)
-    model = objective.build(run.models)
-    weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config,
-        mpu=MegatronMPU())
+    model, engine, steps = build_engine(run, objective, device)
     vocab = Vocabulary.from_data_dir(args.data)
     data = datasets(run, vocab, objective.masking)
     checkpoints = os.path.join(args.out, "checkpoints")
@@ -101,26 +102,22 @@ def main(argv=None) -> int:
     stop = checkpoint.StopSignal()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{'resumed at' if state else 'starting'} step {step} of {args.steps}: {args.objective} "
-        f"{args.model} {args.pos_encoding}, {run.world_size} processes (tp {args.tp}, dp {run.dp_size}), "
+        f"{args.model} {args.pos_encoding}, {run.world_size} processes (tp {args.tp}, pp {args.pp}, "
+        f"dp {run.dp_size}), "
         f"global batch {batches.global_batch} x {args.seq_len} tokens, {len(data['train'].packed)} "
         f"train samples", flush=True)
 
     metrics, totals = {}, {}
     while step < args.steps:
-        for batch in batches.next_step():
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss, output = engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
-            engine.backward(loss)
-            engine.step()
-            add(totals, objective.metrics(batch, loss, output))
+        steps.train(batches.next_step(), totals)
         step += 1
         if step % args.log_interval == 0 or step == args.steps:
             scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
-            say(monitor.train(step, reduce_metrics(totals, device), engine.get_lr()[0],
+            say(monitor.train(step, steps.reduce(totals), engine.get_lr()[0],
                               engine.get_global_grad_norm(), scale), flush=True)
             totals = {}
         if step % args.eval_interval == 0 or step == args.steps:
-            metrics = evaluate(engine, objective, data["valid"], run, device)
+            metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
             monitor.scalars(step, metrics)
             say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         has_images = run.models[0].encoding.has_positional_logits
@@ -136,7 +133,7 @@ def main(argv=None) -> int:
                 "run the same command to continue", flush=True)
             break
     if not metrics:  # nothing left to train: report where the run stands
-        metrics = evaluate(engine, objective, data["valid"], run, device)
+        metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
     monitor.close()
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(args.out, 'tensorboard')}")

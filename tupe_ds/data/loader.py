@@ -96,20 +96,27 @@ class TrainBatches:
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp_size
 
-    def next_step(self) -> List[Batch]:
+    def next_step(self) -> Iterator[Batch]:
+        """The micro-batches of the next optimizer step, collated when read (pipeline stages that
+        read no data skip the work); the step counts as consumed when this is called."""
         per_rank = self.micro_batch * self.grad_accum
         start = self.consumed + self.dp_rank * per_rank
         self.consumed += self.global_batch
-        return [collate([self.samples[g] for g in range(first, first + self.micro_batch)],
+        return (collate([self.samples[g] for g in range(first, first + self.micro_batch)],
                         self.seq_len, self.samples.vocab.pad)
-                for first in range(start, start + per_rank, self.micro_batch)]
+                for first in range(start, start + per_rank, self.micro_batch))
 
 
 def valid_batches(samples: MaskedSamples, seq_len: int, micro_batch: int, dp_rank: int,
                   dp_size: int, count: int) -> Iterator[Batch]:
-    """The first `count` samples (one fixed masking), this rank's share, in micro-batches."""
+    """The first `count` samples (one fixed masking), this rank's share, in micro-batches.
+
+    The last micro-batch is filled up with empty rows (all padding, no label), which count for
+    nothing, so that every micro-batch has the shape the pipeline engine's buffers expect.
+    """
     count = min(count, len(samples.packed))
     mine = list(range(dp_rank, count, dp_size))
+    empty = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
     for first in range(0, len(mine), micro_batch):
-        yield collate([samples.masked(0, g) for g in mine[first:first + micro_batch]],
-                      seq_len, samples.vocab.pad)
+        rows = [samples.masked(0, g) for g in mine[first:first + micro_batch]]
+        yield collate(rows + [empty] * (micro_batch - len(rows)), seq_len, samples.vocab.pad)

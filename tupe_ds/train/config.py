@@ -26,6 +26,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ds-config", required=True, help="DeepSpeed JSON config (ds_configs/)")
     p.add_argument("--out", required=True, help="run folder: checkpoints/, tensorboard/, log")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (BERT, --objective mlm; ZeRO stage 0 or 1)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
+                   help="overrides zero_optimization.stage")
     p.add_argument("--steps", type=int, required=True,
                    help="total optimizer steps of the run; a larger value resumes and goes on")
     p.add_argument("--seq-len", type=int, default=512)
@@ -57,7 +61,7 @@ class RunConfig:
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.args.tp
+        return self.world_size // (self.args.tp * self.args.pp)
 
 
 def load(argv=None) -> RunConfig:
@@ -69,7 +73,7 @@ def load(argv=None) -> RunConfig:
     def fail(message):
         raise SystemExit(f"tupe-pretrain: error: {message}")
 
-    for name in ("steps", "seq_len", "tp", "eval_interval", "save_interval", "log_interval",
+    for name in ("steps", "seq_len", "tp", "pp", "eval_interval", "save_interval", "log_interval",
                  "image_interval", "keep_checkpoints", "eval_samples"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1")
@@ -87,9 +91,21 @@ def load(argv=None) -> RunConfig:
     if ds_config.get("fp16", {}).get("enabled") and not _cuda_available():
         fail(f"{args.ds_config} enables fp16, which DeepSpeed refuses without CUDA; on a CPU use "
              f"{CPU_CONFIG} (fp32) or enable bf16 instead")
-    if world % args.tp:
-        fail(f"--tp {args.tp} does not divide the {world} processes")
-    dp = world // args.tp
+    model_parallel = args.tp * args.pp
+    if world % model_parallel:
+        layout = f"--tp {args.tp}" + (f" x --pp {args.pp} = {model_parallel}" if args.pp > 1 else "")
+        fail(f"{layout} does not divide the {world} processes")
+    dp = world // model_parallel
+    if args.zero_stage is not None:
+        ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if args.pp > 1 and args.objective != "mlm":
+        fail(f"--pp {args.pp}: pipeline parallelism is for BERT (--objective mlm); train "
+             f"--objective {args.objective} with --tp and data parallelism")
+    if args.pp > 1 and zero_stage > 1:
+        source = "--zero-stage" if args.zero_stage is not None else args.ds_config
+        fail(f"--pp {args.pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, and "
+             f"{source} sets stage {zero_stage}; use --zero-stage 1")
     if args.micro_batch is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.global_batch is not None:
@@ -135,6 +151,9 @@ def load(argv=None) -> RunConfig:
             attention_dropout=args.dropout, dtype=dtype) for preset in presets)
     except ValueError as error:
         fail(str(error))
+    if args.pp > models[0].num_layers:
+        fail(f"--pp {args.pp}: --model {args.model} has {models[0].num_layers} layers, and every "
+             "pipeline stage needs at least one; lower --pp")
     return RunConfig(args=args, models=models, ds_config=ds_config, world_size=world)
 
 

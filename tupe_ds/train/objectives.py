@@ -29,7 +29,7 @@ class MaskedLM:
 
     def encoders(self, model) -> dict:
         """Networks whose positional logits go to TensorBoard, by tag prefix."""
-        return {"positional_logits": model.encoder}
+        return {"positional_logits": model}  # BertForMaskedLM or BertPipeline
 
 
 class Electra:

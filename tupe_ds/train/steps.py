@@ -1,0 +1,100 @@
+"""One optimizer step, and one evaluation, on DeepSpeed's engine or on its pipeline engine.
+
+`train` and `evaluate` take this rank's micro-batches and add the objective's metrics to
+`totals` as (sum, count) pairs (see objectives.py); `reduce` sums them over data-parallel ranks
+and returns name -> sum / count on every rank.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from tupe_ds.model.layers import masked_lm_loss
+from tupe_ds.parallel import gather_tensor_parallel
+from tupe_ds.train.objectives import add
+
+
+def reduce_metrics(totals: dict, device) -> dict:
+    """Sum the (sum, count) totals over data-parallel ranks; name -> sum / count."""
+    if not totals:
+        return {}
+    names = sorted(totals)
+    stacked = torch.stack([totals[name].to(device) for name in names])
+    dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+    return {name: (pair[0] / pair[1].clamp(min=1)).item() for name, pair in zip(names, stacked)}
+
+
+class EngineSteps:
+    """The whole model on every rank (tensor and data parallelism, any ZeRO stage)."""
+
+    def __init__(self, engine, objective, device):
+        self.engine, self.objective, self.device = engine, objective, device
+
+    def _forward(self, batch):
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        loss, output = self.engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        return batch, loss, output
+
+    def train(self, micro_batches, totals: dict) -> None:
+        for batch in micro_batches:
+            batch, loss, output = self._forward(batch)
+            self.engine.backward(loss)
+            self.engine.step()
+            add(totals, self.objective.metrics(batch, loss, output))
+
+    def evaluate(self, micro_batches, totals: dict) -> None:
+        self.engine.eval()
+        with torch.no_grad():
+            for batch in micro_batches:
+                add(totals, self.objective.metrics(*self._forward(batch)))
+        self.engine.train()
+
+    def reduce(self, totals: dict) -> dict:
+        return reduce_metrics(totals, self.device)
+
+
+class PipelineLoss:
+    """The last stage's loss_fn: masked-LM loss on this rank's vocabulary shard; it adds the
+    objective's metrics of each micro-batch to `totals`."""
+
+    def __init__(self, objective):
+        self.objective = objective
+        self.totals = {}
+
+    def __call__(self, logits, labels):
+        """logits [n, b, vocab / tp], labels [b, n]."""
+        loss = masked_lm_loss(logits, labels.t())
+        full_logits = gather_tensor_parallel(logits.detach(), dim=-1).transpose(0, 1)
+        add(self.totals, self.objective.metrics({"labels": labels}, loss, full_logits))
+        return loss
+
+
+class PipelineSteps:
+    """DeepSpeed's pipeline engine: stage 0 reads the inputs, the last stage the labels, and the
+    engine schedules the micro-batches through the stages."""
+
+    def __init__(self, engine, loss: PipelineLoss, device):
+        self.engine, self.loss, self.device = engine, loss, device
+
+    @staticmethod
+    def _pipeline_batches(micro_batches):
+        for batch in micro_batches:
+            yield (batch["input_ids"], batch["attention_mask"]), batch["labels"]
+
+    def train(self, micro_batches, totals: dict) -> None:
+        self.loss.totals = totals
+        self.engine.train_batch(self._pipeline_batches(micro_batches))
+
+    def evaluate(self, micro_batches, totals: dict) -> None:
+        self.loss.totals = totals
+        micro_batches = list(micro_batches)
+        self.engine.eval_batch(self._pipeline_batches(micro_batches),
+                               num_micro_batches=len(micro_batches))
+
+    def reduce(self, totals: dict) -> dict:
+        """Only the last stage has metrics: reduced there, then sent to the other stages."""
+        last = self.engine.is_last_stage()
+        metrics = [reduce_metrics(totals, self.device) if last else None]
+        dist.broadcast_object_list(metrics, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        return metrics[0]
