@@ -106,6 +106,13 @@ def load(argv=None) -> RunConfig:
         source = "--zero-stage" if args.zero_stage is not None else args.ds_config
         fail(f"--pp {args.pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, and "
              f"{source} sets stage {zero_stage}; use --zero-stage 1")
+    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else (
+        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
+    if (args.pp > 1 and zero_stage == 0 and dtype == "fp32"
+            and ds_config.get("gradient_clipping", 1.0) > 0):  # DeepSpeed's default is 1.0
+        fail(f"--pp {args.pp} with ZeRO stage 0 in fp32: DeepSpeed's fp32 gradient clipping "
+             "leaves the later stages' replicated parameters out of the gradient norm; use "
+             "--zero-stage 1 (or fp16/bf16, or gradient_clipping 0)")
     if args.micro_batch is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.global_batch is not None:
@@ -135,8 +142,6 @@ def load(argv=None) -> RunConfig:
                                 "job_name": "deepspeed"}
     ds_config.setdefault("steps_per_print", 10**9)
 
-    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else (
-        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
     if args.objective == "electra" and args.model not in PAIRS:
         fail(f"--objective electra needs --model {' or '.join(PAIRS)}, not {args.model!r}")
     if args.objective == "mlm" and args.model not in PRESETS:

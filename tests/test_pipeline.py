@@ -1,0 +1,157 @@
+"""Pipeline parallelism (--pp): stage balance, every encoding against one process, tied copies of
+the positional module and the word embedding, tp x pp x dp layouts and resume, under the real
+deepspeed launcher (2-4 CPU processes, tiny models, fp32)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tupe_ds
+from test_pretrain import environment, free_port, log, train
+from tp_inputs import micro_batches
+from tupe_ds.model.config import ENCODINGS, ModelConfig
+from tupe_ds.model.pipeline import stage_layer_counts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIN = os.path.dirname(sys.executable)
+
+
+def test_stages_balance_the_head_against_the_layers():
+    large = ModelConfig.from_preset("bert-large")  # head ~2.5 layers at s = 512, V = 32768
+    assert stage_layer_counts(large, 4) == [7, 7, 6, 4]
+    assert stage_layer_counts(large, 2) == [13, 11]
+    assert stage_layer_counts(large, 24) == [1] * 24
+    assert stage_layer_counts(ModelConfig.from_preset("tiny"), 2) == [1, 1]
+    small_vocab = ModelConfig.from_preset("bert-large", vocab_size=128)  # the head costs ~nothing
+    assert stage_layer_counts(small_vocab, 4) == [6, 6, 6, 6]
+    with pytest.raises(ValueError, match="every stage holds at least one transformer layer"):
+        stage_layer_counts(ModelConfig.from_preset("tiny"), 3)
+
+
+# One SGD step (lr 1) of 2 micro-batches on 2 stages, per encoding, against one process.
+
+RENAMES = [  # BertPipeline's tied module parameters -> BertForMaskedLM's names
+    ("word_embeddings.final_layernorm.", "encoder.block.final_layernorm."),
+    ("word_embeddings.word_embeddings.", "embedding.word_embeddings."),
+    ("word_embeddings.", ""),
+    ("positional.positional.", "encoder.positional."),
+]
+
+
+def model_name(pipeline_name):
+    for prefix, replacement in RENAMES:
+        if pipeline_name.startswith(prefix):
+            return replacement + pipeline_name[len(prefix):]
+    raise AssertionError(pipeline_name)
+
+
+@pytest.fixture(scope="module")
+def two_stage_steps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp_worker")
+    env = {**environment(), "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
+    run = subprocess.run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
+                          os.path.join(HERE, "pp_worker.py"), str(out), *ENCODINGS],
+                         env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {(encoding, stage): torch.load(out / f"{encoding}.stage{stage}.pt")
+            for encoding in ENCODINGS for stage in (0, 1)}
+
+
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+def test_every_encoding_on_two_stages_equals_one_process(two_stage_steps, encoding):
+    torch.manual_seed(0)
+    model = tupe_ds.build_model("tiny", pos_encoding=encoding, hidden_dropout=0.0,
+                                attention_dropout=0.0)
+    batches = micro_batches(2)
+    loss = sum(model(ids, mask, labels)[0] for ids, mask, labels in batches) / len(batches)
+    loss.backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param -= 1.0 * param.grad  # the worker's SGD step
+    params = dict(model.named_parameters())
+    positional = {n for n in params if n.startswith("encoder.positional.")}
+    for stage in (0, 1):
+        result = two_stage_steps[encoding, stage]
+        torch.testing.assert_close(result["loss"], loss.detach(), rtol=1e-5, atol=1e-5)
+        assert result["positional_calls"] == len(batches), "once per stage and micro-batch"
+        copies = {model_name(name): value for name, value in result["tied"].items()}
+        assert positional <= set(copies), stage  # each stage holds the whole positional module
+        assert "embedding.word_embeddings.weight" in copies
+        for name, value in copies.items():
+            torch.testing.assert_close(value, params[name].detach(), rtol=1e-5, atol=1e-5,
+                                       msg=f"stage {stage}: {name}")
+
+
+# The training command with --pp: layouts, tied copies in the checkpoints, resume.
+
+FLAGS = ["--pos-encoding", "tupe-r", "--steps", "5", "--dropout", "0", "--global-batch", "8",
+         "--micro-batch", "4", "--lr", "2e-3", "--warmup-steps", "1", "--zero-stage", "1",
+         "--eval-interval", "5", "--save-interval", "2", "--keep-checkpoints", "3"]
+LAYOUTS = {"pp1": (1, []), "pp2": (2, ["--pp", "2"]), "tp2pp2": (4, ["--tp", "2", "--pp", "2"])}
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline_runs")
+    for name, (processes, flags) in LAYOUTS.items():
+        train("deepspeed", processes, data, root / name, *FLAGS, *flags)
+    return root
+
+
+def test_pipeline_layouts_equal_one_process(runs):
+    one = log(runs / "pp1")
+    for name in ("pp2", "tp2pp2"):
+        other = log(runs / name)
+        for step in range(1, 6):
+            for metric in ("train/loss", "train/grad_norm"):
+                assert other[step][metric] == pytest.approx(one[step][metric], rel=1e-5, abs=1e-5), (
+                    name, step, metric)
+        assert other[5]["valid/loss"] == pytest.approx(one[5]["valid/loss"], rel=1e-5, abs=1e-5)
+    assert one[5]["train/loss"] < one[1]["train/loss"] - 0.05  # the steps did train
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "tp2pp2"])
+def test_tied_copies_are_identical_on_every_stage_after_training(runs, layout):
+    """Stage 0 holds layers 0-3 of the pipeline (embedding, positional, layer, end), stage 1
+    layers 4-7 (positional, layer, end, head): its checkpoint has one file per layer (and tp rank)."""
+    step = runs / layout / "checkpoints" / "step5"
+    whole = load(runs / "pp1" / "checkpoints" / "step5" / "mp_rank_00_model_states.pt")["module"]
+    for tp_rank in range(2 if layout == "tp2pp2" else 1):
+        suffix = f"-model_{tp_rank:02d}"
+        first, second = (load(step / f"layer_{i:02d}{suffix}-model_states.pt") for i in (1, 4))
+        assert first.keys() == second.keys()
+        names = [n for n in first if torch.is_tensor(first[n])]  # not megatron's _extra_state
+        assert len(names) == 7  # p, its LayerNorm (2), U^Q, U^K, theta's vectors, relative table
+        for name in names:
+            assert torch.equal(first[name], second[name]), name
+        embedding = load(step / f"layer_00{suffix}-model_states.pt")["embedding.word_embeddings.weight"]
+        decoder = load(step / f"layer_07{suffix}-model_states.pt")["word_embeddings.weight"]
+        assert torch.equal(embedding, decoder)
+        if layout == "pp2":  # the trained copies are the one-process run's parameters
+            for name in names:
+                torch.testing.assert_close(first[name], whole[f"encoder.{name}"],
+                                           rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_run_resumes_from_its_checkpoint(runs, data, tmp_path):
+    """A copy of the pp=2 run, resumed from its step-2 checkpoint, reproduces steps 3-5."""
+    copy = tmp_path / "copy"
+    shutil.copytree(runs / "pp2" / "checkpoints", copy / "checkpoints")
+    for later in ("step4", "step5"):
+        shutil.rmtree(copy / "checkpoints" / later)
+    (copy / "checkpoints" / "latest").write_text("step2")
+    stdout = train("deepspeed", 2, data, copy, *FLAGS, "--pp", "2")
+    assert "resumed at step 2 of 5" in stdout
+    whole, resumed = log(runs / "pp2"), log(copy)
+    assert set(resumed) == {3, 4, 5}
+    for step in (3, 4, 5):
+        assert resumed[step]["train/loss"] == pytest.approx(whole[step]["train/loss"], rel=1e-5,
+                                                            abs=1e-6)
