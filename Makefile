@@ -44,6 +44,7 @@ bench: venv
 	$(BIN)/python bench/step_time.py
 	$(BIN)/python bench/prep_throughput.py
 	$(BIN)/deepspeed --num_gpus 2 bench/train_throughput.py --model tiny
+	$(BIN)/deepspeed --num_gpus 2 bench/pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

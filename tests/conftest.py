@@ -1,3 +1,4 @@
+import glob
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -6,6 +7,27 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tupe_ds  # noqa: E402
+
+
+DEEPSPEED_SHARED_MEMORY = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+@pytest.fixture(scope="session")
+def shared_memory_before_the_tests():
+    return set(glob.glob(DEEPSPEED_SHARED_MEMORY))
+
+
+@pytest.fixture(autouse=True)
+def remove_deepspeed_shared_memory(shared_memory_before_the_tests):
+    """DeepSpeed's CPU all-reduce leaves a 66 MB buffer per rank in /dev/shm (memory) when a run
+    ends; after each test, remove those the suite's runs left (theirs have all ended by then), so
+    that the suite does not fill the memory."""
+    yield
+    for path in set(glob.glob(DEEPSPEED_SHARED_MEMORY)) - shared_memory_before_the_tests:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def perturb(model, seed=1):

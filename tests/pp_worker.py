@@ -1,4 +1,5 @@
-"""Run under `deepspeed --num_gpus 2`: one SGD step of a 2-stage BertPipeline per encoding.
+"""Run under `deepspeed --num_gpus 2`: one SGD step of a 2-stage BertPipeline (2 layers per stage)
+per encoding.
 
 Usage: deepspeed --num_gpus 2 tests/pp_worker.py OUT_DIR ENCODING [ENCODING ...]
 
@@ -39,8 +40,8 @@ def main(out_dir, encodings):
     stage = parallel_state.get_pipeline_model_parallel_rank()
     PositionalEncoding.attention_bias = count_calls(PositionalEncoding.attention_bias)
     for encoding in encodings:
-        config = ModelConfig.from_preset("tiny", pos_encoding=encoding, hidden_dropout=0.0,
-                                         attention_dropout=0.0)
+        config = ModelConfig.from_preset("tiny", num_layers=4, pos_encoding=encoding,
+                                         hidden_dropout=0.0, attention_dropout=0.0)
         torch.manual_seed(0)
         model = BertPipeline(config, pipeline_topology(2, 1, 1),
                              loss_fn=lambda logits, labels: masked_lm_loss(logits, labels.t()))

@@ -2,6 +2,7 @@
 the positional module and the word embedding, tp x pp x dp layouts and resume, under the real
 deepspeed launcher (2-4 CPU processes, tiny models, fp32)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,7 +33,8 @@ def test_stages_balance_the_head_against_the_layers():
         stage_layer_counts(ModelConfig.from_preset("tiny"), 3)
 
 
-# One SGD step (lr 1) of 2 micro-batches on 2 stages, per encoding, against one process.
+# One SGD step (lr 1, no clipping) of 2 micro-batches on 2 stages of 2 layers, per encoding,
+# against one process.
 
 RENAMES = [  # BertPipeline's tied module parameters -> BertForMaskedLM's names
     ("word_embeddings.final_layernorm.", "encoder.block.final_layernorm."),
@@ -64,8 +66,8 @@ def two_stage_steps(tmp_path_factory):
 @pytest.mark.parametrize("encoding", list(ENCODINGS))
 def test_every_encoding_on_two_stages_equals_one_process(two_stage_steps, encoding):
     torch.manual_seed(0)
-    model = tupe_ds.build_model("tiny", pos_encoding=encoding, hidden_dropout=0.0,
-                                attention_dropout=0.0)
+    model = tupe_ds.build_model("tiny", num_layers=4, pos_encoding=encoding, hidden_dropout=0.0,
+                                attention_dropout=0.0)  # 2 layers per stage
     batches = micro_batches(2)
     loss = sum(model(ids, mask, labels)[0] for ids, mask, labels in batches) / len(batches)
     loss.backward()
@@ -155,3 +157,18 @@ def test_pipeline_run_resumes_from_its_checkpoint(runs, data, tmp_path):
     for step in (3, 4, 5):
         assert resumed[step]["train/loss"] == pytest.approx(whole[step]["train/loss"], rel=1e-5,
                                                             abs=1e-6)
+
+
+def test_bf16_pipeline_follows_one_process(data, tmp_path):
+    """bf16 (what GPUs train in; fp16 needs CUDA): 2 stages against one process, to bf16's
+    precision."""
+    with open(os.path.join(os.path.dirname(HERE), "ds_configs", "cpu_zero2.json")) as f:
+        config = {**json.load(f), "bf16": {"enabled": True}}
+    path = tmp_path / "bf16.json"
+    path.write_text(json.dumps(config))
+    flags = [*FLAGS, "--steps", "3", "--ds-config", str(path)]  # the last value of a flag counts
+    train("deepspeed", 1, data, tmp_path / "pp1", *flags)
+    train("deepspeed", 2, data, tmp_path / "pp2", *flags, "--pp", "2")
+    one, two = log(tmp_path / "pp1"), log(tmp_path / "pp2")
+    for step in (1, 2, 3):
+        assert two[step]["train/loss"] == pytest.approx(one[step]["train/loss"], rel=1e-3), step

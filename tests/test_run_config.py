@@ -45,6 +45,32 @@ def test_errors_name_what_to_change(data, tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "run")  # nothing was started or written
 
 
+def test_pipeline_errors_name_what_to_change(data, tmp_path, monkeypatch):
+    assert "--tp 2 x --pp 2 = 4 does not divide the 6 processes" in fails(
+        base(data, tmp_path, "--tp", "2", "--pp", "2"), monkeypatch, world=6)
+    assert ("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, and "
+            f"{CPU_CONFIG} sets stage 2; use --zero-stage 1") in fails(
+        base(data, tmp_path, "--pp", "2"), monkeypatch)
+    assert "--zero-stage sets stage 3; use --zero-stage 1" in fails(
+        base(data, tmp_path, "--pp", "2", "--zero-stage", "3"), monkeypatch)
+    assert "leaves the later stages' replicated parameters out of the gradient norm" in fails(
+        base(data, tmp_path, "--pp", "2", "--zero-stage", "0"), monkeypatch)
+    assert "pipeline parallelism is for BERT (--objective mlm)" in fails(
+        base(data, tmp_path, "--pp", "2", "--zero-stage", "1", "--objective", "electra"), monkeypatch)
+    assert "--model tiny has 2 layers, and every pipeline stage needs at least one" in fails(
+        base(data, tmp_path, "--pp", "4", "--zero-stage", "1"), monkeypatch, world=4)
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_pipeline_layout_sets_the_data_parallel_size(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    run = load(base(data, tmp_path, "--tp", "2", "--pp", "2", "--zero-stage", "1",
+                    "--global-batch", "32", "--micro-batch", "4"))
+    assert run.dp_size == 2
+    assert run.ds_config["zero_optimization"]["stage"] == 1
+    assert run.ds_config["gradient_accumulation_steps"] == 4
+
+
 def test_overrides_and_derived_settings(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     run = load(base(data, tmp_path, "--global-batch", "32", "--micro-batch", "4", "--lr", "5e-4",

@@ -10,10 +10,10 @@ back) and the attention mask [b, n] as integers (NCCL refuses bool tensors).
 The positional module (p, its LayerNorm, U^Q/U^K, theta, the relative table) is one logical set
 of parameters: each stage holds a tied copy (DeepSpeed's TiedLayerSpec: the copies start equal
 and their gradients are all-reduced before each optimizer step) and computes the positional term
-once per micro-batch for its own layers. Sending v [heads, n, n] (and its gradient) from the first
-stage instead costs more than recomputing it: README, "Pipeline parallelism", has the figures of
-bench/pipeline.py. The word embedding matrix is tied between the first stage (lookup) and the
-last (decoder of the masked-LM head).
+once per micro-batch for its own layers, rather than receiving v [heads, n, n] (and sending its
+gradient back) from the first stage: README, "Pipeline parallelism", has the measured costs of
+both (bench/pipeline.py) and the reasons. The word embedding matrix is tied between the first
+stage (lookup) and the last (decoder of the masked-LM head).
 
 Every process builds the whole BertForMaskedLM from the seed on the CPU and keeps its stage's
 modules, so one seed gives the same weights whatever the pipeline (and tensor) layout.
@@ -21,6 +21,7 @@ modules, so one seed gives the same weights whatever the pipeline (and tensor) l
 
 import weakref
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
@@ -141,8 +142,10 @@ class BertPipeline(PipelineModule):
         specs.append(TiedLayerSpec("word_embeddings", MaskedLMHeadPipe, ref,
                                    tied_weight_attr=["word_embeddings.weight"]))
         # DeepSpeed cuts the list before each PositionalPipe: one copy at the start of each stage.
-        super().__init__(specs, topology=topology, loss_fn=loss_fn,
-                         partition_method=f"type:^{PositionalPipe.__name__}$")
+        # No autograd while it builds: it broadcasts the tied weights in place.
+        with torch.no_grad():
+            super().__init__(specs, topology=topology, loss_fn=loss_fn,
+                             partition_method=f"type:^{PositionalPipe.__name__}$")
         self.model_config = config
         self.stage_layers = counts
         self._check_layout(counts)
@@ -156,7 +159,8 @@ class BertPipeline(PipelineModule):
 
     def _check_layout(self, counts: list) -> None:
         """The stages DeepSpeed cut are the planned ones, and its process grid is megatron-core's."""
-        starts = [1 + sum(counts[:s]) + 2 * s for s in range(len(counts))]  # embedding, ends
+        # The embedding, then per stage its positional copy, its layers and its end_of_stage.
+        starts = [1 + sum(counts[:s]) + 2 * s for s in range(len(counts))]
         if self.parts[1:-1] != starts[1:]:
             raise RuntimeError(f"DeepSpeed cut the pipeline at {self.parts}, not before each "
                                f"PositionalPipe at {starts}")
