@@ -4,6 +4,7 @@
         --pos-encoding tupe-r --ds-config ds_configs/bert_large_fp16_zero2.json --out runs/large \\
         --steps 1000000
     torchrun --nproc_per_node 2 -m tupe_ds.pretrain ... (the same flags)
+    srun python -m tupe_ds.pretrain ...  /  mpirun -np 8 python -m tupe_ds.pretrain ...
     deepspeed --num_gpus 8 --module tupe_ds.pretrain ... --pp 4 --zero-stage 1   (pipeline, BERT)
 
 Run again with the same --out (and a larger --steps to train on): it resumes from the latest
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
+from tupe_ds import launch
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
@@ -76,8 +78,13 @@ def build_engine(run: RunConfig, objective, device):
 
 
 def main(argv=None) -> int:
+    launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     run = load(argv)  # everything checkable is checked before any process group starts
     args = run.args
+    if args.check_only:
+        print(f"tupe-pretrain: configuration OK for {run.world_size} processes (tp {args.tp}, pp "
+              f"{args.pp}, dp {run.dp_size}), global batch {run.ds_config['train_batch_size']}")
+        return 0
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
     device = accelerator_device()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
@@ -102,8 +109,8 @@ def main(argv=None) -> int:
     stop = checkpoint.StopSignal()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{'resumed at' if state else 'starting'} step {step} of {args.steps}: {args.objective} "
-        f"{args.model} {args.pos_encoding}, {run.world_size} processes (tp {args.tp}, pp {args.pp}, "
-        f"dp {run.dp_size}), "
+        f"{args.model} {args.pos_encoding}, {run.world_size} processes from {launcher} (tp "
+        f"{args.tp}, pp {args.pp}, dp {run.dp_size}), "
         f"global batch {batches.global_batch} x {args.seq_len} tokens, {len(data['train'].packed)} "
         f"train samples", flush=True)
 

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                    help="steps between images of the positional logits in TensorBoard")
     p.add_argument("--resume", choices=["auto", "never"], default="auto",
                    help="auto: continue from the latest complete checkpoint in --out")
+    p.add_argument("--check-only", action="store_true",
+                   help="check the command, data and DeepSpeed config for WORLD_SIZE processes, "
+                        "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
     return p
 

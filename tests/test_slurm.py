@@ -1,0 +1,183 @@
+"""Launching everywhere: the real sbatch scripts against a real Slurm (one node on 127.0.0.1,
+tests/slurm_cluster.py), preemption and requeue, mpirun, and how each launcher's ranks are read.
+
+When Slurm, munge and OpenMPI cannot be installed, these tests are skipped with the reason."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from slurm_cluster import SlurmCluster, install_packages
+from test_data_prep import run as prep, unique_document, write_txt
+from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log
+from tupe_ds import launch
+
+TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "1",
+        "--eval-samples", "32"]
+SBATCH_ON_THIS_NODE = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
+                       "--cpus-per-task=1", "--time=30", "--mem=1G"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = install_packages()
+    if reason:
+        pytest.skip(f"no Slurm here: {reason}")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()
+
+
+def job_environment():
+    return {**environment(), "PYTHON": sys.executable}
+
+
+def submit_pretraining(cluster, data, out, *flags):
+    return cluster.sbatch(*SBATCH_ON_THIS_NODE, f"--output={out}.log", f"--chdir={ROOT}",
+                          os.path.join(ROOT, "slurm", "pretrain.sbatch"), "bert-large", data,
+                          str(out), *TINY, *flags, env=job_environment())
+
+
+def logged_steps(out):
+    """Every train/loss line of train_log.jsonl, in order (a step logged twice shows twice)."""
+    with open(os.path.join(out, "train_log.jsonl")) as f:
+        return [entry["step"] for entry in map(json.loads, f) if "train/loss" in entry]
+
+
+def test_sbatch_pretraining_leaves_a_checkpoint_and_tensorboard(cluster, data, tmp_path):
+    out = tmp_path / "run"
+    job = cluster.wait_until_done(submit_pretraining(cluster, data, out, "--steps", "6",
+                                                     "--eval-interval", "6"))
+    output = (tmp_path / "run.log").read_text()
+    assert job["JobState"] == "COMPLETED", output[-3000:]
+    assert "configuration OK for 2 processes" in output  # checked once, before the tasks
+    assert "2 processes from srun (tp 1, pp 1, dp 2)" in output
+    assert (out / "checkpoints" / "latest").read_text() == "step6"
+    events = EventAccumulator(str(out / "tensorboard" / "tupe")).Reload()
+    assert {"train/loss", "valid/loss"} <= set(events.Tags()["scalars"])
+    assert logged_steps(out) == list(range(1, 7))
+
+
+def test_a_wrong_layout_fails_the_job_before_any_task_starts(cluster, data, tmp_path):
+    job = cluster.wait_until_done(submit_pretraining(cluster, data, tmp_path / "run", "--steps",
+                                                     "6", "--tp", "4"))
+    output = (tmp_path / "run.log").read_text()
+    assert job["JobState"] == "FAILED"
+    assert "--tp 4 does not divide the 2 processes" in output
+    assert "starting step" not in output and not (tmp_path / "run").exists()
+
+
+def test_preempted_job_checkpoints_requeues_and_finishes_where_it_stopped(cluster, data, tmp_path):
+    out = tmp_path / "run"
+    job_id = submit_pretraining(cluster, data, out, "--steps", "40", "--save-interval", "1000",
+                                "--eval-interval", "1000")
+    cluster.wait(job_id, lambda job: os.path.exists(out / "train_log.jsonl")
+                 and len(logged_steps(out)) >= 3)
+    # What Slurm sends before the time limit (--signal=B:USR1@600), or an admin before preempting.
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    cluster.wait(job_id, lambda job: job["Restarts"] == "1" and job["JobState"] == "PENDING")
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # skip the 2-min hold
+    job = cluster.wait_until_done(job_id)
+    output = (tmp_path / "run.log").read_text()  # --open-mode=append: both runs
+    assert job["JobState"] == "COMPLETED", output[-3000:]
+    stopped = int(output.split("stopping at step ")[1].split()[0])
+    assert 3 <= stopped < 40
+    assert f"resumed at step {stopped} of 40" in output
+    assert logged_steps(out) == list(range(1, 41))  # nothing lost, nothing trained twice
+    assert "final valid loss" in output.split("resumed at step")[1]
+
+
+def test_prep_array_job_and_merge_equal_one_tupe_prep_run(cluster, tmp_path):
+    rng = random.Random(5)
+    files = [write_txt(tmp_path / f"part{i}.txt", [unique_document(rng) for _ in range(6)])
+             for i in range(3)]
+    prep(files, tmp_path / "tok", dedup="exact")
+    tokenizer = str(tmp_path / "tok" / "tokenizer.json")
+    prep(files, tmp_path / "single", dedup="exact", valid_fraction=0.01, tokenizer=tokenizer)
+    env = {**cluster.env, **environment(), "TUPE_PREP": f"{sys.executable} -m data_prep",
+           "TUPE_PREP_ARGS": "--dedup exact",
+           "SUBMIT_ARGS": f"--cpus-per-task=1 --mem=1G --time=10 --chdir={tmp_path}"}
+    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "submit_prep.sh"), "2",
+                             str(tmp_path / "out"), tokenizer, *files],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    merge = result.stdout.split("merge: job ")[1].split()[0]
+    job = cluster.wait_until_done(merge)
+    assert job["JobState"] == "COMPLETED", cluster.logs()
+    merged = IndexedDataset(str(tmp_path / "out" / "merged" / "train"))
+    one = IndexedDataset(str(tmp_path / "single" / "train"))
+    assert (merged.sequence_lengths == one.sequence_lengths).all()
+    assert all((merged[i] == one[i]).all() for i in range(len(one)))
+
+
+def test_mpirun_trains_like_the_deepspeed_launcher(cluster, data, tmp_path):
+    """OpenMPI's mpirun (installed with the cluster), ranks read through mpi4py."""
+    pytest.importorskip("mpi4py", reason="pip install tupe_ds[mpi]")
+    flags = [*TINY, "--data", data, "--steps", "4", "--eval-interval", "4", "--dropout", "0"]
+    env = {**environment(), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "MASTER_PORT": free_port()}
+    result = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", sys.executable, "-m",
+                             "tupe_ds.pretrain", *flags, "--out", str(tmp_path / "mpi")],
+                            env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 processes from mpirun (tp 1, pp 1, dp 2)" in result.stdout
+    deepspeed = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+                                "--num_gpus", "2", "--master_port", free_port(), "--module",
+                                "tupe_ds.pretrain", *flags, "--out", str(tmp_path / "ds")],
+                               env=environment(), capture_output=True, text=True, timeout=400)
+    assert deepspeed.returncode == 0, deepspeed.stderr[-3000:]
+    mpi, ds = log(tmp_path / "mpi"), log(tmp_path / "ds")
+    for step in range(1, 5):
+        assert mpi[step]["train/loss"] == pytest.approx(ds[step]["train/loss"], rel=1e-5), step
+
+
+# How each launcher's variables become RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+
+def test_launcher_variables_are_kept():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1",
+           "MASTER_PORT": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "9"}
+    assert launch.discover(env) == "deepspeed or torchrun"
+    assert env["RANK"] == "3"
+
+
+def test_srun_tasks_take_their_rank_from_slurm(monkeypatch):
+    monkeypatch.setattr(launch, "first_host", lambda nodelist: {"gpu[03-04]": "gpu03"}[nodelist])
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+           "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "123456"}
+    assert launch.discover(env) == "srun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"],
+            env["MASTER_PORT"]) == ("13", "16", "5", "gpu03", str(20000 + 123456 % 20000))
+    batch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_JOB_ID": "1"}  # no step
+    assert launch.discover(batch_script) == "single process" and "RANK" not in batch_script
+
+
+def test_mpirun_ranks_take_the_master_address_given(monkeypatch):
+    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "MASTER_ADDR": "10.1.2.3"}
+    assert launch.discover(env) == "mpirun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"],
+            env["MASTER_PORT"]) == ("2", "4", "0", "10.1.2.3", "29500")
+
+
+def test_interface_address_of_the_loopback_and_a_clear_error():
+    assert launch.interface_address({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+    with pytest.raises(RuntimeError, match="'nosuch0' .* has no IPv4 address"):
+        launch.interface_address({"NCCL_SOCKET_IFNAME": "nosuch0"})
+
+
+def test_pretrain_script_explains_its_usage():
+    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "pretrain.sbatch")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "usage: sbatch slurm/pretrain.sbatch" in result.stderr
+
+
+def test_shard_script_explains_its_usage():
+    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "prep_shard.sbatch")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "usage: sbatch --array" in result.stderr

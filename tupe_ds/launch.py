@@ -1,0 +1,82 @@
+"""Which rank this process is, whatever started it, before any process group or check starts.
+
+- the deepspeed launcher and torchrun set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT:
+  kept as they are;
+- srun (a task of a Slurm job step): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is the
+  first node of the step, port 20000 + job id mod 20000 unless MASTER_ADDR / MASTER_PORT are set;
+- mpirun (OpenMPI's OMPI_COMM_WORLD_*, or PMI_* of MPICH and Intel MPI): the master is rank 0,
+  its address sent to every rank through mpi4py: 127.0.0.1 when all ranks share one host, else
+  the address of the interface named by GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME, else the first
+  of `hostname -I` (DeepSpeed's choice), unless MASTER_ADDR is set; port MASTER_PORT or 29500.
+
+Written here because DeepSpeed's own discovery knows mpirun but not srun, and under mpirun takes
+the first address of `hostname -I`, whichever interface that is.
+"""
+
+import fcntl
+import os
+import socket
+import struct
+import subprocess
+from typing import MutableMapping
+
+DEFAULT_PORT = 29500
+
+
+def discover(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in `environ` from the
+    launcher's variables; returns the launcher's name."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return "deepspeed or torchrun"
+    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:  # the batch script has no step
+        environ.update(RANK=environ["SLURM_PROCID"], WORLD_SIZE=environ["SLURM_NTASKS"],
+                       LOCAL_RANK=environ["SLURM_LOCALID"])
+        environ.setdefault("MASTER_ADDR", first_host(environ["SLURM_STEP_NODELIST"]))
+        environ.setdefault("MASTER_PORT", str(20000 + int(environ["SLURM_JOB_ID"]) % 20000))
+        return "srun"
+    for rank, size, local in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                               "OMPI_COMM_WORLD_LOCAL_RANK"),
+                              ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")):
+        if rank in environ:
+            environ.update(RANK=environ[rank], WORLD_SIZE=environ[size],
+                           LOCAL_RANK=environ.get(local, "0"))
+            if "MASTER_ADDR" not in environ:
+                environ["MASTER_ADDR"] = mpi_master_address(environ)
+            environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
+            return "mpirun"
+    return "single process"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as "gpu[03-05,07]"."""
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                           text=True, check=True).stdout.split()
+    return hosts[0]
+
+
+def mpi_master_address(environ) -> str:
+    from mpi4py import MPI  # only under mpirun; `pip install tupe_ds[mpi]`
+
+    comm = MPI.COMM_WORLD
+    hosts = comm.allgather(socket.gethostname())
+    address = None
+    if comm.Get_rank() == 0:
+        address = "127.0.0.1" if len(set(hosts)) == 1 else interface_address(environ)
+    return comm.bcast(address, root=0)
+
+
+def interface_address(environ) -> str:
+    """IPv4 address of GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, else the first of `hostname -I`."""
+    name = environ.get("GLOO_SOCKET_IFNAME") or environ.get("NCCL_SOCKET_IFNAME")
+    if name:
+        name = name.split(",")[0].lstrip("=")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            SIOCGIFADDR = 0x8915
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                return socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)[20:24])
+            except OSError as error:
+                raise RuntimeError(f"network interface {name!r} (GLOO_SOCKET_IFNAME / "
+                                   f"NCCL_SOCKET_IFNAME) has no IPv4 address: {error}") from None
+    return subprocess.run(["hostname", "-I"], capture_output=True, text=True,
+                          check=True).stdout.split()[0]
