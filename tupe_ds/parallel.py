@@ -9,9 +9,13 @@ from megatron.core import parallel_state
 
 
 def accelerator_device() -> torch.device:
-    """The device of this process, as DeepSpeed's accelerator sees it (cuda:N, cpu, ...)."""
-    from deepspeed.accelerator import get_accelerator  # slow import: only when a model is built
-
+    """The device of this process, as DeepSpeed's accelerator sees it (cuda:N, cpu, ...); without
+    DeepSpeed (an exported model used for inference), the current CUDA device or the CPU."""
+    try:
+        from deepspeed.accelerator import get_accelerator  # slow import: only when a model is built
+    except ImportError:
+        return torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
+                            else "cpu")
     return torch.device(get_accelerator().current_device_name())
 
 

@@ -11,6 +11,8 @@ Run again with the same --out (and a larger --steps to train on): it resumes fro
 complete checkpoint, data position included. SIGTERM or SIGUSR1 saves a checkpoint and stops.
 """
 
+import dataclasses
+import json
 import os
 import sys
 import warnings
@@ -59,6 +61,17 @@ def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int) ->
     return {f"valid/{name}": value for name, value in steps.reduce(totals).items()}
 
 
+def write_run_description(run: RunConfig) -> None:
+    """OUT/run.json: the models and layout of the run, which tupe-export reads (atomically)."""
+    description = {"objective": run.args.objective, "data": os.path.abspath(run.args.data),
+                   "tp": run.args.tp, "pp": run.args.pp,
+                   "models": [dataclasses.asdict(config) for config in run.models]}
+    temporary = os.path.join(run.args.out, "run.json.tmp")
+    with open(temporary, "w") as f:
+        json.dump(description, f, indent=1)
+    os.replace(temporary, os.path.join(run.args.out, "run.json"))
+
+
 def build_engine(run: RunConfig, objective, device):
     """The model (a pipeline of stages when --pp > 1), its DeepSpeed engine and its steps."""
     args = run.args
@@ -93,6 +106,8 @@ def main(argv=None) -> int:
                                              pipeline_model_parallel_size=args.pp)
     rank = dist.get_rank()
     os.makedirs(args.out, exist_ok=True)
+    if rank == 0:
+        write_run_description(run)
 
     objective = OBJECTIVES[args.objective]
     model, engine, steps = build_engine(run, objective, device)

@@ -1,0 +1,66 @@
+"""Under a launcher, with tupe-pretrain's flags: train --steps steps as tupe_ds.pretrain does, save
+a checkpoint, and save the live engine's masked-LM logits on a fixed batch (OUT/live_logits.pt)
+for test_export.py to compare with the exported model's."""
+
+import os
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from tp_inputs import inputs
+from tupe_ds import launch
+from tupe_ds.data.loader import TrainBatches, Vocabulary
+from tupe_ds.parallel import accelerator_device, gather_tensor_parallel
+from tupe_ds.pretrain import build_engine, datasets, write_run_description
+from tupe_ds.train import checkpoint
+from tupe_ds.train.config import load
+from tupe_ds.train.objectives import OBJECTIVES
+
+
+def main(argv):
+    launch.discover()
+    run = load(argv)
+    args = run.args
+    deepspeed.init_distributed(dist_backend="gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                             pipeline_model_parallel_size=args.pp)
+    os.makedirs(args.out, exist_ok=True)
+    if dist.get_rank() == 0:
+        write_run_description(run)
+    objective = OBJECTIVES[args.objective]
+    device = accelerator_device()
+    _, engine, steps = build_engine(run, objective, device)
+    data = datasets(run, Vocabulary.from_data_dir(args.data), objective.masking)
+    batches = TrainBatches(data["train"], args.seq_len, engine.train_micro_batch_size_per_gpu(),
+                           engine.gradient_accumulation_steps(),
+                           parallel_state.get_data_parallel_rank(), run.dp_size)
+    for _ in range(args.steps):
+        steps.train(batches.next_step(), {})
+    checkpoint.save(engine, os.path.join(args.out, "checkpoints"), args.steps,
+                    {"step": args.steps, "consumed": batches.consumed}, keep=1)
+
+    ids, mask, labels = inputs(batch=3, n=40, vocab=1000)
+    engine.eval()
+    with torch.no_grad():
+        if args.pp > 1:
+            engine.reset_activation_shape()  # not the training batches' shape
+            _, logits = engine.eval_batch(iter([((ids, mask), labels)]), return_logits=True,
+                                          num_micro_batches=1)
+            writer = engine.is_last_stage()
+            if writer:
+                logits = gather_tensor_parallel(logits, dim=-1).transpose(0, 1)
+        else:
+            logits = engine(ids.to(device), mask.to(device))  # gathered over tp
+            writer = True
+    if writer and parallel_state.get_tensor_model_parallel_rank() == 0 \
+            and parallel_state.get_data_parallel_rank() == 0:
+        torch.save(logits.cpu(), os.path.join(args.out, "live_logits.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main([a for a in sys.argv[1:] if not a.startswith("--local_rank")])

@@ -1,0 +1,61 @@
+"""tupe-export: the consolidated model of a ZeRO-2, a tp=2 and a pp=2 run gives the live engine's
+logits, and loads without DeepSpeed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_pretrain import CPU_CONFIG, ROOT, environment, free_port
+from tp_inputs import inputs
+from tupe_ds.export import ExportError, export, load_exported
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYOUTS = {"zero2": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--zero-stage", "1"]}
+
+
+def train_and_record_logits(data, out, *flags):
+    """export_worker.py under the deepspeed launcher, 2 processes: 3 steps, a checkpoint, logits."""
+    command = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+               "--master_port", free_port(), os.path.join(HERE, "export_worker.py"), "--data", data,
+               "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
+               "--steps", "3", "--lr", "5e-3", "--warmup-steps", "1", *flags]
+    env = {**environment(), "PYTHONPATH": os.pathsep.join([HERE, ROOT])}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return torch.load(out / "live_logits.pt")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_exported_model_gives_the_live_engines_logits(data, tmp_path, layout):
+    live = train_and_record_logits(data, tmp_path / "run", *LAYOUTS[layout])
+    export(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "exported"))
+    assert sorted(os.listdir(tmp_path / "exported")) == ["config.json", "model.safetensors",
+                                                         "tokenizer.json"]
+    model, config, kind = load_exported(str(tmp_path / "exported"))
+    assert (kind, config.tensor_parallel_size, config.dtype) == ("bert-mlm", 1, "fp32")
+    model.eval()
+    ids, mask, _ = inputs(batch=3, n=40, vocab=1000)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, mask), live, rtol=1e-5, atol=1e-5)
+    if layout == "zero2":  # the same folder loads where DeepSpeed cannot be imported
+        code = ("import sys; sys.modules['deepspeed'] = None\n"
+                "from tupe_ds.export import load_exported\n"
+                f"model, config, kind = load_exported({str(tmp_path / 'exported')!r})\n"
+                "import torch; print(tuple(model(torch.ones(1, 8, dtype=torch.long)).shape))")
+        result = subprocess.run([sys.executable, "-c", code], env=environment(),
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"(1, 8, {config.vocab_size})" in result.stdout
+
+
+def test_export_errors_name_what_is_missing(tmp_path):
+    with pytest.raises(ExportError, match="not a complete DeepSpeed checkpoint"):
+        export(str(tmp_path), str(tmp_path / "out"))
+    step = tmp_path / "run" / "checkpoints" / "step2"
+    step.mkdir(parents=True)
+    (step / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(ExportError, match="run.json: missing"):
+        export(str(step), str(tmp_path / "out"))
