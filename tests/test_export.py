@@ -59,3 +59,22 @@ def test_export_errors_name_what_is_missing(tmp_path):
     (step / "mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(ExportError, match="run.json: missing"):
         export(str(step), str(tmp_path / "out"))
+
+
+def test_electra_exports_its_discriminator(data, tmp_path):
+    """The discriminator and the shared embedding become the exported encoder; no generator."""
+    from test_pretrain import train
+
+    train("deepspeed", 2, data, tmp_path / "run", "--objective", "electra", "--steps", "2",
+          "--eval-interval", "2")
+    export(str(tmp_path / "run"), str(tmp_path / "exported"))
+    model, config, kind = load_exported(str(tmp_path / "exported"))
+    assert kind == "electra-discriminator" and config.hidden_size == 64  # not the generator's 32
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "step2" / "mp_rank_00_model_states.pt",
+                       weights_only=False)["module"]
+    exported = model.state_dict()
+    for name, tensor in saved.items():
+        if name.startswith("discriminator.") and torch.is_tensor(tensor):
+            torch.testing.assert_close(exported["encoder." + name[len("discriminator."):]], tensor)
+    torch.testing.assert_close(exported["embedding.word_embeddings.weight"],
+                               saved["embedding.word_embeddings.weight"])

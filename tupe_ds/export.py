@@ -163,7 +163,14 @@ def export(checkpoint: str, out: str) -> str:
                    for n, t in state.items()} for state in slices]
         reference = {n: t for n, t in reference.items() if not n.startswith("lm_head.")}
     state = join_tensor_parallel(slices, reference)
+    save_exported(out, state, config, KINDS[run["objective"]],
+                  os.path.join(run["data"], "tokenizer.json"), source=step_dir)
+    return step_dir
 
+
+def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind: str,
+                  tokenizer: str, source: str) -> None:
+    """model.safetensors, config.json and tokenizer.json in `out`, which appears when complete."""
     from safetensors.torch import save_file
 
     temporary = out.rstrip("/") + ".tmp-export"
@@ -171,12 +178,10 @@ def export(checkpoint: str, out: str) -> str:
     os.makedirs(temporary)
     save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(temporary, "model.safetensors"))
     with open(os.path.join(temporary, "config.json"), "w") as f:
-        json.dump({"kind": KINDS[run["objective"]], "model": dataclasses.asdict(config),
-                   "source": step_dir}, f, indent=1)
-    shutil.copy(os.path.join(run["data"], "tokenizer.json"), temporary)
+        json.dump({"kind": kind, "model": dataclasses.asdict(config), "source": source}, f, indent=1)
+    shutil.copy(tokenizer, temporary)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(temporary, out)
-    return step_dir
 
 
 def load_exported(directory: str):

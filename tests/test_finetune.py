@@ -1,0 +1,130 @@
+"""tupe-finetune: GLUE readers and their errors, metrics against scikit-learn / scipy, and a tiny
+run on a labeled set built here that learns it, in one process and under the deepspeed launcher."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import scipy.stats
+import sklearn.metrics
+import torch
+
+import tupe_ds
+from test_pretrain import environment, free_port
+from tupe_ds.export import save_exported
+from tupe_ds.finetune.metrics import METRICS
+from tupe_ds.finetune.run import main as finetune
+from tupe_ds.finetune.tasks import TASKS, TaskDataError, read_examples
+
+POSITIVE, NEGATIVE = ["happy", "pleased", "delighted"], ["sad", "unhappy", "distressed"]
+FILLER = "the a lady gentleman house day walked saw was very quite there morning letter".split()
+
+
+def test_metrics_match_scikit_learn_and_scipy():
+    rng = np.random.default_rng(0)
+    labels, predicted = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
+    assert METRICS["accuracy"](predicted, labels) == pytest.approx(
+        sklearn.metrics.accuracy_score(labels, predicted))
+    assert METRICS["f1"](predicted, labels) == pytest.approx(sklearn.metrics.f1_score(labels, predicted))
+    assert METRICS["matthews"](predicted, labels) == pytest.approx(
+        sklearn.metrics.matthews_corrcoef(labels, predicted))
+    scores, guesses = rng.uniform(0, 5, 200).round(1), rng.uniform(0, 5, 200).round(1)  # ties
+    assert METRICS["pearson"](guesses, scores) == pytest.approx(scipy.stats.pearsonr(guesses, scores)[0])
+    assert METRICS["spearman"](guesses, scores) == pytest.approx(
+        scipy.stats.spearmanr(guesses, scores)[0])
+    assert METRICS["matthews"](np.ones(10, int), labels[:10]) == 0.0  # one class predicted
+
+
+def write_sentiment(path, count, seed):
+    """An SST-2 style TSV: the label says whether the sentence holds a positive word."""
+    rng = random.Random(seed)
+    lines = ["sentence\tlabel"]
+    for _ in range(count):
+        label = rng.randrange(2)
+        words = rng.sample(FILLER, 6) + [rng.choice(POSITIVE if label else NEGATIVE)]
+        rng.shuffle(words)
+        lines.append(f"{' '.join(words)}\t{label}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def untrained_export(directory, tokenizer, **overrides):
+    torch.manual_seed(0)
+    model = tupe_ds.build_model("tiny", **{"vocab_size": 1024, **overrides})
+    state = {n: t for n, t in model.state_dict().items() if torch.is_tensor(t)}
+    save_exported(str(directory), state, model.model_config, "bert-mlm", tokenizer, source="test")
+    return str(directory)
+
+
+@pytest.fixture
+def sentiment(data, tmp_path):
+    return {"model": untrained_export(tmp_path / "model", os.path.join(data, "tokenizer.json")),
+            "train": write_sentiment(tmp_path / "train.tsv", 240, 1),
+            "valid": write_sentiment(tmp_path / "dev.tsv", 100, 2)}
+
+
+def finetune_flags(files, out, *extra):
+    return ["--model", files["model"], "--task", "sst2", "--train", files["train"], "--valid",
+            f"dev={files['valid']}", "--out", str(out), "--lr", "1e-3", "3e-3", "--seeds", "1", "2",
+            "--epochs", "4", "--batch-size", "16", "--max-length", "32", *extra]
+
+
+def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_path, capsys):
+    assert finetune(finetune_flags(sentiment, tmp_path / "out")) == 0
+    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert summary["task"] == "sst2" and summary["metric"] == "accuracy"
+    assert set(summary["configurations"]) == {"lr=0.001", "lr=0.003"}
+    best = summary["configurations"][summary["best"]]
+    assert set(best["seeds"]) == {"1", "2"}
+    accuracies = [best["seeds"][s]["dev"]["accuracy"] for s in ("1", "2")]
+    assert best["median"]["dev"]["accuracy"] == pytest.approx(np.median(accuracies))
+    assert summary["best_median"]["dev"]["accuracy"] > 0.8  # chance is 0.5
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| seed 1 | seed 2 | median |" in table and "**(best)**" in table
+    assert "epoch 4/4" in capsys.readouterr().out
+
+
+def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
+    out = tmp_path / "launched"
+    command = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+               "--master_port", free_port(), "--module", "tupe_ds.finetune.run",
+               *finetune_flags(sentiment, out)[:-12], "--lr", "3e-3", "--seeds", "1", "--epochs",
+               "4", "--batch-size", "16", "--max-length", "32"]
+    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["best_median"]["dev"]["accuracy"] > 0.8
+
+
+def test_errors_name_the_file_line_and_what_to_change(sentiment, data, tmp_path, capsys):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("sentence\tlabel\nfine words\t1\nmore words\tpositive\n")
+    with pytest.raises(TaskDataError, match=r"bad.tsv:3: label 'positive' is not one of 0, 1 \(task sst2\)"):
+        read_examples(str(bad), TASKS["sst2"])
+    with pytest.raises(TaskDataError, match=r"bad.tsv:2: no column 'sentence1', 'sentence2', "
+                                            r"'gold_label'; task mnli reads .* the file has 'sentence', 'label'"):
+        read_examples(str(bad), TASKS["mnli"])
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text('{"sentence1": "a", "sentence2": "b", "score": "high"}\n')
+    with pytest.raises(TaskDataError, match=r"scores.jsonl:1: score 'high' is not a number"):
+        read_examples(str(scores), TASKS["stsb"])
+    small = untrained_export(tmp_path / "small", os.path.join(data, "tokenizer.json"),
+                             vocab_size=512)  # fewer words than the tokenizer's 1000
+    flags = finetune_flags({**sentiment, "model": small}, tmp_path / "out")
+    assert finetune(flags) == 2
+    assert "more than the model's vocabulary of 512" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_glue_layouts_are_read(tmp_path):
+    cola = tmp_path / "cola.tsv"
+    cola.write_text("gj04\t1\t\tThe sailors rode the breeze clear of the rocks.\n")
+    assert read_examples(str(cola), TASKS["cola"]) == [
+        (("The sailors rode the breeze clear of the rocks.",), 1)]
+    mnli = tmp_path / "mnli.csv"
+    mnli.write_text('sentence1,sentence2,gold_label\n"A man, tall",He is tall,entailment\n')
+    assert read_examples(str(mnli), TASKS["mnli"]) == [(("A man, tall", "He is tall"), 1)]

@@ -1,0 +1,275 @@
+"""tupe-finetune: fine-tune an exported model on a GLUE task, over learning rates and seeds.
+
+    tupe-finetune --model exported/large --task rte --train RTE/train.tsv --valid RTE/dev.tsv \\
+        --out finetuned/rte
+    tupe-finetune --model exported/large --task mnli --train MNLI/train.tsv \\
+        --valid m=MNLI/dev_matched.tsv mm=MNLI/dev_mismatched.tsv --out finetuned/mnli
+    deepspeed --num_gpus 8 --module tupe_ds.finetune.run ...   (data parallel; torchrun too)
+
+The paper's setting (Table 2): Adam (beta 0.9/0.999, eps 1e-6), weight decay 0.01, learning rates
+{2e-5, 3e-5, 4e-5, 5e-5}, batch 32, 6% warm-up then linear decay to zero, clip 1.0, dropout 0.1,
+10 epochs (5 for MNLI, QQP and QNLI), 5 seeds: a configuration scores the median of its seeds'
+final dev-set metric, and the task the best configuration. OUT gets results.json and results.md.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer
+from torch import nn
+
+from tupe_ds import launch
+from tupe_ds.export import load_exported
+from tupe_ds.finetune.metrics import METRICS
+from tupe_ds.finetune.tasks import TASKS, Task, TaskDataError, read_examples
+from tupe_ds.model.layers import embed
+
+PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]
+
+
+class SequenceClassifier(nn.Module):
+    """The exported embedding and encoder, and a head on the final state of [CLS]: dense, tanh,
+    dropout, linear to the task's labels (one output for a regression)."""
+
+    def __init__(self, pretrained, outputs: int, dropout: float):
+        super().__init__()
+        config = pretrained.model_config
+        self.embedding, self.encoder = pretrained.embedding, pretrained.encoder
+        self.max_positions = config.max_position_embeddings
+        h = config.hidden_size
+        self.head = nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Dropout(dropout), nn.Linear(h, outputs))
+        for layer in (self.head[0], self.head[3]):
+            nn.init.normal_(layer.weight, std=config.init_std)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.encoder(embed(self.embedding, input_ids, self.max_positions), attention_mask == 0)
+        return self.head(hidden[0])  # [n, b, h]: position 0 is [CLS] -> [b, outputs]
+
+
+class Encoder:
+    """'[CLS] a [SEP]' or '[CLS] a [SEP] b [SEP]' ids, the longer text truncated first."""
+
+    def __init__(self, path: str, model_vocabulary: int, max_length: int):
+        self.tokenizer = Tokenizer.from_file(path)
+        size = self.tokenizer.get_vocab_size()
+        if size > model_vocabulary:
+            raise TaskDataError(f"{path}: {size} tokens, more than the model's vocabulary of "
+                                f"{model_vocabulary}: not the tokenizer this model was trained with")
+        ids = {t: self.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")}
+        if None in ids.values():
+            raise TaskDataError(f"{path}: no {', '.join(t for t, i in ids.items() if i is None)} "
+                                "token: not a tokenizer written by tupe-prep")
+        self.cls, self.sep, self.pad = ids["[CLS]"], ids["[SEP]"], ids["[PAD]"]
+        self.max_length = max_length
+
+    def __call__(self, examples) -> list:
+        columns = list(zip(*(texts for texts, _ in examples)))
+        encoded = [[e.ids for e in self.tokenizer.encode_batch(list(c), add_special_tokens=False)]
+                   for c in columns]
+        budget = self.max_length - 1 - len(columns)  # [CLS] and a [SEP] per text
+        result = []
+        for parts in zip(*encoded):
+            parts = [list(p) for p in parts]
+            while sum(map(len, parts)) > budget:
+                max(parts, key=len).pop()
+            ids = [self.cls]
+            for part in parts:
+                ids += part + [self.sep]
+            result.append(ids)
+        return result
+
+    def batch(self, sequences: list) -> tuple:
+        n = max(map(len, sequences))
+        ids = torch.full((len(sequences), n), self.pad, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, :len(sequence)] = torch.tensor(sequence)
+        return ids, (ids != self.pad).long()
+
+
+def parse_valid(values: list) -> dict:
+    """["m=dev_matched.tsv", "dev.tsv"] -> {"m": path, "dev": path}."""
+    named = {}
+    for value in values:
+        name, _, path = value.rpartition("=")
+        named[name or os.path.splitext(os.path.basename(path))[0]] = path
+    return named
+
+
+def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
+    """One fine-tuning run: {valid set: {metric: value}} after the last epoch."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    torch.manual_seed(seed)
+    pretrained, _, _ = load_exported(args.model)
+    model = SequenceClassifier(pretrained, task.num_outputs, args.dropout).to(device)
+    trained = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, 0.999), eps=1e-6)
+    ids, labels = data["train"]
+    epochs = args.epochs or task.epochs
+    steps = epochs * math.ceil(len(ids) / args.batch_size)
+    warmup = max(1, round(args.warmup_ratio * steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: s / warmup if s < warmup else max(0.0, (steps - s) / (steps - warmup)))
+    loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
+    order_rng = np.random.default_rng(seed)
+    for epoch in range(epochs):
+        trained.train()
+        total, count = 0.0, 0
+        order = order_rng.permutation(len(ids))
+        for start in range(0, len(ids), args.batch_size):
+            mine = order[start:start + args.batch_size][rank::world]  # this rank's share
+            input_ids, mask = data["encoder"].batch([ids[i] for i in mine])
+            target = torch.tensor([labels[i] for i in mine],
+                                  dtype=torch.float if task.labels is None else torch.long)
+            output = trained(input_ids.to(device), mask.to(device))
+            loss = loss_fn(output.squeeze(-1) if task.labels is None else output, target.to(device))
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            total, count = total + loss.item() * len(mine), count + len(mine)
+        results = evaluate(model, task, data, device)
+        if rank == 0:
+            scores = " ".join(f"{name} {metric} {value:.4f}" for name, values in results.items()
+                              for metric, value in values.items())
+            print(f"{task.name} lr {lr:g} seed {seed} epoch {epoch + 1}/{epochs} train loss "
+                  f"{total / max(count, 1):.4f} {scores}", flush=True)
+    return results
+
+
+@torch.no_grad()
+def evaluate(model, task: Task, data: dict, device) -> dict:
+    """{valid set: {metric: value}}; each rank predicts its share, rank 0's view is gathered."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    model.eval()
+    results = {}
+    for name, (ids, labels) in data["valid"].items():
+        mine = list(range(rank, len(ids), world))
+        predictions = []
+        for start in range(0, len(mine), 64):
+            input_ids, mask = data["encoder"].batch([ids[i] for i in mine[start:start + 64]])
+            output = model(input_ids.to(device), mask.to(device)).float().cpu()
+            predictions += (output.squeeze(-1) if task.labels is None else output.argmax(-1)).tolist()
+        pairs = list(zip(mine, predictions))
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, pairs)
+            pairs = [pair for part in gathered for pair in part]
+        predicted = np.array([p for _, p in sorted(pairs)])
+        results[name] = {m: METRICS[m](predicted, np.array(labels)) for m in task.metrics}
+    return results
+
+
+def summarize(task: Task, runs: dict) -> dict:
+    """runs: {lr: {seed: {valid: {metric: value}}}} -> per configuration the seeds and medians,
+    and the best configuration by the median of the task's first metric on the first set."""
+    configurations = {}
+    for lr, seeds in runs.items():
+        valid_sets = next(iter(seeds.values()))
+        median = {name: {m: statistics.median(seeds[s][name][m] for s in seeds) for m in task.metrics}
+                  for name in valid_sets}
+        configurations[f"lr={lr:g}"] = {"lr": lr, "seeds": seeds, "median": median}
+    first_set = next(iter(next(iter(configurations.values()))["median"]))
+    best = max(configurations, key=lambda c: configurations[c]["median"][first_set][task.metrics[0]])
+    return {"task": task.name, "metric": task.metrics[0], "configurations": configurations,
+            "best": best, "best_median": configurations[best]["median"]}
+
+
+def markdown(summary: dict) -> str:
+    task, metric = summary["task"], summary["metric"]
+    configurations = summary["configurations"]
+    first = next(iter(configurations.values()))
+    seeds = list(first["seeds"])
+    sets = list(first["median"])
+    lines = [f"# {task}: {metric} on the dev set(s), median of {len(seeds)} seeds", "",
+             "| configuration | set | " + " | ".join(f"seed {s}" for s in seeds) + " | median |",
+             "|---|---|" + "---:|" * (len(seeds) + 1)]
+    for name, c in configurations.items():
+        for valid in sets:
+            cells = [f"{c['seeds'][s][valid][metric]:.4f}" for s in seeds]
+            best = " **(best)**" if name == summary["best"] else ""
+            lines.append(f"| {name}{best} | {valid} | " + " | ".join(cells)
+                         + f" | {c['median'][valid][metric]:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tupe-finetune", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="a folder written by tupe-export")
+    p.add_argument("--task", required=True, choices=sorted(TASKS))
+    p.add_argument("--train", required=True, help="training file (.tsv in GLUE's layout, .csv, .jsonl)")
+    p.add_argument("--valid", required=True, nargs="+", help="dev file(s), NAME=FILE to name them")
+    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--lr", type=float, nargs="+", default=PAPER_LEARNING_RATES)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--epochs", type=int, help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--warmup-ratio", type=float, default=0.06)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--dropout", type=float, default=0.1, help="of the classification head")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per example, [CLS] included")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    launch.discover()
+    task = TASKS[args.task]
+    try:  # everything about the inputs is checked before a model is built
+        with open(os.path.join(args.model, "config.json")) as f:
+            model_config = json.load(f)["model"]
+        max_length = min(args.max_length, model_config["max_position_embeddings"])
+        encoder = Encoder(os.path.join(args.model, "tokenizer.json"), model_config["vocab_size"],
+                          max_length)
+        data = {"encoder": encoder, "valid": {}}
+        examples = read_examples(args.train, task)
+        data["train"] = (encoder(examples), [label for _, label in examples])
+        for name, path in parse_valid(args.valid).items():
+            examples = read_examples(path, task)
+            data["valid"][name] = (encoder(examples), [label for _, label in examples])
+    except (TaskDataError, FileNotFoundError) as error:
+        print(f"tupe-finetune: error: {error}", file=sys.stderr)
+        return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    runs = {lr: {seed: run_one(args, task, data, lr, seed, device) for seed in args.seeds}
+            for lr in args.lr}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        summary = summarize(task, runs)
+        os.makedirs(args.out, exist_ok=True)
+        write_atomically(os.path.join(args.out, "results.json"), json.dumps(summary, indent=1))
+        write_atomically(os.path.join(args.out, "results.md"), markdown(summary))
+        print(f"best {summary['best']}: " + ", ".join(
+            f"{name} {summary['metric']} {values[summary['metric']]:.4f}"
+            for name, values in summary["best_median"].items()))
+        print(f"results: {args.out}/results.md, {args.out}/results.json")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""GLUE tasks as the TUPE paper fine-tunes them, read from local files.
+
+Files: GLUE's own TSV layout (`.tsv`: CoLA without a header, the others with theirs), or `.csv`
+with a header / `.jsonl` with one object per line using the same column names.
+"""
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+csv.field_size_limit(2**31 - 1)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    text_columns: Tuple[str, ...]  # one sentence, or a pair
+    label_column: str
+    labels: Optional[Tuple[str, ...]]  # None: regression (a number)
+    metrics: Tuple[str, ...]  # the first is the one the paper reports
+    epochs: int  # the paper: 5 for the high-resource tasks, else 10
+    headerless: Optional[Tuple[str, ...]] = None  # column names of a TSV without a header (CoLA)
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 if self.labels is None else len(self.labels)
+
+
+TASKS = {task.name: task for task in [
+    Task("cola", ("sentence",), "label", ("0", "1"), ("matthews", "accuracy"), 10,
+         headerless=("source", "label", "original_label", "sentence")),
+    Task("sst2", ("sentence",), "label", ("0", "1"), ("accuracy",), 10),
+    Task("mrpc", ("#1 String", "#2 String"), "Quality", ("0", "1"), ("accuracy", "f1"), 10),
+    Task("stsb", ("sentence1", "sentence2"), "score", None, ("pearson", "spearman"), 10),
+    Task("qqp", ("question1", "question2"), "is_duplicate", ("0", "1"), ("accuracy", "f1"), 5),
+    Task("mnli", ("sentence1", "sentence2"), "gold_label",
+         ("contradiction", "entailment", "neutral"), ("accuracy",), 5),
+    Task("qnli", ("question", "sentence"), "label", ("entailment", "not_entailment"),
+         ("accuracy",), 5),
+    Task("rte", ("sentence1", "sentence2"), "label", ("entailment", "not_entailment"),
+         ("accuracy",), 10),
+]}
+
+
+class TaskDataError(ValueError):
+    pass
+
+
+Example = Tuple[Tuple[str, ...], Union[int, float]]  # (texts, label index or score)
+
+
+def read_examples(path: str, task: Task) -> List[Example]:
+    """(texts, label) of every row; errors name the file, the line and what to change."""
+    if not os.path.exists(path):
+        raise TaskDataError(f"{path}: no such file")
+    rows = list(_rows(path, task))
+    if not rows:
+        raise TaskDataError(f"{path}: no examples")
+    examples = []
+    for line, row in rows:
+        missing = [c for c in (*task.text_columns, task.label_column) if c not in row]
+        if missing:
+            raise TaskDataError(
+                f"{path}:{line}: no column {', '.join(map(repr, missing))}; task {task.name} reads "
+                f"{', '.join(map(repr, (*task.text_columns, task.label_column)))}, the file has "
+                f"{', '.join(map(repr, row))}")
+        value = str(row[task.label_column]).strip()
+        if task.labels is None:
+            try:
+                label = float(value)
+            except ValueError:
+                raise TaskDataError(f"{path}:{line}: {task.label_column} {value!r} is not a number "
+                                    f"(task {task.name} is a regression)") from None
+        elif value in task.labels:
+            label = task.labels.index(value)
+        else:
+            raise TaskDataError(f"{path}:{line}: {task.label_column} {value!r} is not one of "
+                                f"{', '.join(task.labels)} (task {task.name})")
+        examples.append((tuple(str(row[c]) for c in task.text_columns), label))
+    return examples
+
+
+def _rows(path: str, task: Task):
+    """(line number, {column: value}) of each example."""
+    with open(path, encoding="utf-8", newline="") as f:
+        if path.endswith(".jsonl"):
+            for number, text in enumerate(f, 1):
+                if text.strip():
+                    try:
+                        yield number, json.loads(text)
+                    except json.JSONDecodeError as error:
+                        raise TaskDataError(f"{path}:{number}: invalid JSON: {error.msg}") from None
+            return
+        tsv = not path.endswith(".csv")
+        reader = csv.reader(f, delimiter="\t" if tsv else ",",
+                            quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
+        header = list(task.headerless) if tsv and task.headerless else next(reader, [])
+        for number, values in enumerate(reader, 1 if tsv and task.headerless else 2):
+            if values:
+                yield number, dict(zip(header, values))
