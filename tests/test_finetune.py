@@ -52,6 +52,15 @@ def write_sentiment(path, count, seed):
     return str(path)
 
 
+def write_pairs(path, count, seed):
+    """An RTE-style JSONL of sentence pairs."""
+    rng = random.Random(seed)
+    rows = [{"sentence1": " ".join(rng.sample(FILLER, 5)), "sentence2": " ".join(rng.sample(FILLER, 3)),
+             "label": rng.choice(["entailment", "not_entailment"])} for _ in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
 def untrained_export(directory, tokenizer, **overrides):
     torch.manual_seed(0)
     model = tupe_ds.build_model("tiny", **{"vocab_size": 1024, **overrides})
@@ -75,7 +84,7 @@ def finetune_flags(files, out, *extra):
 
 def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_path, capsys):
     assert finetune(finetune_flags(sentiment, tmp_path / "out")) == 0
-    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    summary = json.loads((tmp_path / "out" / "sst2.json").read_text())
     assert summary["task"] == "sst2" and summary["metric"] == "accuracy"
     assert set(summary["configurations"]) == {"lr=0.001", "lr=0.003"}
     best = summary["configurations"][summary["best"]]
@@ -83,9 +92,19 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
     accuracies = [best["seeds"][s]["dev"]["accuracy"] for s in ("1", "2")]
     assert best["median"]["dev"]["accuracy"] == pytest.approx(np.median(accuracies))
     assert summary["best_median"]["dev"]["accuracy"] > 0.8  # chance is 0.5
-    table = (tmp_path / "out" / "results.md").read_text()
+    table = (tmp_path / "out" / "sst2.md").read_text()
     assert "| seed 1 | seed 2 | median |" in table and "**(best)**" in table
     assert "epoch 4/4" in capsys.readouterr().out
+    # a second task into the same folder joins the table across tasks
+    rte = {name: write_pairs(tmp_path / f"{name}.jsonl", count, seed)
+           for name, count, seed in (("rte_train", 64, 3), ("rte_dev", 32, 4))}
+    assert finetune(["--model", sentiment["model"], "--task", "rte", "--train", rte["rte_train"],
+                     "--valid", rte["rte_dev"], "--out", str(tmp_path / "out"), "--lr", "1e-3",
+                     "--seeds", "1", "--epochs", "1", "--batch-size", "16"]) == 0
+    combined = json.loads((tmp_path / "out" / "results.json").read_text())["tasks"]
+    assert set(combined) == {"sst2", "rte"}
+    assert combined["sst2"]["dev"]["accuracy"] == summary["best_median"]["dev"]["accuracy"]
+    assert "sst2 dev (accuracy) | rte rte_dev (accuracy)" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
@@ -96,7 +115,7 @@ def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
                "4", "--batch-size", "16", "--max-length", "32"]
     result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((out / "results.json").read_text())
+    summary = json.loads((out / "sst2.json").read_text())
     assert summary["best_median"]["dev"]["accuracy"] > 0.8
 
 

@@ -9,7 +9,8 @@
 The paper's setting (Table 2): Adam (beta 0.9/0.999, eps 1e-6), weight decay 0.01, learning rates
 {2e-5, 3e-5, 4e-5, 5e-5}, batch 32, 6% warm-up then linear decay to zero, clip 1.0, dropout 0.1,
 10 epochs (5 for MNLI, QQP and QNLI), 5 seeds: a configuration scores the median of its seeds'
-final dev-set metric, and the task the best configuration. OUT gets results.json and results.md.
+final dev-set metric, and the task the best configuration. OUT gets TASK.md / TASK.json (every
+seed, the medians) and results.md / results.json: the best of every task fine-tuned into OUT.
 """
 
 import argparse
@@ -205,6 +206,26 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def combined_table(out: str) -> tuple:
+    """(markdown, JSON) of every task summary in `out`: each task's best configuration and its
+    median, the paper's way of reporting GLUE (one column per task and dev set)."""
+    summaries = []
+    for task in TASKS:  # GLUE's usual order
+        if os.path.exists(os.path.join(out, f"{task}.json")):
+            with open(os.path.join(out, f"{task}.json")) as f:
+                summaries.append(json.load(f))
+    columns = [(s["task"], valid, s["metric"], values[s["metric"]], s["best"])
+               for s in summaries for valid, values in s["best_median"].items()]
+    header = " | ".join(f"{task} {valid} ({metric})" for task, valid, metric, _, _ in columns)
+    lines = ["# Fine-tuning: best configuration per task, median over seeds", "",
+             f"| {header} |", "|" + "---:|" * len(columns),
+             "| " + " | ".join(f"{value:.4f}" for *_, value, _ in columns) + " |", "",
+             "Best configurations: " + ", ".join(f"{task} {best}" for task, _, _, _, best in columns),
+             "", "Every seed: the TASK.md files beside this one."]
+    table = {task: {"best": best, valid: {metric: value}} for task, valid, metric, value, best in columns}
+    return "\n".join(lines) + "\n", json.dumps({"tasks": table, "summaries": summaries}, indent=1)
+
+
 def write_atomically(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
@@ -217,7 +238,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--task", required=True, choices=sorted(TASKS))
     p.add_argument("--train", required=True, help="training file (.tsv in GLUE's layout, .csv, .jsonl)")
     p.add_argument("--valid", required=True, nargs="+", help="dev file(s), NAME=FILE to name them")
-    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--out", required=True,
+                   help="results folder, shared by tasks: TASK.md/.json, results.md/.json")
     p.add_argument("--lr", type=float, nargs="+", default=PAPER_LEARNING_RATES)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--epochs", type=int, help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
@@ -260,12 +282,16 @@ def main(argv=None) -> int:
     if not dist.is_initialized() or dist.get_rank() == 0:
         summary = summarize(task, runs)
         os.makedirs(args.out, exist_ok=True)
-        write_atomically(os.path.join(args.out, "results.json"), json.dumps(summary, indent=1))
-        write_atomically(os.path.join(args.out, "results.md"), markdown(summary))
+        write_atomically(os.path.join(args.out, f"{task.name}.json"), json.dumps(summary, indent=1))
+        write_atomically(os.path.join(args.out, f"{task.name}.md"), markdown(summary))
+        table, everything = combined_table(args.out)
+        write_atomically(os.path.join(args.out, "results.md"), table)
+        write_atomically(os.path.join(args.out, "results.json"), everything)
         print(f"best {summary['best']}: " + ", ".join(
             f"{name} {summary['metric']} {values[summary['metric']]:.4f}"
             for name, values in summary["best_median"].items()))
-        print(f"results: {args.out}/results.md, {args.out}/results.json")
+        print(f"results: {args.out}/{task.name}.md (every seed), {args.out}/results.md (all tasks "
+              f"in {args.out}), and their .json")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
