@@ -111,8 +111,9 @@ def model_names(state: Dict[str, Tensor], layer_indices: list) -> Dict[str, Tens
                 break
         else:
             index, rest = name.split(".", 1)
-            if index.isdigit():
-                renamed[f"encoder.block.layers.{layer_indices.index(int(index))}.{rest[6:]}"] = tensor
+            if index.isdigit():  # a TransformerLayerPipe: "12.layer.self_attention...."
+                layer = layer_indices.index(int(index))
+                renamed[f"encoder.block.layers.{layer}.{rest.removeprefix('layer.')}"] = tensor
             # else: the last stage's copy of the tied word embedding
     return renamed
 
