@@ -121,7 +121,8 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
     steps = epochs * math.ceil(len(ids) / args.batch_size)
     warmup = max(1, round(args.warmup_ratio * steps))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: s / warmup if s < warmup else max(0.0, (steps - s) / (steps - warmup)))
+        optimizer,
+        lambda s: s / warmup if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup)))
     loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
     order_rng = np.random.default_rng(seed)
     for epoch in range(epochs):
@@ -129,7 +130,10 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
         total, count = 0.0, 0
         order = order_rng.permutation(len(ids))
         for start in range(0, len(ids), args.batch_size):
-            mine = order[start:start + args.batch_size][rank::world]  # this rank's share
+            batch = order[start:start + args.batch_size]
+            if len(batch) < world:  # a last batch too small to give every rank an example
+                break
+            mine = batch[rank::world]  # this rank's share
             input_ids, mask = data["encoder"].batch([ids[i] for i in mine])
             target = torch.tensor([labels[i] for i in mine],
                                   dtype=torch.float if task.labels is None else torch.long)
