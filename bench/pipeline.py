@@ -31,7 +31,7 @@ from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.model.positional import PositionalEncoding
 from tupe_ds.parallel import MegatronMPU, accelerator_device
-from tupe_ds.pretrain import parameter_groups
+from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps

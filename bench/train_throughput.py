@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 
 from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
 from tupe_ds.parallel import MegatronMPU, accelerator_device
-from tupe_ds.pretrain import parameter_groups
+from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
 from tupe_ds.train.monitor import flops_per_step
 

@@ -32,16 +32,10 @@ from tupe_ds.train import checkpoint
 from tupe_ds.train.config import RunConfig, load
 from tupe_ds.train.monitor import Monitor
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-
-
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list:
-    """Weight decay on matrices only: no decay on biases, LayerNorms and other vectors."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, masking):

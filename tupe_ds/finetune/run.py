@@ -31,6 +31,7 @@ from tupe_ds.export import load_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.tasks import TASKS, Task, TaskDataError, read_examples
 from tupe_ds.model.layers import embed
+from tupe_ds.train.optim import parameter_groups
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]
 
@@ -111,11 +112,8 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
     pretrained, _, _ = load_exported(args.model)
     model = SequenceClassifier(pretrained, task.num_outputs, args.dropout).to(device)
     trained = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.999), eps=1e-6)
+    optimizer = torch.optim.AdamW(parameter_groups(model, args.weight_decay), lr=lr,
+                                  betas=(0.9, 0.999), eps=1e-6)
     ids, labels = data["train"]
     epochs = args.epochs or task.epochs
     steps = epochs * math.ceil(len(ids) / args.batch_size)
