@@ -20,7 +20,7 @@ from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
 import tupe_ds
-from tupe_ds.model.config import DTYPES
+from tupe_ds.model.config import ATTENTION, DTYPES
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--layers", type=int, default=4)
@@ -36,6 +36,8 @@ parser.add_argument("--encodings", default="tupe-a,tupe-r,bert-a,bert-r",
                     help="comma-separated tupe_ds encodings; HF's BERT is always added")
 parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                     help="dtype of parameters and activations of every model (no autocast)")
+parser.add_argument("--attention", choices=list(ATTENTION), default="fast",
+                    help="how tupe_ds models hand the positional term to the attention kernel")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
@@ -62,7 +64,7 @@ def build_ours(encoding: str) -> torch.nn.Module:
         "tiny", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=args.ffn, vocab_size=args.vocab, max_position_embeddings=max(512, args.seq),
         seq_length=args.seq, pos_encoding=encoding, hidden_dropout=0.1, attention_dropout=0.1,
-        dtype=args.dtype,
+        dtype=args.dtype, attention=args.attention,
     )
 
 
@@ -96,8 +98,8 @@ def train_step(name: str) -> None:
     model, optimizer = models[name], optimizers[name]
     if name == HF:
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-    else:
-        loss, _ = model(input_ids, attention_mask, labels)
+    else:  # no padding: tupe_ds's training step then passes no mask at all
+        loss, _ = model(input_ids, None, labels)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -125,7 +127,8 @@ for r in range(args.warmup + args.steps):
 print(f"machine: {device_name()}; device {device} ({accelerator.device_name()}); "
       f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 print(f"size: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, FFN {args.ffn}, "
-      f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {args.dtype}; "
+      f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
+      f"{args.attention} attention; "
       f"{args.steps} timed steps after {args.warmup} warm-up, interleaved")
 median = {name: statistics.median(t) for name, t in times.items()}
 base = median.get("bert-a")

@@ -43,7 +43,7 @@ def test_padding_does_not_change_real_positions(tiny_model, encoding):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("encoding", ["tupe-r", "bert-a", "mask-nope", "bert-a-d"])
+@pytest.mark.parametrize("encoding", ["tupe-r", "tupe-a", "bert-a", "mask-nope", "bert-a-d"])
 def test_half_precision_padded_forward_is_finite(tiny_model, encoding, dtype):
     model = tiny_model(encoding, dtype=dtype).eval()
     ids, mask = batch()

@@ -10,7 +10,7 @@ import torch
 import tupe_ds
 from tp_inputs import inputs
 
-ENCODINGS = ["tupe-r", "bert-a", "rope"]
+ENCODINGS = ["tupe-r", "tupe-a", "bert-a", "rope"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -7,9 +7,12 @@ in a layer (QKV and output projections, MLP, LayerNorms, residuals) is megatron-
 import copy
 import functools
 
+import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.jit import jit_fuser
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,26 +37,53 @@ class BiasedCoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attention_bias: AttentionBias = None,
                 **unused_megatron_args):
         # query, key, value: [n, b, heads, d_head] (megatron-core's layout)
-        if attention_bias.query is not None:  # BERT-A^d: q + LN(p)U^Q, k + LN(p)U^K
-            query = query + attention_bias.query
-            key = key + attention_bias.key
-        mask = attention_bias.causal_mask if self.causal else attention_bias.mask
+        bias = attention_bias
         n, b, heads, d_head = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, n, d_head]
-        dropout = self.dropout if self.training else 0.0
+        if bias.query is not None:  # BERT-A^d: q + LN(p)U^Q, k + LN(p)U^K
+            query = query + bias.query
+            key = key + bias.key
+        if bias.query_columns is not None:  # the fast layout: [q, positional, ...] heads
+            query = torch.cat([query, bias.query_columns.expand(n, b, -1, -1)], dim=-1)
+            key = torch.cat([key, bias.key_columns.expand(n, b, -1, -1)], dim=-1)
+        mask = bias.causal_mask if self.causal else bias.mask
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, n, d]
+        attend = functools.partial(
+            F.scaled_dot_product_attention, q, k, v, mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal and mask is None, scale=self.scale)
         tracker = tensor_parallel.get_cuda_rng_tracker()
-        if dropout and tracker.is_initialized():  # different heads, different dropout per tp rank
-            with tracker.fork():
-                context = F.scaled_dot_product_attention(q, k, v, mask, dropout, scale=self.scale)
+        if self.training and self.dropout and tracker.is_initialized():
+            with tracker.fork():  # different heads, different dropout per tp rank
+                context = attend()
         else:
-            context = F.scaled_dot_product_attention(q, k, v, mask, dropout, scale=self.scale)
+            context = attend()
         return context.permute(2, 0, 1, 3).reshape(n, b, heads * d_head)
 
 
+@jit_fuser  # megatron-core's torch.compile
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias)
+
+
+class BiasGeluMLP(MLP):
+    """megatron-core's MLP with the fc1 bias and the exact (erf) GELU in one compiled kernel.
+
+    Written here because megatron-core's own bias-GELU fusion is the tanh approximation, which
+    would change the model's math.
+    """
+
+    def forward(self, hidden_states, **unused_megatron_args):
+        intermediate, bias = self.linear_fc1(hidden_states)  # [n, b, ffn / tp], bias apart
+        return self.linear_fc2(bias_gelu(intermediate, bias))
+
+
 def encoder_layer_spec(config: ModelConfig) -> ModuleSpec:
-    """megatron-core's BERT layer with BiasedCoreAttention in the `core_attention` slot."""
+    """megatron-core's BERT layer with BiasedCoreAttention in the `core_attention` slot (and
+    BiasGeluMLP as its MLP when elementwise operations are fused)."""
     spec = copy.deepcopy(bert_layer_local_spec)
     spec.submodules.self_attention.submodules.core_attention = functools.partial(
         BiasedCoreAttention, causal_layers=config.causal_layers or 0
     )
+    if config.fuses_elementwise:
+        spec.submodules.mlp.module = BiasGeluMLP
     return spec

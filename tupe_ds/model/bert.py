@@ -27,7 +27,8 @@ class BertForMaskedLM(MegatronModule):
     def forward(
         self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None
     ) -> Union[Tensor, tuple[Tensor, Tensor]]:
-        """input_ids, attention_mask (1 = real token, 0 = padding), labels: [batch, seq].
+        """input_ids, attention_mask (1 = real token, 0 = padding; None when nothing is padded,
+        which spares the attention kernels any mask), labels: [batch, seq].
 
         Returns logits [batch, seq, vocab], or (mean loss over labels != -100, logits).
         """

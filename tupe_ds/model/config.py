@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from tupe_ds.parallel import accelerator_device
+
 
 @dataclass(frozen=True)
 class Encoding:
@@ -76,6 +78,14 @@ PRESETS = {
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
+ATTENTION = {
+    "fast": "the layout the fused attention kernels run fastest (model/positional.py, "
+            "'fast layout'): TUPE-A's positional term as extra query/key columns, no mask "
+            "without padding, no [batch, heads, n, n] tensor",
+    "dense": "the reference: every positional and padding term in one additive "
+             "[batch or 1, heads or 1, n, n] mask",
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -98,6 +108,10 @@ class ModelConfig:
     init_std: float = 0.02
     tensor_parallel_size: int = 1
     dtype: str = "fp32"  # parameter dtype: fp32, fp16 or bf16
+    attention: str = "fast"  # one of ATTENTION: how the positional term reaches the kernel
+    # bias + dropout + residual and bias + GELU each compiled into one kernel (torch.compile);
+    # None: where it pays, on CUDA (on a CPU the compile takes longer than it saves)
+    fused_elementwise: Optional[bool] = None
 
     def __post_init__(self):
         def require(condition, field, message):
@@ -137,6 +151,8 @@ class ModelConfig:
             require(0.0 <= value < 1.0, field, f"must be in [0, 1), got {value!r}")
         require(self.dtype in DTYPES, "dtype",
                 f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        require(self.attention in ATTENTION, "attention",
+                f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION)}")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -162,11 +178,19 @@ class ModelConfig:
         """1/sqrt(d_head) for BERT, 1/sqrt(2 d_head) for TUPE (Eq. 7), 1/sqrt(4 d_head) for BERT-A^d."""
         return 1.0 / math.sqrt(self.encoding.logit_terms * self.head_size)
 
+    @property
+    def fuses_elementwise(self) -> bool:
+        if self.fused_elementwise is not None:
+            return self.fused_elementwise
+        return accelerator_device().type == "cuda"
+
     def transformer_config(self) -> TransformerConfig:
         """The megatron-core config of the encoder layers.
 
         Weights are initialised on the CPU from the full (unsplit) matrices, so the same seed gives
-        the same model whatever the tensor-parallel size. Fusions that need CUDA kernels are off.
+        the same model whatever the tensor-parallel size. Fusions that need Apex or Transformer
+        Engine are off; megatron-core's torch.compile'd bias-dropout-add follows
+        `fused_elementwise` (its bias-GELU is the tanh approximation: see attention.py).
         """
         dtype = DTYPES[self.dtype]
         return TransformerConfig(
@@ -186,7 +210,7 @@ class ModelConfig:
             fp16=dtype == torch.float16,
             bf16=dtype == torch.bfloat16,
             use_cpu_initialization=True,
-            bias_dropout_fusion=False,
+            bias_dropout_fusion=self.fuses_elementwise,
             masked_softmax_fusion=False,
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,

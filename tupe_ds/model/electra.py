@@ -12,7 +12,7 @@ has its own positional module of the chosen encoding.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -62,11 +62,13 @@ class ElectraForPretraining(MegatronModule):
             linear.bias.data.zero_()
         self.to(tconfig.params_dtype)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor):
-        """input_ids (masked), attention_mask, labels (original ids where masked, else -100):
-        [batch, seq]. Returns (generator loss + 50 x discriminator loss, ElectraOutput)."""
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor):
+        """input_ids (masked), attention_mask (None: no padding), labels (original ids where
+        masked, else -100): [batch, seq].
+
+        Returns (generator loss + 50 x discriminator loss, ElectraOutput)."""
         max_positions = self.model_config.max_position_embeddings
-        padding = attention_mask == 0
+        padding = None if attention_mask is None else attention_mask == 0
         labels = labels.transpose(0, 1)  # [n, b] like the hidden states
         embedded = embed(self.embedding, input_ids, max_positions)  # [n, b, width]
         hidden = self.generator(self.generator_projection(embedded), padding)
@@ -82,7 +84,7 @@ class ElectraForPretraining(MegatronModule):
         hidden = self.discriminator(embed(self.embedding, corrupted.transpose(0, 1), max_positions),
                                     padding)
         scores = self.discriminator_head(hidden).squeeze(-1).float()  # [n, b]
-        real = ~padding.transpose(0, 1)
+        real = torch.ones_like(labels, dtype=torch.bool) if padding is None else ~padding.t()
         discriminator_loss = F.binary_cross_entropy_with_logits(scores[real], replaced[real].float())
         loss = generator_loss + DISCRIMINATOR_WEIGHT * discriminator_loss
 

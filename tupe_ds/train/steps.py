@@ -31,8 +31,10 @@ class EngineSteps:
         self.engine, self.objective, self.device = engine, objective, device
 
     def _forward(self, batch):
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        loss, output = self.engine(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        padded = not batch["attention_mask"].all()  # on the host copy: no device synchronisation
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        mask = batch["attention_mask"] if padded else None  # None: no mask for the kernels at all
+        loss, output = self.engine(batch["input_ids"], mask, batch["labels"])
         return batch, loss, output
 
     def train(self, micro_batches, totals: dict) -> None:
