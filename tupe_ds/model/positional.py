@@ -117,6 +117,7 @@ class RelativeBias(RelativePositionEmbedding):
         weight = self.relative_attention_bias.weight
         weight.data.copy_(table.chunk(tp, dim=1)[rank])
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=1, stride=1)
+        self._buckets = None  # bucket(j - i) of the distances 1 - n ... n - 1, for the last n
 
     def forward(self, n: int) -> Tensor:
         """[heads, n, n] with [h, i, j] = b_h(bucket(j - i)).
@@ -124,13 +125,16 @@ class RelativeBias(RelativePositionEmbedding):
         Looked up once per distance (2n - 1 rows, not n^2 pairs) and laid out as a Toeplitz
         matrix through a strided view: the backward then sums over 2n - 1 rows too.
         """
-        distance = torch.arange(1 - n, n, device=self.relative_attention_bias.weight.device)
-        bucket = self._relative_position_bucket(
-            distance,
-            bidirectional=self.bidirectional,
-            num_buckets=self.relative_attention_num_buckets,
-            max_distance=self.relative_attention_max_distance,
-        )
+        device = self.relative_attention_bias.weight.device
+        cached = self._buckets
+        if cached is None or len(cached) != 2 * n - 1 or cached.device != device:
+            self._buckets = self._relative_position_bucket(  # the same every step: made once
+                torch.arange(1 - n, n, device=device),
+                bidirectional=self.bidirectional,
+                num_buckets=self.relative_attention_num_buckets,
+                max_distance=self.relative_attention_max_distance,
+            )
+        bucket = self._buckets
         per_distance = self.relative_attention_bias(bucket).t()  # [heads, 2n - 1]
         # window k of unfold holds distances k - (n - 1) ... k; row i is window n - 1 - i.
         return per_distance.unfold(1, n, 1).flip(1)

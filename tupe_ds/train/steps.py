@@ -14,6 +14,14 @@ from tupe_ds.parallel import gather_tensor_parallel
 from tupe_ds.train.objectives import add
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the accelerator without waiting for it: a copy from pageable memory would
+    block the host until the device has caught up."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def reduce_metrics(totals: dict, device) -> dict:
     """Sum the (sum, count) totals over data-parallel ranks; name -> sum / count."""
     if not totals:
@@ -32,7 +40,7 @@ class EngineSteps:
 
     def _forward(self, batch):
         padded = not batch["attention_mask"].all()  # on the host copy: no device synchronisation
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: to_device(v, self.device) for k, v in batch.items()}
         mask = batch["attention_mask"] if padded else None  # None: no mask for the kernels at all
         loss, output = self.engine(batch["input_ids"], mask, batch["labels"])
         return batch, loss, output
