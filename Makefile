@@ -13,7 +13,7 @@ CPU_TORCH := $(if $(HAVE_GPU),,torch==2.13.0)
 
 DEMO_STEPS ?= 300
 
-.PHONY: venv test demo smoke bench clean
+.PHONY: venv test demo smoke bench bench-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -45,6 +45,11 @@ bench: venv
 	$(BIN)/python bench/prep_throughput.py
 	$(BIN)/deepspeed --num_gpus 2 bench/train_throughput.py --model tiny
 	$(BIN)/deepspeed --num_gpus 2 bench/pipeline.py
+
+# HF's BERT + torch AMP next to our DeepSpeed step, BERT-Large at seq 128 and 512, on one GPU (a
+# tiny size on a CPU). Flags after ARGS=, e.g. make bench-gpu ARGS="--json build/bench-gpu.json".
+bench-gpu: venv
+	$(BIN)/python bench/gpu.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,7 +3,9 @@
     make bench        # or: DS_ACCELERATOR=cpu .venv/bin/python bench/step_time.py
 
 (on a GPU machine leave DS_ACCELERATOR unset). One step = forward + loss + backward + AdamW step +
-zero_grad, on the same random batch for every model. The models take turns, one timed step each
+zero_grad, on the same random batch for every model (tupe_ds's models as its training step calls
+them: no mask when nothing is padded, the masked-LM head on the labelled tokens only; `--attention
+dense` for the reference attention layout). The models take turns, one timed step each
 per round (the first model rotates), so that noise from the machine falls on all of them alike.
 Prints the median and min ms/step, the ratio to bert-a and the ratio HF / ours; informational only.
 """
@@ -20,6 +22,7 @@ from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
 import tupe_ds
+from tupe_ds.model.bert import labelled_positions
 from tupe_ds.model.config import ATTENTION, DTYPES
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -91,15 +94,17 @@ input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
 attention_mask = torch.ones(args.batch, args.seq, dtype=torch.long)
 labelled = torch.rand(args.batch, args.seq, generator=g) < 0.15
 labels = input_ids.masked_fill(~labelled, -100)
-input_ids, attention_mask, labels = (t.to(device) for t in (input_ids, attention_mask, labels))
+positions = labelled_positions(labels)  # taken on the host, as tupe_ds's training step does
+input_ids, attention_mask, labels, positions = (
+    t.to(device) for t in (input_ids, attention_mask, labels, positions))
 
 
 def train_step(name: str) -> None:
     model, optimizer = models[name], optimizers[name]
     if name == HF:
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-    else:  # no padding: tupe_ds's training step then passes no mask at all
-        loss, _ = model(input_ids, None, labels)
+    else:  # as tupe_ds's training step: no mask without padding, the head on labelled tokens
+        loss, _ = model(input_ids, None, labels, positions)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

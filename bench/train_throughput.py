@@ -2,7 +2,7 @@
 
     deepspeed --num_gpus 2 bench/train_throughput.py --model tiny --ds-config ds_configs/cpu_zero2.json
     deepspeed --num_gpus 8 bench/train_throughput.py --model bert-large --tp 2 \\
-        --ds-config ds_configs/bert_large_fp16_zero2.json --seq-len 512
+        --ds-config ds_configs/bert_large_fp16.json --seq-len 512
 
 (`DS_ACCELERATOR=cpu` on a machine without a GPU.) The step is the one tupe_ds.pretrain runs:
 DeepSpeed engine (ZeRO, precision and batch from the config), micro-batches with gradient
@@ -27,6 +27,7 @@ from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
 from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
+from tupe_ds.train.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import flops_per_step
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -64,6 +65,9 @@ config = ModelConfig.from_preset(args.model, pos_encoding=args.pos_encoding, ten
                                  max_position_embeddings=max(512, args.seq_len), dtype=dtype)
 torch.manual_seed(0)
 model = build_model(config)
+arch_note = fit_cuda_arch_list()
+if arch_note and dist.get_rank() == 0:
+    print(arch_note)
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, 0.01),
                                        config=ds_config, mpu=MegatronMPU())
 

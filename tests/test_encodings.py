@@ -5,6 +5,7 @@ import torch
 
 import tupe_ds
 from reference import reference_logits
+from tupe_ds.model.bert import at_labelled, labelled_positions
 
 ENCODINGS = list(tupe_ds.ENCODINGS)
 
@@ -63,3 +64,24 @@ def test_loss_ignores_minus_100_and_matches_cross_entropy(tiny_model):
         loss, logits = model(ids, mask, labels)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), labels.reshape(-1))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("encoding", ["tupe-r", "bert-a"])
+def test_head_on_labelled_tokens_matches_full_head(tiny_model, encoding):
+    """labelled= (what training passes): the same loss, logits and gradients as the full head."""
+    ids, mask = batch()
+    chosen = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.2
+    labels = ids.masked_fill(~chosen | (mask == 0), -100)
+    full, only_labelled = tiny_model(encoding), tiny_model(encoding)
+    loss, logits = full(ids, mask, labels)
+    loss.backward()
+    positions = labelled_positions(labels)
+    labelled_loss, labelled_logits = only_labelled(ids, mask, labels, positions)
+    labelled_loss.backward()
+    seq_major = logits.transpose(0, 1).reshape(-1, logits.shape[-1])  # the order of `positions`
+    assert labelled_logits.shape == (int((labels != -100).sum()), 512)
+    torch.testing.assert_close(labelled_loss, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(labelled_logits, seq_major[positions], rtol=1e-5, atol=1e-5)
+    assert (at_labelled(labels, positions) != -100).all()
+    for (name, p), q in zip(full.named_parameters(), only_labelled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)

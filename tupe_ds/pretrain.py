@@ -1,11 +1,11 @@
 """tupe-pretrain: masked-LM pretraining of a tupe_ds model with DeepSpeed.
 
     deepspeed --num_gpus 8 --module tupe_ds.pretrain --data prep/ --model bert-large \\
-        --pos-encoding tupe-r --ds-config ds_configs/bert_large_fp16_zero2.json --out runs/large \\
+        --pos-encoding tupe-r --ds-config ds_configs/bert_large_fp16.json --out runs/large \\
         --steps 1000000
     torchrun --nproc_per_node 2 -m tupe_ds.pretrain ... (the same flags)
     srun python -m tupe_ds.pretrain ...  /  mpirun -np 8 python -m tupe_ds.pretrain ...
-    deepspeed --num_gpus 8 --module tupe_ds.pretrain ... --pp 4 --zero-stage 1   (pipeline, BERT)
+    deepspeed --num_gpus 8 --module tupe_ds.pretrain ... --pp 4   (pipeline, BERT; ZeRO 0 or 1)
 
 Run again with the same --out (and a larger --steps to train on): it resumes from the latest
 complete checkpoint, data position included. SIGTERM or SIGUSR1 saves a checkpoint and stops.
@@ -30,6 +30,7 @@ from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train import checkpoint
 from tupe_ds.train.config import RunConfig, load
+from tupe_ds.train.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import Monitor
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
@@ -103,6 +104,9 @@ def main(argv=None) -> int:
     if rank == 0:
         write_run_description(run)
 
+    arch_note = fit_cuda_arch_list()
+    if arch_note and rank == 0:
+        print(f"tupe-pretrain: {arch_note}", flush=True)
     objective = OBJECTIVES[args.objective]
     model, engine, steps = build_engine(run, objective, device)
     vocab = Vocabulary.from_data_dir(args.data)

@@ -10,7 +10,8 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from tupe_ds.model.config import ModelConfig
-from tupe_ds.model.layers import Encoder, MaskedLMHead, embed, masked_lm_loss, token_embedding
+from tupe_ds.model.layers import (IGNORE_INDEX, Encoder, MaskedLMHead, embed, masked_lm_loss,
+                                  token_embedding)
 from tupe_ds.parallel import accelerator_device, ensure_model_parallel, gather_tensor_parallel
 
 
@@ -25,18 +26,26 @@ class BertForMaskedLM(MegatronModule):
         self.to(tconfig.params_dtype)  # the modules megatron-core does not build follow its dtype
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None
+        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None, labelled: Optional[Tensor] = None,
     ) -> Union[Tensor, tuple[Tensor, Tensor]]:
         """input_ids, attention_mask (1 = real token, 0 = padding; None when nothing is padded,
         which spares the attention kernels any mask), labels: [batch, seq].
 
-        Returns logits [batch, seq, vocab], or (mean loss over labels != -100, logits).
+        Returns logits [batch, seq, vocab], or (mean loss over labels != -100, logits). With
+        `labelled` (see labelled_positions) the masked-LM head runs on the labelled tokens only:
+        the same loss and gradients for about 15% of the head's cost, and logits [m, vocab].
         """
         hidden = embed(self.embedding, input_ids, self.model_config.max_position_embeddings)
         padding = None if attention_mask is None else attention_mask == 0
-        hidden = self.encoder(hidden, padding)
+        hidden = self.encoder(hidden, padding)  # [n, b, hidden]
+        if labelled is not None:
+            hidden = hidden.flatten(0, 1)[labelled].unsqueeze(1)  # [m, 1, hidden]
+            labels = at_labelled(labels, labelled).unsqueeze(0)  # [1, m]
         logits = self.lm_head(hidden, self.embedding.word_embeddings.weight)  # [n, b, vocab / tp]
         full_logits = gather_tensor_parallel(logits, dim=-1).transpose(0, 1)
+        if labelled is not None:
+            full_logits = full_logits.squeeze(0)
         if labels is None:
             return full_logits
         return masked_lm_loss(logits, labels.transpose(0, 1)), full_logits
@@ -44,6 +53,18 @@ class BertForMaskedLM(MegatronModule):
     def positional_scores(self, n: int) -> Tensor:
         """[heads, n, n]: see Encoder.positional_scores."""
         return self.encoder.positional_scores(n)
+
+
+def labelled_positions(labels: Tensor) -> Tensor:
+    """[m] positions of the labelled tokens of labels [batch, seq], in the [seq * batch] order of
+    the hidden states: BertForMaskedLM's `labelled`. Taken where the labels are still on the
+    host, it costs the accelerator no synchronisation."""
+    return (labels.t().reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def at_labelled(tensor: Tensor, labelled: Tensor) -> Tensor:
+    """The values of a [batch, seq] tensor at `labelled` positions: [m]."""
+    return tensor.t().reshape(-1)[labelled]
 
 
 def build_model(preset_or_config: Union[str, ModelConfig] = "bert-base", **overrides) -> BertForMaskedLM:

@@ -8,6 +8,7 @@ import torch
 
 from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX, MaskingScheme
 from tupe_ds.model import build_model
+from tupe_ds.model.bert import at_labelled
 from tupe_ds.model.electra import build_electra
 
 ELECTRA_MASKING = MaskingScheme(probability=0.15, mask=0.85, random=0.0)
@@ -21,10 +22,18 @@ class MaskedLM:
     def build(self, configs):
         return build_model(configs[0])
 
+    def inputs(self, batch, attention_mask) -> tuple:
+        """The model's arguments: the head runs on the labelled tokens only."""
+        return batch["input_ids"], attention_mask, batch["labels"], batch["labelled"]
+
     def metrics(self, batch, loss, logits) -> dict:
-        counted = batch["labels"] != IGNORE_INDEX
+        """logits: [m, vocab] at the batch's labelled positions, or [batch, seq, vocab]."""
+        labels = batch["labels"]
+        if logits.dim() == 2:
+            labels = at_labelled(labels, batch["labelled"])
+        counted = labels != IGNORE_INDEX
         tokens = counted.sum()
-        correct = ((logits.argmax(-1) == batch["labels"]) & counted).sum()
+        correct = ((logits.argmax(-1) == labels) & counted).sum()
         return {"loss": (loss.detach() * tokens, tokens), "accuracy": (correct, tokens)}
 
     def encoders(self, model) -> dict:
@@ -39,6 +48,9 @@ class Electra:
 
     def build(self, configs):
         return build_electra(configs)  # (discriminator, generator)
+
+    def inputs(self, batch, attention_mask) -> tuple:
+        return batch["input_ids"], attention_mask, batch["labels"]
 
     def metrics(self, batch, loss, output) -> dict:
         return output.metrics

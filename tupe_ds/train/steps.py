@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from tupe_ds.model.bert import labelled_positions
 from tupe_ds.model.layers import masked_lm_loss
 from tupe_ds.parallel import gather_tensor_parallel
 from tupe_ds.train.objectives import add
@@ -39,10 +40,12 @@ class EngineSteps:
         self.engine, self.objective, self.device = engine, objective, device
 
     def _forward(self, batch):
-        padded = not batch["attention_mask"].all()  # on the host copy: no device synchronisation
+        # What depends on the data is read on the host copy: no device synchronisation.
+        padded = not batch["attention_mask"].all()
+        batch = {**batch, "labelled": labelled_positions(batch["labels"])}
         batch = {k: to_device(v, self.device) for k, v in batch.items()}
         mask = batch["attention_mask"] if padded else None  # None: no mask for the kernels at all
-        loss, output = self.engine(batch["input_ids"], mask, batch["labels"])
+        loss, output = self.engine(*self.objective.inputs(batch, mask))
         return batch, loss, output
 
     def train(self, micro_batches, totals: dict) -> None:
