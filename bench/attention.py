@@ -9,7 +9,8 @@ What one measurement is: the AttentionBias of a batch built once (as the encoder
 core attention of `--layers` layers on random q, k, v [n, b, heads, d_head] (megatron-core's
 layout, the same for every encoding), then the backward of the sum of their outputs. Layouts:
 `dense` (the reference: one additive mask) and `fast` (tupe_ds's default; model/positional.py),
-the latter once per `--head-multiples` value for the encodings whose q/k heads it widens.
+the latter once per `--head-multiples` value for the encodings whose q/k heads it widens (with
+the value given, TUPE-A's term goes into q/k columns on any device, as on CUDA).
 Every variant takes turns, one timed call each per round, so noise falls on all alike. Prints the
 median ms and the ratio to bert-a's fast layout. Informational; the exit code is 0.
 """
@@ -86,10 +87,13 @@ def variants():
 
 
 def call(positional_module, layers, multiple) -> float:
+    """One forward + backward; with a head multiple, TUPE-A's columns padded to it (as on CUDA)."""
     choose = (lambda device, masked: multiple) if multiple else positional.fast_head_multiple
+    columns = (lambda device: True) if multiple else positional.untied_as_columns
     accelerator.synchronize()
     start = time.perf_counter()
-    with mock.patch.object(positional, "fast_head_multiple", choose):
+    with mock.patch.object(positional, "fast_head_multiple", choose), \
+            mock.patch.object(positional, "untied_as_columns", columns):
         bias = positional_module.attention_bias(n, padding, dtype, device)
         total = sum(layer(*qkv, attention_bias=bias).float().sum() for layer in layers)
     total.backward()

@@ -28,10 +28,17 @@ def loss_logits_grads(model, ids, mask, labels):
     return loss.detach(), logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("multiple", [1, 64], ids=["unpadded-heads", "heads-padded-to-64"])
+# What the device decides, by name: the CPU's choices; CUDA's untied columns, with widened heads
+# unpadded and padded to 64 as CUDA's cuDNN kernels want them.
+LAYOUTS = {"cpu": (False, 1), "columns": (True, 1), "columns-padded-to-64": (True, 64)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("batch", ["padding", "no-padding", "mask-of-ones"])
 @pytest.mark.parametrize("encoding", ENCODINGS)
-def test_fast_layout_matches_dense(tiny_model, monkeypatch, encoding, batch, multiple):
+def test_fast_layout_matches_dense(tiny_model, monkeypatch, encoding, batch, layout):
+    columns, multiple = LAYOUTS[layout]
+    monkeypatch.setattr(positional, "untied_as_columns", lambda device: columns)
     monkeypatch.setattr(positional, "fast_head_multiple", lambda device, masked: multiple)
     ids, mask, labels = inputs(padded=batch == "padding")
     passed_mask = None if batch == "no-padding" else mask
@@ -69,7 +76,9 @@ def sdpa_calls(model, ids, mask, monkeypatch) -> list:
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("encoding", UNTIED_ABSOLUTE)
 def test_untied_absolute_terms_reach_sdpa_without_a_mask(tiny_model, monkeypatch, encoding, padded):
-    """TUPE-A's positional term (and padding) travel as wider q/k heads, never as a float mask."""
+    """TUPE-A's positional term (and padding) travel as wider q/k heads, never as a float mask
+    (as on CUDA)."""
+    monkeypatch.setattr(positional, "untied_as_columns", lambda device: True)
     ids, mask, _ = inputs(padded)
     model = tiny_model(encoding, attention="fast")
     d = model.model_config.head_size
@@ -79,22 +88,27 @@ def test_untied_absolute_terms_reach_sdpa_without_a_mask(tiny_model, monkeypatch
         assert q.shape[-1] == k.shape[-1] == widened and v.shape[-1] == d
 
 
+@pytest.mark.parametrize("columns", [True, False], ids=["untied-as-columns", "untied-as-mask"])
 @pytest.mark.parametrize("encoding", ENCODINGS)
-def test_no_mask_without_padding_and_none_per_sample_and_head(tiny_model, monkeypatch, encoding):
+def test_no_mask_without_padding_and_none_per_sample_and_head(tiny_model, monkeypatch, encoding,
+                                                              columns):
+    monkeypatch.setattr(positional, "untied_as_columns", lambda device: columns)
     b, n = 3, 40
     model = tiny_model(encoding, attention="fast")
     heads = model.model_config.num_attention_heads
+    encoding = model.model_config.encoding
+    positional_mask = encoding.relative or (encoding.untied and not columns)
     ids, mask, _ = inputs(padded=True, b=b, n=n)
     for *_, attn_mask, is_causal in sdpa_calls(model, ids, mask, monkeypatch):
-        assert attn_mask is not None or is_causal or not model.model_config.encoding.relative
+        assert attn_mask is not None or is_causal or not positional_mask
         assert attn_mask is None or attn_mask.shape != (b, heads, n, n)
     unpadded = sdpa_calls(model, ids, None, monkeypatch)
     for *_, attn_mask, is_causal in unpadded:
-        if model.model_config.encoding.relative:  # the content-free v, one for the batch
+        if positional_mask:  # the content-free v, one for the batch
             assert attn_mask.shape == (1, heads, n, n)
         else:
             assert attn_mask is None
-    if encoding == "mask-nope":
+    if model.model_config.pos_encoding == "mask-nope":
         assert [is_causal for *_, is_causal in unpadded] == [True, False]
 
 
@@ -114,6 +128,11 @@ def test_padding_columns_mask_exactly_in_half_precision():
                                                       ("cpu", False, 1)])
 def test_fast_head_multiple(device, masked, multiple):
     assert positional.fast_head_multiple(torch.device(device), masked) == multiple
+
+
+@pytest.mark.parametrize("device, columns", [("cuda", True), ("cpu", False)])
+def test_untied_as_columns(device, columns):
+    assert positional.untied_as_columns(torch.device(device)) is columns
 
 
 def test_unknown_attention_is_refused():

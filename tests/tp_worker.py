@@ -1,7 +1,12 @@
 """Run under torchrun with 2 processes: forward + backward of tp=2 models, results saved per rank.
 
 Usage: torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR ENCODING [ENCODING ...]
+
+ENCODING:columns puts TUPE-A's positional term into q/k columns, as on CUDA
+(positional.untied_as_columns).
 """
+
+from unittest import mock
 
 import os
 import sys
@@ -12,6 +17,7 @@ from megatron.core import parallel_state
 
 import tupe_ds
 from tp_inputs import inputs
+from tupe_ds.model import positional
 
 
 def gather_shards(param):
@@ -27,12 +33,15 @@ def main(out_dir, encodings):
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     rank = dist.get_rank()
-    for encoding in encodings:
+    for name in encodings:
+        encoding, _, layout = name.partition(":")
         torch.manual_seed(0)
         model = tupe_ds.build_model("tiny", pos_encoding=encoding, tensor_parallel_size=2,
                                     hidden_dropout=0.0, attention_dropout=0.0)
         ids, mask, labels = inputs()
-        loss, logits = model(ids, mask, labels)
+        columns = (lambda device: True) if layout == "columns" else positional.untied_as_columns
+        with mock.patch.object(positional, "untied_as_columns", columns):
+            loss, logits = model(ids, mask, labels)
         loss.backward()
         result = {
             "loss": loss.detach(),
@@ -41,7 +50,7 @@ def main(out_dir, encodings):
         }
         if model.model_config.encoding.has_positional_logits:
             result["scores"] = model.positional_scores(16).detach()
-        torch.save(result, os.path.join(out_dir, f"{encoding}.rank{rank}.pt"))
+        torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -192,6 +192,14 @@ def fast_head_multiple(device: torch.device, masked: bool) -> int:
     return 8 if masked else 64
 
 
+def untied_as_columns(device: torch.device) -> bool:
+    """Whether TUPE-A's positional term joins q/k as extra columns (else a [1, heads, n, n]
+    mask). On CUDA the widened heads keep SDPA on the fused kernels, which a mask leaves. The CPU
+    kernels pay for head width in full and add a mask cheaply: there the columns made attention
+    1.3x slower (bench/attention.py, bench/README.md)."""
+    return device.type == "cuda"
+
+
 def join_columns(columns: list, heads: int, head_size: int, dtype: torch.dtype,
                  multiple: int) -> tuple[Tensor, Tensor]:
     """The column pieces side by side, in `dtype`, zero-padded so that head_size plus their
@@ -288,16 +296,17 @@ class PositionalEncoding(nn.Module):
         """The fast layout: what the fused kernels (cuDNN / flash) take without leaving them.
 
         - TUPE-A (untied, no relative term): v has rank d_head (plus one for the [CLS] column),
-          so it joins the word logits as extra query/key columns of the same scale: no mask.
-        - BERT-R, TUPE-R: the Toeplitz relative term has full rank: v goes as a [1, heads, n, n]
-          mask (with its gradient), never widened to the batch.
+          so on CUDA it joins the word logits as extra query/key columns of the same scale: no
+          mask (untied_as_columns).
+        - BERT-R, TUPE-R (and TUPE-A off CUDA): v goes as a [1, heads, n, n] mask (with its
+          gradient), never widened to the batch; the Toeplitz relative term has full rank.
         - Padding: extra key columns where q/k are already widened or a mask is there anyway,
           else a [b, 1, 1, n] mask; nothing at all when the batch has no padding.
         """
         enc = self.encoding
         bias = AttentionBias()
         columns = []  # (query [n, 1, heads, e], key [n, 1 or b, heads, e]) pieces
-        if enc.untied and not enc.relative:
+        if enc.untied and not enc.relative and untied_as_columns(device):
             columns.append(self.untied_columns(n))
         elif enc.untied or enc.relative:
             bias.mask = self.content_free_logits(n).unsqueeze(0).to(dtype)  # [1, heads, n, n]
