@@ -19,6 +19,11 @@ torch.profiler (a CPU-side proxy for kernel launches; on CUDA also the kernel la
 ratios with their targets (PASS/FAIL, informational: the exit code is 0), on CUDA the host
 synchronisations of one step (torch.cuda.set_sync_debug_mode("warn")) and where they come from, and
 with --sweep-zero-stages a ZeRO stage x micro-batch sweep of bert-a at the shortest sequence length.
+Then ELECTRA-Base against BERT-Base (a CPU: the tiny pair against tiny) at the shortest sequence
+length, both with --electra-encoding and their shipped configs' micro-batches, through
+tupe_ds.pretrain's own step (EngineSteps, metrics included): step time, operators, host syncs,
+the host time of each named phase (generator, sample, discriminator, backward, optimizer,
+metrics) in one profiled step and on CUDA the device's busy time, and the ratio (target 1.5).
 Batches are random masked-LM batches, about 15% of positions labelled, the same for every model:
 full length with no attention mask (tupe_ds.pretrain passes none for a batch without padding), or
 with --padded a random length in [seq/2, seq] each and the mask (FLOPs still count every position,
@@ -42,6 +47,7 @@ import traceback
 import warnings
 import weakref
 from importlib.metadata import version
+from typing import Optional
 
 import deepspeed
 import torch
@@ -52,15 +58,29 @@ from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
 from tupe_ds.model import ModelConfig, build_model
-from tupe_ds.model.bert import labelled_positions
 from tupe_ds.model.config import DTYPES
+from tupe_ds.model.electra import PAIRS
+from tupe_ds.model.layers import labelled_positions
 from tupe_ds.parallel import MegatronMPU
 from tupe_ds.train.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import flops_per_step
+from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
+from tupe_ds.train.steps import EngineSteps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED_CONFIG = "ds_configs/bert_large_fp16.json"
+# The ELECTRA rows: name -> (objective, presets, shipped config), ELECTRA and the BERT of its
+# discriminator's size; on a CPU the tiny pair with the same configs.
+ELECTRA_CONFIG = "ds_configs/electra_base_fp16.json"
+BERT_BASE_CONFIG = "ds_configs/bert_base_fp16.json"
+ELECTRA_ROWS = {
+    "cuda": {"electra-base": ("electra", PAIRS["electra-base"], ELECTRA_CONFIG),
+             "bert-base": ("mlm", ("bert-base",), BERT_BASE_CONFIG)},
+    "cpu": {"electra-tiny": ("electra", PAIRS["tiny"], ELECTRA_CONFIG),
+            "bert-tiny": ("mlm", ("tiny",), BERT_BASE_CONFIG)},
+}
+ELECTRA_TARGET = 1.5  # ELECTRA step time at most this times BERT's of the discriminator's size
 HF = "hf-bert"
 CUDA_SIZE = dict(layers=24, hidden=1024, heads=16, ffn=4096, vocab=32768, seqs="128,512",
                  global_batch=256, dtype="fp16", sweep_micro_batches="32,64,128", matmul_n=8192)
@@ -76,6 +96,7 @@ NO_KERNEL_OPS = {f"aten::{name}" for name in (
     "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind",
     "narrow", "flatten", "unflatten", "movedim", "contiguous", "to", "set_", "result_type", "size",
     "stride", "dim", "is_same_size", "_has_compatible_shallow_copy_type")}
+PHASES = ("step/", "electra/")  # torch.profiler ranges of tupe_ds.train.steps and model.electra
 SYNC_WARNING = "synchroniz"  # in the message of torch.cuda.set_sync_debug_mode("warn")
 
 
@@ -111,6 +132,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-zero-stages", default="",
                    help="e.g. 0,1,2: also time bert-a at the shortest seq, stage x micro-batch")
     p.add_argument("--sweep-micro-batches", default=size["sweep_micro_batches"])
+    p.add_argument("--electra-encoding", default="tupe-r",
+                   help="encoding of the ELECTRA-vs-BERT rows ('' skips them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the results here (PATH.tmp, then renamed)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
@@ -215,10 +238,13 @@ def make_batches(seq: int, micro: int, count: int) -> list:
     return batches
 
 
-def ds_config(micro: int, zero_stage=None) -> dict:
-    with open(os.path.join(ROOT, args.ds_config) if not os.path.isabs(args.ds_config)
-              else args.ds_config) as f:
+def ds_config(micro: Optional[int], zero_stage=None, path: Optional[str] = None) -> dict:
+    """The config at `path` (default --ds-config) with the run's global batch, precision and
+    `micro` (None: the config's own micro-batch)."""
+    path = path or args.ds_config
+    with open(path if os.path.isabs(path) else os.path.join(ROOT, path)) as f:
         config = json.load(f)
+    micro = micro or config["train_micro_batch_size_per_gpu"]
     config["train_batch_size"] = args.global_batch
     config["train_micro_batch_size_per_gpu"] = micro
     config["gradient_accumulation_steps"] = args.global_batch // micro
@@ -311,6 +337,39 @@ class OursRunner:
         self.engine = self.batches = None
 
 
+class TrainingStepRunner:
+    """tupe_ds.pretrain's own step (EngineSteps: host copies of the batches, labelled positions
+    and the no-padding check taken there, the objective's metrics added per micro-batch) on the
+    presets of `objective` with a shipped config: the ELECTRA-vs-BERT rows."""
+
+    def __init__(self, objective: str, presets: tuple, seq: int, batches: list, config: dict):
+        torch.manual_seed(args.seed)
+        models = [ModelConfig.from_preset(
+            preset, pos_encoding=args.electra_encoding, vocab_size=args.vocab, seq_length=seq,
+            max_position_embeddings=max(512, seq), dtype=args.dtype) for preset in presets]
+        objective = OBJECTIVES[objective]
+        model = objective.build(models)
+        weight_decay = config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
+            mpu=MegatronMPU())
+        self.steps = EngineSteps(self.engine, objective, device)
+        self.batches = [{"input_ids": ids.cpu(), "labels": labels.cpu(), "attention_mask":
+                         torch.ones_like(ids.cpu()) if mask is None else mask.cpu()}
+                        for ids, mask, labels, _ in batches]
+        self.flops = sum(flops_per_step(m, args.global_batch, seq) for m in models)
+
+    def step(self) -> None:
+        self.steps.train(self.batches, {})
+
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def close(self) -> None:
+        self.engine.destroy()
+        self.engine = self.steps = self.batches = None
+
+
 def timed_steps(step) -> list:
     for _ in range(args.warmup):
         step()
@@ -345,9 +404,18 @@ def count_ops(step) -> dict:
     names = collections.Counter(e.name for e in events if e.name.startswith("aten::")
                                 and id(e) not in not_leaf and e.name not in NO_KERNEL_OPS)
     result = {"ops": sum(names.values()), "op_names": dict(names.most_common())}
+    phases = {}  # tupe_ds's named phases (EngineSteps, ELECTRA's forward): host ms, calls
+    for event in events:
+        if event.name.startswith(PHASES):
+            phase = phases.setdefault(event.name, {"host_ms": 0.0, "calls": 0})
+            phase["host_ms"] += event.cpu_time_total / 1e3
+            phase["calls"] += 1
+    if phases:
+        result["phases"] = phases
     if CUDA:
         result["launches"] = sum(1 for e in events if "LaunchKernel" in e.name
                                  or e.name == "cudaGraphLaunch")
+        result["device_busy_ms"] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
     return result
 
 
@@ -444,6 +512,42 @@ def run_sweep() -> list:
                 OursRunner, seq, batches, "bert-a", args.attention[0], config), profile=False)
             rows.append({**row, "zero_stage": stage})
     return rows
+
+
+def run_electra() -> list:
+    """ELECTRA and the BERT of its discriminator's size at the shortest seq, each with its shipped
+    config's micro-batch (on a CPU: the tiny pair, --micro-batches)."""
+    if not args.electra_encoding:
+        return []
+    seq, rows = min(args.seqs), []
+    for name, (objective, presets, path) in ELECTRA_ROWS["cuda" if CUDA else "cpu"].items():
+        config = ds_config(None if CUDA else args.micro_batches[0], path=path)
+        micro = config["train_micro_batch_size_per_gpu"]
+        batches = make_batches(seq, micro, args.global_batch // micro)
+        rows.append({**measure(name, seq, micro, functools.partial(
+            TrainingStepRunner, objective, presets, seq, batches, config)), "config": path})
+    return rows
+
+
+def print_electra(rows: list) -> None:
+    electra, bert = rows
+    print(f"ELECTRA against BERT of its discriminator's size ({args.electra_encoding}, "
+          f"tupe_ds.pretrain's step with its metrics, shipped configs, seq {electra['seq']}, "
+          f"global batch {args.global_batch}):")
+    for r in rows:
+        launches = f", {r['launches']} launches" if "launches" in r else ""
+        syncs = f", {r['syncs']} host syncs" if "syncs" in r else ""
+        print(f"  {r['model']:<14} micro {r['micro_batch']:<4} x {r['accumulation']:<3}"
+              f"{r['ms_per_step']:10.1f} ms/step {r['samples_per_s']:9.1f} samples/s "
+              f"{r['ops']:>7} ops{launches}{syncs}  ({r['config']})")
+    for r in rows:
+        busy = f"; device busy {r['device_busy_ms']:.1f} ms" if "device_busy_ms" in r else ""
+        print(f"  {r['model']} phases of one profiled step, host ms (calls){busy}:")
+        print("    " + ", ".join(f"{name} {p['host_ms']:.1f} ({p['calls']})"
+                                 for name, p in r.get("phases", {}).items()))
+    ratio = electra["ms_per_step"] / bert["ms_per_step"]
+    print(f"  {electra['model']} / {bert['model']} step time {ratio:.3f}  target <= "
+          f"{ELECTRA_TARGET:.2f}: {'PASS' if ratio <= ELECTRA_TARGET else 'FAIL'}")
 
 
 def target_seq() -> int:
@@ -606,6 +710,7 @@ def main() -> None:
         print(arch_note)
     print("measuring:", flush=True)
     rows = run_table()
+    electra = run_electra()
     sweep = run_sweep()
     ratio_rows = ratios(rows)
     print()
@@ -615,14 +720,17 @@ def main() -> None:
     print()
     print_op_excess(rows)
     print()
-    print_syncs(rows)
+    print_syncs(rows + electra)
+    if electra:
+        print()
+        print_electra(electra)
     if sweep:
         print()
         print_sweep(sweep)
     if args.json:
         settings = {key: value for key, value in vars(args).items() if key != "local_rank"}
         write_json(args.json, {"header": head, "peak_flops": PEAK, "args": settings, "rows": rows,
-                               "ratios": ratio_rows, "sweep": sweep})
+                               "ratios": ratio_rows, "electra": electra, "sweep": sweep})
     dist.destroy_process_group()
 
 

@@ -22,8 +22,8 @@ from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
 import tupe_ds
-from tupe_ds.model.bert import labelled_positions
 from tupe_ds.model.config import ATTENTION, DTYPES
+from tupe_ds.model.layers import labelled_positions
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--layers", type=int, default=4)

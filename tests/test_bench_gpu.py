@@ -50,3 +50,13 @@ def test_bench_gpu_on_cpu(tmp_path):
                  "tupe-r / hf-bert ops per step", "needs CUDA"):
         assert line in stdout, line
     assert "target >= 1.10: " in stdout and "target <= 1.15: " in stdout
+
+    electra = {r["model"]: r for r in report["electra"]}
+    assert set(electra) == {"electra-tiny", "bert-tiny"}
+    for row in electra.values():
+        assert row["seq"] == 32 and row["ms_per_step"] > 0 and row["ops"] > 0
+    phases = electra["electra-tiny"]["phases"]
+    assert {"electra/generator", "electra/sample", "electra/discriminator", "step/forward",
+            "step/backward", "step/optimizer", "step/metrics"} <= set(phases)
+    assert phases["electra/generator"]["calls"] == 2  # 2 micro-batches
+    assert "electra-tiny / bert-tiny step time" in stdout

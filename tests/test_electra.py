@@ -4,10 +4,13 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from test_pretrain import assert_tp2_matches_tp1, log, train
-from tupe_ds.model.electra import ElectraForPretraining, build_electra
+from test_pretrain import assert_tp2_matches_tp1, log, shipped_config_in_fp32, train
+from tupe_ds.model.electra import DISCRIMINATOR_WEIGHT, ElectraForPretraining, build_electra
+from tupe_ds.model.layers import IGNORE_INDEX, embed, labelled_positions, masked_lm_loss
+from tupe_ds.train.objectives import OBJECTIVES
 
 
 def masked_batch(vocab=512, batch=3, n=24, seed=0):
@@ -22,7 +25,7 @@ def masked_batch(vocab=512, batch=3, n=24, seed=0):
 
 def tiny_electra(**overrides):
     torch.manual_seed(0)
-    return build_electra("tiny", hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+    return build_electra("tiny", **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides})
 
 
 def test_one_embedding_receives_gradients_from_both_losses():
@@ -84,6 +87,72 @@ def test_sampling_follows_the_generator_distribution():
     assert 0.4 < share < 0.6
 
 
+def forward_before_the_speed_work(model, input_ids, attention_mask, labels):
+    """ElectraForPretraining.forward as it was before it stopped waiting for the device (boolean
+    indexing, the generator's head on every token): loss and metrics."""
+    max_positions = model.model_config.max_position_embeddings
+    padding = None if attention_mask is None else attention_mask == 0
+    labels = labels.transpose(0, 1)
+    embedded = embed(model.embedding, input_ids, max_positions)
+    hidden = model.generator(model.generator_projection(embedded), padding)
+    logits = model.generator_head(hidden, model.embedding.word_embeddings.weight)
+    generator_loss = masked_lm_loss(logits, labels)
+    masked = labels != IGNORE_INDEX
+    sampled, predicted_ids = model.sample(logits[masked])
+    original = torch.where(masked, labels, input_ids.transpose(0, 1))
+    corrupted = input_ids.transpose(0, 1).masked_scatter(masked, sampled)
+    replaced = corrupted != original
+    hidden = model.discriminator(embed(model.embedding, corrupted.transpose(0, 1), max_positions),
+                                 padding)
+    scores = model.discriminator_head(hidden).squeeze(-1).float()
+    real = torch.ones_like(labels, dtype=torch.bool) if padding is None else ~padding.t()
+    discriminator_loss = F.binary_cross_entropy_with_logits(scores[real], replaced[real].float())
+    loss = generator_loss + DISCRIMINATOR_WEIGHT * discriminator_loss
+    with torch.no_grad():
+        predicted = (scores > 0) & real
+        replaced_real = replaced & real
+        tokens, n_masked = real.sum(), masked.sum()
+        metrics = {
+            "loss": (loss.detach() * n_masked, n_masked),
+            "generator_loss": (generator_loss.detach() * n_masked, n_masked),
+            "discriminator_loss": (discriminator_loss.detach() * tokens, tokens),
+            "generator_accuracy": ((predicted_ids == labels[masked]).sum(), n_masked),
+            "replaced_fraction": (replaced_real.sum(), tokens),
+            "discriminator_accuracy": (((predicted == replaced) & real).sum(), tokens),
+            "discriminator_precision": ((predicted & replaced_real).sum(), predicted.sum()),
+            "discriminator_recall": ((predicted & replaced_real).sum(), replaced_real.sum()),
+        }
+    return loss, metrics
+
+
+def test_losses_and_metrics_as_before_the_speed_work():
+    """Five AdamW steps, dropout on, the training step's inputs (labelled positions from the host,
+    no mask for an unpadded batch) against the forward as it was: the same losses and metrics."""
+    objective = OBJECTIVES["electra"]
+    models = [tiny_electra(hidden_dropout=0.1, attention_dropout=0.1) for _ in range(2)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    for step in range(5):
+        ids, mask, labels, _ = masked_batch(seed=step)
+        if step % 2:  # an unpadded batch: no mask at all
+            mask = torch.ones_like(mask)
+        batch = {"input_ids": ids, "labels": labels, "labelled": labelled_positions(labels)}
+        torch.manual_seed(step)
+        loss, output = models[0](*objective.inputs(batch, mask if step % 2 == 0 else None))
+        torch.manual_seed(step)
+        expected_loss, expected = forward_before_the_speed_work(models[1], ids, mask, labels)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+        metrics = objective.metrics(batch, loss, output)
+        assert set(metrics) == set(expected)
+        for name, (value, count) in expected.items():
+            torch.testing.assert_close(metrics[name][0].double(), value.double(), rtol=1e-6,
+                                       atol=1e-6, msg=name)
+            assert metrics[name][1] == count, name
+        for model, optimizer, value in zip(models, optimizers, (loss, expected_loss)):
+            optimizer.zero_grad()
+            value.backward()
+            optimizer.step()
+
+
 def test_tiny_electra_run_learns(data, tmp_path):
     out = tmp_path / "electra"
     train("deepspeed", 2, data, out, "--objective", "electra", "--steps", "100", "--lr", "5e-4",
@@ -112,10 +181,16 @@ def test_electra_tensor_parallel_two_equals_one(data, tmp_path):
                            "--objective", "electra")
 
 
-def test_electra_checkpoints_hold_both_networks(data, tmp_path):
+@pytest.mark.parametrize("config", [None, "electra_base_fp16.json"],
+                         ids=["cpu-config", "shipped-config"])
+def test_electra_checkpoints_hold_both_networks(data, tmp_path, config):
     """Resume a copy of a finished run from its step-4 checkpoint: steps 5 and 6 come out the same
-    only if both networks, the optimizer and the data position were restored."""
+    only if both networks, the optimizer and the data position were restored. Also with the
+    shipped config's step (ZeRO-1 without gradient hooks, micro-batch from the config)."""
     flags = ["--objective", "electra", "--steps", "6", "--save-interval", "2", "--eval-interval", "100"]
+    if config is not None:
+        flags += ["--ds-config", shipped_config_in_fp32(config, tmp_path), "--global-batch", "8",
+                  "--warmup-steps", "2"]
     train("deepspeed", 2, data, tmp_path / "whole", *flags)
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path / "whole" / "checkpoints", copy / "checkpoints")

@@ -5,7 +5,7 @@ import torch
 
 import tupe_ds
 from reference import reference_logits
-from tupe_ds.model.bert import at_labelled, labelled_positions
+from tupe_ds.model.layers import at_labelled, labelled_positions
 
 ENCODINGS = list(tupe_ds.ENCODINGS)
 

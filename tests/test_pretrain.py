@@ -87,11 +87,31 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     assert "Train/Samples/lr" in deepspeed_events.Tags()["scalars"]  # DeepSpeed's own monitor
 
 
-def test_zero2_two_data_parallel_ranks_equal_one(data, tmp_path):
+def shipped_config_in_fp32(name, tmp_path):
+    """A shipped GPU config with fp16 off, which DeepSpeed refuses on a CPU; everything else
+    (ZeRO stage and options, micro-batch, optimizer) as shipped."""
+    with open(os.path.join(ROOT, "ds_configs", name)) as f:
+        config = json.load(f)
+    config["fp16"]["enabled"] = False
+    path = tmp_path / f"{name}.fp32.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("config", [None, "bert_base_fp16.json"],
+                         ids=["zero2-with-accumulation", "shipped-zero1-micro-batch-from-config"])
+def test_two_data_parallel_ranks_equal_one(data, tmp_path, config):
+    """ZeRO-2 with 2 ranks against 1 rank with 2 accumulation steps; and the shipped BERT config's
+    step (ZeRO-1 without gradient hooks, its micro-batch of 128 cut to each rank's share)."""
     flags = ["--pos-encoding", "tupe-r", "--steps", "5", "--dropout", "0", "--global-batch", "16",
-             "--micro-batch", "8", "--eval-interval", "5"]
+             "--eval-interval", "5"]
+    if config is None:
+        flags += ["--micro-batch", "8"]
+    else:
+        flags += ["--ds-config", shipped_config_in_fp32(config, tmp_path), "--lr", "1e-3",
+                  "--warmup-steps", "2"]
     train("deepspeed", 2, data, tmp_path / "dp2", *flags)
-    train("deepspeed", 1, data, tmp_path / "dp1", *flags)  # 2 accumulation steps instead
+    train("deepspeed", 1, data, tmp_path / "dp1", *flags)
     two, one = log(tmp_path / "dp2"), log(tmp_path / "dp1")
     for step in range(1, 6):
         assert two[step]["train/loss"] == pytest.approx(one[step]["train/loss"], rel=1e-4, abs=1e-4)

@@ -86,3 +86,16 @@ def test_overrides_and_derived_settings(data, tmp_path, monkeypatch):
         vocab = json.load(f)["vocab_size"]
     assert run.models[0].vocab_size == -(-vocab // 128) * 128
     assert run.dp_size == 2
+
+
+@pytest.mark.parametrize("world, micro, accumulation", [(1, 8, 2), (2, 8, 1), (4, 4, 1)])
+def test_the_configs_micro_batch_is_the_most_a_rank_runs(data, tmp_path, monkeypatch, world, micro,
+                                                         accumulation):
+    """Global batch 16, the config's micro-batch 8: more ranks than two run smaller ones, so that
+    one config serves every data-parallel size; an explicit --micro-batch is kept as given."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    config = load(base(data, tmp_path, "--global-batch", "16")).ds_config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (
+        micro, accumulation)
+    assert "not a multiple of micro-batch 8 x 4" in fails(
+        base(data, tmp_path, "--global-batch", "16", "--micro-batch", "8"), monkeypatch, world=4)

@@ -10,7 +10,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from tupe_ds.model.config import ModelConfig
-from tupe_ds.model.layers import (IGNORE_INDEX, Encoder, MaskedLMHead, embed, masked_lm_loss,
+from tupe_ds.model.layers import (Encoder, MaskedLMHead, at_labelled, embed, masked_lm_loss,
                                   token_embedding)
 from tupe_ds.parallel import accelerator_device, ensure_model_parallel, gather_tensor_parallel
 
@@ -53,18 +53,6 @@ class BertForMaskedLM(MegatronModule):
     def positional_scores(self, n: int) -> Tensor:
         """[heads, n, n]: see Encoder.positional_scores."""
         return self.encoder.positional_scores(n)
-
-
-def labelled_positions(labels: Tensor) -> Tensor:
-    """[m] positions of the labelled tokens of labels [batch, seq], in the [seq * batch] order of
-    the hidden states: BertForMaskedLM's `labelled`. Taken where the labels are still on the
-    host, it costs the accelerator no synchronisation."""
-    return (labels.t().reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
-
-
-def at_labelled(tensor: Tensor, labelled: Tensor) -> Tensor:
-    """The values of a [batch, seq] tensor at `labelled` positions: [m]."""
-    return tensor.t().reshape(-1)[labelled]
 
 
 def build_model(preset_or_config: Union[str, ModelConfig] = "bert-base", **overrides) -> BertForMaskedLM:

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from tupe_ds.model.config import ModelConfig
-from tupe_ds.model.layers import (IGNORE_INDEX, Encoder, MaskedLMHead, embed, masked_lm_loss,
-                                  token_embedding)
+from tupe_ds.model.layers import (Encoder, MaskedLMHead, at_labelled, embed, labelled_positions,
+                                  masked_lm_loss, token_embedding)
 from tupe_ds.parallel import accelerator_device, ensure_model_parallel, gather_tensor_parallel
 
 DISCRIMINATOR_WEIGHT = 50.0
@@ -62,41 +63,56 @@ class ElectraForPretraining(MegatronModule):
             linear.bias.data.zero_()
         self.to(tconfig.params_dtype)
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor):
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor], labels: Tensor,
+                labelled: Optional[Tensor] = None):
         """input_ids (masked), attention_mask (None: no padding), labels (original ids where
-        masked, else -100): [batch, seq].
+        masked, else -100): [batch, seq]; labelled: labelled_positions(labels), best taken on the
+        host (computed here otherwise, which waits for the device).
 
-        Returns (generator loss + 50 x discriminator loss, ElectraOutput)."""
+        Returns (generator loss + 50 x discriminator loss, ElectraOutput). Nothing in here waits
+        for the device: the generator's head runs on the masked tokens only, as BERT's does, and
+        the sample goes back by index rather than by a boolean mask."""
+        if labelled is None:
+            labelled = labelled_positions(labels)
         max_positions = self.model_config.max_position_embeddings
         padding = None if attention_mask is None else attention_mask == 0
-        labels = labels.transpose(0, 1)  # [n, b] like the hidden states
-        embedded = embed(self.embedding, input_ids, max_positions)  # [n, b, width]
-        hidden = self.generator(self.generator_projection(embedded), padding)
-        logits = self.generator_head(hidden, self.embedding.word_embeddings.weight)  # [n, b, V/tp]
-        generator_loss = masked_lm_loss(logits, labels)
+        masked_labels = at_labelled(labels, labelled)  # [m]
+        with record_function("electra/generator"):
+            embedded = embed(self.embedding, input_ids, max_positions)  # [n, b, width]
+            hidden = self.generator(self.generator_projection(embedded), padding)
+            hidden = hidden.flatten(0, 1)[labelled].unsqueeze(1)  # [m, 1, generator width]
+            word_embeddings = self.embedding.word_embeddings.weight
+            logits = self.generator_head(hidden, word_embeddings)  # [m, 1, vocab / tp]
+            generator_loss = masked_lm_loss(logits, masked_labels.unsqueeze(1))
 
-        masked = labels != IGNORE_INDEX
-        sampled, predicted_ids = self.sample(logits[masked])  # [masked positions] each
-        original = torch.where(masked, labels, input_ids.transpose(0, 1))
-        corrupted = input_ids.transpose(0, 1).masked_scatter(masked, sampled)
-        replaced = corrupted != original  # a sample equal to the original counts as original
+        with record_function("electra/sample"):
+            sampled, predicted_ids = self.sample(logits.squeeze(1))  # [m] each
+            shape = input_ids.t().shape  # [n, b]
+            original = input_ids.t().reshape(-1).index_copy(0, labelled, masked_labels)
+            corrupted = input_ids.t().reshape(-1).index_copy(0, labelled, sampled)
+            replaced = (corrupted != original).view(shape)  # a sample equal to the original
+            corrupted = corrupted.view(shape)  # counts as original
 
-        hidden = self.discriminator(embed(self.embedding, corrupted.transpose(0, 1), max_positions),
-                                    padding)
-        scores = self.discriminator_head(hidden).squeeze(-1).float()  # [n, b]
-        real = torch.ones_like(labels, dtype=torch.bool) if padding is None else ~padding.t()
-        discriminator_loss = F.binary_cross_entropy_with_logits(scores[real], replaced[real].float())
+        with record_function("electra/discriminator"):
+            embedded = embed(self.embedding, corrupted.t(), max_positions)
+            hidden = self.discriminator(embedded, padding)
+            scores = self.discriminator_head(hidden).squeeze(-1).float()  # [n, b]
+            real = torch.ones_like(replaced) if padding is None else ~padding.t()
+            tokens = real.sum()
+            token_losses = F.binary_cross_entropy_with_logits(scores, replaced.float(),
+                                                              reduction="none")
+            discriminator_loss = (token_losses * real).sum() / tokens
         loss = generator_loss + DISCRIMINATOR_WEIGHT * discriminator_loss
 
-        with torch.no_grad():
+        with torch.no_grad(), record_function("electra/metrics"):
             predicted = (scores > 0) & real
             replaced_real = replaced & real
-            tokens, n_masked = real.sum(), masked.sum()
+            n_masked = labelled.new_full((), labelled.numel())  # no host-to-device copy
             metrics = {
                 "loss": (loss.detach() * n_masked, n_masked),
                 "generator_loss": (generator_loss.detach() * n_masked, n_masked),
                 "discriminator_loss": (discriminator_loss.detach() * tokens, tokens),
-                "generator_accuracy": ((predicted_ids == labels[masked]).sum(), n_masked),
+                "generator_accuracy": ((predicted_ids == masked_labels).sum(), n_masked),
                 "replaced_fraction": (replaced_real.sum(), tokens),
                 "discriminator_accuracy": (((predicted == replaced) & real).sum(), tokens),
                 "discriminator_precision": ((predicted & replaced_real).sum(), predicted.sum()),

@@ -86,6 +86,18 @@ class MaskedLMHead(MegatronModule):
         return logits
 
 
+def labelled_positions(labels: Tensor) -> Tensor:
+    """[m] positions of the labelled tokens of labels [batch, seq], in the [seq * batch] order of
+    the hidden states: the models' `labelled`. Taken where the labels are still on the
+    host, it costs the accelerator no synchronisation."""
+    return (labels.t().reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def at_labelled(tensor: Tensor, labelled: Tensor) -> Tensor:
+    """The values of a [batch, seq] tensor at `labelled` positions: [m]."""
+    return tensor.t().reshape(-1)[labelled]
+
+
 def masked_lm_loss(local_logits: Tensor, labels: Tensor) -> Tensor:
     """Mean cross-entropy over labels != -100; local_logits [n, b, vocab / tp], labels [n, b]."""
     counted = labels != IGNORE_INDEX

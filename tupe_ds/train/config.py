@@ -125,6 +125,10 @@ def load(argv=None) -> RunConfig:
     if micro is None or batch is None:
         fail(f"{args.ds_config}: set train_batch_size and train_micro_batch_size_per_gpu "
              "(or --global-batch and --micro-batch)")
+    if args.micro_batch is None and batch % dp == 0 and batch // dp < micro:
+        # A config's micro-batch is the most one rank runs at once: with more data-parallel ranks
+        # than that many fill the global batch, each runs its share in one micro-batch.
+        micro = ds_config["train_micro_batch_size_per_gpu"] = batch // dp
     if batch % (micro * dp):
         fail(f"global batch {batch} is not a multiple of micro-batch {micro} x {dp} data-parallel "
              "ranks; change --global-batch or --micro-batch")

@@ -8,8 +8,8 @@ import torch
 
 from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX, MaskingScheme
 from tupe_ds.model import build_model
-from tupe_ds.model.bert import at_labelled
 from tupe_ds.model.electra import build_electra
+from tupe_ds.model.layers import at_labelled
 
 ELECTRA_MASKING = MaskingScheme(probability=0.15, mask=0.85, random=0.0)
 
@@ -50,7 +50,8 @@ class Electra:
         return build_electra(configs)  # (discriminator, generator)
 
     def inputs(self, batch, attention_mask) -> tuple:
-        return batch["input_ids"], attention_mask, batch["labels"]
+        """The model's arguments: the generator's head runs on the masked tokens only."""
+        return batch["input_ids"], attention_mask, batch["labels"], batch["labelled"]
 
     def metrics(self, batch, loss, output) -> dict:
         return output.metrics

@@ -8,9 +8,9 @@ and returns name -> sum / count on every rank.
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from torch.profiler import record_function
 
-from tupe_ds.model.bert import labelled_positions
-from tupe_ds.model.layers import masked_lm_loss
+from tupe_ds.model.layers import labelled_positions, masked_lm_loss
 from tupe_ds.parallel import gather_tensor_parallel
 from tupe_ds.train.objectives import add
 
@@ -49,11 +49,16 @@ class EngineSteps:
         return batch, loss, output
 
     def train(self, micro_batches, totals: dict) -> None:
+        """The phases are named for torch.profiler (`step/...`): bench/gpu.py times them."""
         for batch in micro_batches:
-            batch, loss, output = self._forward(batch)
-            self.engine.backward(loss)
-            self.engine.step()
-            add(totals, self.objective.metrics(batch, loss, output))
+            with record_function("step/forward"):
+                batch, loss, output = self._forward(batch)
+            with record_function("step/backward"):  # with ZeRO's gradient reduction
+                self.engine.backward(loss)
+            with record_function("step/optimizer"):  # at the accumulation boundary
+                self.engine.step()
+            with record_function("step/metrics"):
+                add(totals, self.objective.metrics(batch, loss, output))
 
     def evaluate(self, micro_batches, totals: dict) -> None:
         self.engine.eval()
