@@ -57,6 +57,7 @@ from megatron.core import parallel_state
 from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
+from tupe_ds.files import write_atomically
 from tupe_ds.model import ModelConfig, build_model
 from tupe_ds.model.config import DTYPES
 from tupe_ds.model.electra import PAIRS
@@ -660,13 +661,6 @@ def print_sweep(sweep: list) -> None:
           f"({best['samples_per_s']:.1f} samples/s)")
 
 
-def write_json(path: str, result: dict) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(temporary, path)
-
-
 def ours_optimizer(config: dict) -> str:
     params = config["optimizer"].get("params", {})
     if params.get("torch_adam"):
@@ -729,8 +723,9 @@ def main() -> None:
         print_sweep(sweep)
     if args.json:
         settings = {key: value for key, value in vars(args).items() if key != "local_rank"}
-        write_json(args.json, {"header": head, "peak_flops": PEAK, "args": settings, "rows": rows,
-                               "ratios": ratio_rows, "electra": electra, "sweep": sweep})
+        result = {"header": head, "peak_flops": PEAK, "args": settings, "rows": rows,
+                  "ratios": ratio_rows, "electra": electra, "sweep": sweep}
+        write_atomically(args.json, json.dumps(result, indent=1))
     dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from data_prep.pipeline import SPLITS, WORK_DIR, publish
+from data_prep.pipeline import SPLITS, publish, work_folder
 
 SUMMED = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
           "near_duplicates_removed", "invalid_utf8_lines", "bad_lines_skipped", "bytes_in")
@@ -49,15 +49,8 @@ def merge(shards: List[str], output: str, quiet: bool = False) -> dict:
     if len(dtypes) != 1:
         raise ValueError(f"merge: the shards have different token dtypes {sorted(dtypes)}")
     started = time.perf_counter()
-    os.makedirs(output, exist_ok=True)
-    work = os.path.join(output, WORK_DIR)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    try:
+    with work_folder(output) as work:
         return _merge(shards, manifests, output, work, started, quiet)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
 
 
 def _merge(shards, manifests, output, work, started, quiet) -> dict:

@@ -26,6 +26,7 @@ from data_prep.dedup import Deduplicator, exact_key, minhash_signature
 from data_prep.read import InputError, Reader, expand_inputs
 from data_prep.sentences import SentenceSplitter
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
+from tupe_ds.files import fresh_folder
 
 SPLITS = ("train", "valid")
 WORK_DIR = ".tmp-prep"
@@ -143,15 +144,15 @@ def prepare(config: PrepConfig) -> dict:
     """Run every stage; returns the manifest (also written to OUTPUT/manifest.json)."""
     config.validate()
     files = config.shard_files(expand_inputs(config.inputs))
-    os.makedirs(config.output, exist_ok=True)
-    work = os.path.join(config.output, WORK_DIR)
-    shutil.rmtree(work, ignore_errors=True)  # what a crashed run left
-    os.makedirs(work)
-    try:
+    with work_folder(config.output) as work:
         return _prepare(config, files, work)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)  # a killed process leaves it to the next run
-        raise
+
+
+def work_folder(output: str):
+    """OUTPUT/.tmp-prep, empty, for a run's files until `publish` moves them into OUTPUT; removed
+    if the run fails (a killed process leaves it to the next run, which removes it first)."""
+    os.makedirs(output, exist_ok=True)
+    return fresh_folder(os.path.join(output, WORK_DIR))
 
 
 def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:

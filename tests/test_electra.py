@@ -9,7 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from test_pretrain import assert_tp2_matches_tp1, log, shipped_config_in_fp32, train
 from tupe_ds.model.electra import DISCRIMINATOR_WEIGHT, ElectraForPretraining, build_electra
-from tupe_ds.model.layers import IGNORE_INDEX, embed, labelled_positions, masked_lm_loss
+from tupe_ds.data.masking import IGNORE_INDEX
+from tupe_ds.model.layers import embed, labelled_positions, masked_lm_loss
 from tupe_ds.train.objectives import OBJECTIVES
 
 

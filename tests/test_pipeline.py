@@ -16,6 +16,7 @@ from test_pretrain import environment, free_port, log, train
 from tp_inputs import micro_batches
 from tupe_ds.model.config import ENCODINGS, ModelConfig
 from tupe_ds.model.pipeline import stage_layer_counts
+from tupe_ds.model.pipeline_names import bert_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.dirname(sys.executable)
@@ -35,21 +36,6 @@ def test_stages_balance_the_head_against_the_layers():
 
 # One SGD step (lr 1, no clipping) of 2 micro-batches on 2 stages of 2 layers, per encoding,
 # against one process.
-
-RENAMES = [  # BertPipeline's tied module parameters -> BertForMaskedLM's names
-    ("word_embeddings.final_layernorm.", "encoder.block.final_layernorm."),
-    ("word_embeddings.word_embeddings.", "embedding.word_embeddings."),
-    ("word_embeddings.", ""),
-    ("positional.positional.", "encoder.positional."),
-]
-
-
-def model_name(pipeline_name):
-    for prefix, replacement in RENAMES:
-        if pipeline_name.startswith(prefix):
-            return replacement + pipeline_name[len(prefix):]
-    raise AssertionError(pipeline_name)
-
 
 @pytest.fixture(scope="module")
 def two_stage_steps(tmp_path_factory):
@@ -80,7 +66,7 @@ def test_every_encoding_on_two_stages_equals_one_process(two_stage_steps, encodi
         result = two_stage_steps[encoding, stage]
         torch.testing.assert_close(result["loss"], loss.detach(), rtol=1e-5, atol=1e-5)
         assert result["positional_calls"] == len(batches), "once per stage and micro-batch"
-        copies = {model_name(name): value for name, value in result["tied"].items()}
+        copies = {bert_name(name): value for name, value in result["tied"].items()}
         assert positional <= set(copies), stage  # each stage holds the whole positional module
         assert "embedding.word_embeddings.weight" in copies
         for name, value in copies.items():

@@ -1,8 +1,15 @@
 """tupe_ds: pretraining BERT and ELECTRA with the TUPE positional encoding on DeepSpeed + megatron-core."""
 
-from tupe_ds.model import (ENCODINGS, PRESETS, BertForMaskedLM, ElectraForPretraining, ModelConfig,
-                           build_electra, build_model)
+import importlib
 
 __all__ = ["BertForMaskedLM", "ENCODINGS", "ElectraForPretraining", "ModelConfig", "PRESETS",
            "build_electra", "build_model"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """The model API from tupe_ds.model, imported on first use, so that light modules
+    (tupe_ds.files, which data_prep uses) do not load torch and megatron-core."""
+    if name in __all__:
+        return getattr(importlib.import_module("tupe_ds.model"), name)
+    raise AttributeError(f"module 'tupe_ds' has no attribute {name!r}")

@@ -27,9 +27,14 @@ import tempfile
 from typing import Dict
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from tupe_ds.files import replacing_folder
+from tupe_ds.model.bert import BertForMaskedLM, build_model
 from tupe_ds.model.config import ModelConfig
+from tupe_ds.model.pipeline_names import bert_name
+from tupe_ds.parallel import ensure_model_parallel
 
 KINDS = {"mlm": "bert-mlm", "electra": "electra-discriminator"}
 
@@ -99,22 +104,8 @@ def pipeline_layer_files(step_dir: str, tensor_rank: int, states: dict) -> Dict[
 def model_names(state: Dict[str, Tensor], layer_indices: list) -> Dict[str, Tensor]:
     """BertForMaskedLM names for a pipeline stage's parameters; `layer_indices` lists the pipeline
     indices of the transformer layers of the whole model, in order."""
-    renamed = {}
-    for name, tensor in state.items():
-        for prefix, replacement in (
-                ("tied_modules.word_embeddings.embedding.", "embedding."),
-                ("tied_modules.word_embeddings.final_layernorm.", "encoder.block.final_layernorm."),
-                ("tied_modules.word_embeddings.lm_head.", "lm_head."),
-                ("tied_modules.positional.positional.", "encoder.positional.")):
-            if name.startswith(prefix):
-                renamed[replacement + name[len(prefix):]] = tensor
-                break
-        else:
-            index, rest = name.split(".", 1)
-            if index.isdigit():  # a TransformerLayerPipe: "12.layer.self_attention...."
-                layer = layer_indices.index(int(index))
-                renamed[f"encoder.block.layers.{layer}.{rest.removeprefix('layer.')}"] = tensor
-            # else: the last stage's copy of the tied word embedding
+    renamed = {bert_name(name, layer_indices, copies=False): tensor for name, tensor in state.items()}
+    renamed.pop(None, None)  # the last stage's copy of the tied word embedding
     return renamed
 
 
@@ -136,9 +127,6 @@ def join_tensor_parallel(shards: list, reference: Dict[str, Tensor]) -> Dict[str
 
 
 def reference_model(config: ModelConfig):
-    from tupe_ds.model.bert import BertForMaskedLM
-    from tupe_ds.parallel import ensure_model_parallel
-
     ensure_model_parallel(1)
     return BertForMaskedLM(config)
 
@@ -172,26 +160,17 @@ def export(checkpoint: str, out: str) -> str:
 def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind: str,
                   tokenizer: str, source: str) -> None:
     """model.safetensors, config.json and tokenizer.json in `out`, which appears when complete."""
-    from safetensors.torch import save_file
-
-    temporary = out.rstrip("/") + ".tmp-export"
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
-    save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(temporary, "model.safetensors"))
-    with open(os.path.join(temporary, "config.json"), "w") as f:
-        json.dump({"kind": kind, "model": dataclasses.asdict(config), "source": source}, f, indent=1)
-    shutil.copy(tokenizer, temporary)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(temporary, out)
+    with replacing_folder(out) as folder:
+        save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(folder, "model.safetensors"))
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"kind": kind, "model": dataclasses.asdict(config), "source": source}, f,
+                      indent=1)
+        shutil.copy(tokenizer, folder)
 
 
 def load_exported(directory: str):
     """(model, config, kind) from a tupe-export folder: a BertForMaskedLM on this process's
     device, its masked-LM head absent (left at its initial values) for ELECTRA exports."""
-    from safetensors.torch import load_file
-
-    from tupe_ds.model.bert import build_model
-
     with open(os.path.join(directory, "config.json")) as f:
         description = json.load(f)
     config = ModelConfig(**description["model"])

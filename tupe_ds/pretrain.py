@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from tupe_ds import launch
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.files import write_atomically
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train import checkpoint
@@ -61,10 +62,7 @@ def write_run_description(run: RunConfig) -> None:
     description = {"objective": run.args.objective, "data": os.path.abspath(run.args.data),
                    "tp": run.args.tp, "pp": run.args.pp,
                    "models": [dataclasses.asdict(config) for config in run.models]}
-    temporary = os.path.join(run.args.out, "run.json.tmp")
-    with open(temporary, "w") as f:
-        json.dump(description, f, indent=1)
-    os.replace(temporary, os.path.join(run.args.out, "run.json"))
+    write_atomically(os.path.join(run.args.out, "run.json"), json.dumps(description, indent=1))
 
 
 def build_engine(run: RunConfig, objective, device):

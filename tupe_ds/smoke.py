@@ -15,6 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.model import ENCODINGS, PRESETS, build_model
 from tupe_ds.parallel import accelerator_device
 
@@ -28,7 +29,7 @@ def masked_batch(batch: int, seq: int, vocab: int, seed: int):
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[batch // 2:, seq - seq // 4:] = 0
     chosen = (torch.rand(batch, seq, generator=generator) < MASK_PROBABILITY) & (mask == 1)
-    labels = ids.masked_fill(~chosen, -100)
+    labels = ids.masked_fill(~chosen, IGNORE_INDEX)
     return ids.masked_fill(chosen, 4), mask, labels  # 4 stands in for [MASK]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from tupe_ds.data.masking import MaskingScheme, mask_tokens
+from tupe_ds.data.masking import IGNORE_INDEX, MaskingScheme, mask_tokens
 from tupe_ds.data.packing import PackedSentences
 
 Batch = Dict[str, torch.Tensor]
@@ -48,7 +48,7 @@ def collate(samples: List[tuple], seq_len: int, pad: int) -> Batch:
     """[(inputs, labels)] -> input_ids, attention_mask, labels: [batch, seq_len], padded."""
     batch = len(samples)
     input_ids = np.full((batch, seq_len), pad, dtype=np.int64)
-    labels = np.full((batch, seq_len), -100, dtype=np.int64)
+    labels = np.full((batch, seq_len), IGNORE_INDEX, dtype=np.int64)
     attention_mask = np.zeros((batch, seq_len), dtype=np.int64)
     for row, (inputs, targets) in enumerate(samples):
         input_ids[row, : len(inputs)] = inputs

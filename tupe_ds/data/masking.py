@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tupe_ds.model.layers import IGNORE_INDEX
+IGNORE_INDEX = -100  # the label of a token the loss skips (torch's cross-entropy default)
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class MaskingScheme:
 
 
 BERT_MASKING = MaskingScheme()
+ELECTRA_MASKING = MaskingScheme(probability=0.15, mask=0.85, random=0.0)
 
 
 def mask_tokens(tokens: np.ndarray, rng: np.random.Generator, scheme: MaskingScheme,

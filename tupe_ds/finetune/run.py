@@ -17,19 +17,18 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from tokenizers import Tokenizer
 from torch import nn
 
 from tupe_ds import launch
 from tupe_ds.export import load_exported
 from tupe_ds.finetune.metrics import METRICS
-from tupe_ds.finetune.tasks import TASKS, Task, TaskDataError, read_examples
+from tupe_ds.finetune.report import write_reports
+from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
 from tupe_ds.model.layers import embed
 from tupe_ds.train.optim import parameter_groups
 
@@ -54,46 +53,6 @@ class SequenceClassifier(nn.Module):
     def forward(self, input_ids, attention_mask):
         hidden = self.encoder(embed(self.embedding, input_ids, self.max_positions), attention_mask == 0)
         return self.head(hidden[0])  # [n, b, h]: position 0 is [CLS] -> [b, outputs]
-
-
-class Encoder:
-    """'[CLS] a [SEP]' or '[CLS] a [SEP] b [SEP]' ids, the longer text truncated first."""
-
-    def __init__(self, path: str, model_vocabulary: int, max_length: int):
-        self.tokenizer = Tokenizer.from_file(path)
-        size = self.tokenizer.get_vocab_size()
-        if size > model_vocabulary:
-            raise TaskDataError(f"{path}: {size} tokens, more than the model's vocabulary of "
-                                f"{model_vocabulary}: not the tokenizer this model was trained with")
-        ids = {t: self.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")}
-        if None in ids.values():
-            raise TaskDataError(f"{path}: no {', '.join(t for t, i in ids.items() if i is None)} "
-                                "token: not a tokenizer written by tupe-prep")
-        self.cls, self.sep, self.pad = ids["[CLS]"], ids["[SEP]"], ids["[PAD]"]
-        self.max_length = max_length
-
-    def __call__(self, examples) -> list:
-        columns = list(zip(*(texts for texts, _ in examples)))
-        encoded = [[e.ids for e in self.tokenizer.encode_batch(list(c), add_special_tokens=False)]
-                   for c in columns]
-        budget = self.max_length - 1 - len(columns)  # [CLS] and a [SEP] per text
-        result = []
-        for parts in zip(*encoded):
-            parts = [list(p) for p in parts]
-            while sum(map(len, parts)) > budget:
-                max(parts, key=len).pop()
-            ids = [self.cls]
-            for part in parts:
-                ids += part + [self.sep]
-            result.append(ids)
-        return result
-
-    def batch(self, sequences: list) -> tuple:
-        n = max(map(len, sequences))
-        ids = torch.full((len(sequences), n), self.pad, dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, :len(sequence)] = torch.tensor(sequence)
-        return ids, (ids != self.pad).long()
 
 
 def parse_valid(values: list) -> dict:
@@ -132,7 +91,7 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
             if len(batch) < world:  # a last batch too small to give every rank an example
                 break
             mine = batch[rank::world]  # this rank's share
-            input_ids, mask = data["encoder"].batch([ids[i] for i in mine])
+            input_ids, mask = data["tokenizer"].batch([ids[i] for i in mine])
             target = torch.tensor([labels[i] for i in mine],
                                   dtype=torch.float if task.labels is None else torch.long)
             output = trained(input_ids.to(device), mask.to(device))
@@ -162,7 +121,7 @@ def evaluate(model, task: Task, data: dict, device) -> dict:
         mine = list(range(rank, len(ids), world))
         predictions = []
         for start in range(0, len(mine), 64):
-            input_ids, mask = data["encoder"].batch([ids[i] for i in mine[start:start + 64]])
+            input_ids, mask = data["tokenizer"].batch([ids[i] for i in mine[start:start + 64]])
             output = model(input_ids.to(device), mask.to(device)).float().cpu()
             predictions += (output.squeeze(-1) if task.labels is None else output.argmax(-1)).tolist()
         pairs = list(zip(mine, predictions))
@@ -173,65 +132,6 @@ def evaluate(model, task: Task, data: dict, device) -> dict:
         predicted = np.array([p for _, p in sorted(pairs)])
         results[name] = {m: METRICS[m](predicted, np.array(labels)) for m in task.metrics}
     return results
-
-
-def summarize(task: Task, runs: dict) -> dict:
-    """runs: {lr: {seed: {valid: {metric: value}}}} -> per configuration the seeds and medians,
-    and the best configuration by the median of the task's first metric on the first set."""
-    configurations = {}
-    for lr, seeds in runs.items():
-        valid_sets = next(iter(seeds.values()))
-        median = {name: {m: statistics.median(seeds[s][name][m] for s in seeds) for m in task.metrics}
-                  for name in valid_sets}
-        configurations[f"lr={lr:g}"] = {"lr": lr, "seeds": seeds, "median": median}
-    first_set = next(iter(next(iter(configurations.values()))["median"]))
-    best = max(configurations, key=lambda c: configurations[c]["median"][first_set][task.metrics[0]])
-    return {"task": task.name, "metric": task.metrics[0], "configurations": configurations,
-            "best": best, "best_median": configurations[best]["median"]}
-
-
-def markdown(summary: dict) -> str:
-    task, metric = summary["task"], summary["metric"]
-    configurations = summary["configurations"]
-    first = next(iter(configurations.values()))
-    seeds = list(first["seeds"])
-    sets = list(first["median"])
-    lines = [f"# {task}: {metric} on the dev set(s), median of {len(seeds)} seeds", "",
-             "| configuration | set | " + " | ".join(f"seed {s}" for s in seeds) + " | median |",
-             "|---|---|" + "---:|" * (len(seeds) + 1)]
-    for name, c in configurations.items():
-        for valid in sets:
-            cells = [f"{c['seeds'][s][valid][metric]:.4f}" for s in seeds]
-            best = " **(best)**" if name == summary["best"] else ""
-            lines.append(f"| {name}{best} | {valid} | " + " | ".join(cells)
-                         + f" | {c['median'][valid][metric]:.4f} |")
-    return "\n".join(lines) + "\n"
-
-
-def combined_table(out: str) -> tuple:
-    """(markdown, JSON) of every task summary in `out`: each task's best configuration and its
-    median, the paper's way of reporting GLUE (one column per task and dev set)."""
-    summaries = []
-    for task in TASKS:  # GLUE's usual order
-        if os.path.exists(os.path.join(out, f"{task}.json")):
-            with open(os.path.join(out, f"{task}.json")) as f:
-                summaries.append(json.load(f))
-    columns = [(s["task"], valid, s["metric"], values[s["metric"]], s["best"])
-               for s in summaries for valid, values in s["best_median"].items()]
-    header = " | ".join(f"{task} {valid} ({metric})" for task, valid, metric, _, _ in columns)
-    lines = ["# Fine-tuning: best configuration per task, median over seeds", "",
-             f"| {header} |", "|" + "---:|" * len(columns),
-             "| " + " | ".join(f"{value:.4f}" for *_, value, _ in columns) + " |", "",
-             "Best configurations: " + ", ".join(f"{task} {best}" for task, _, _, _, best in columns),
-             "", "Every seed: the TASK.md files beside this one."]
-    table = {task: {"best": best, valid: {metric: value}} for task, valid, metric, value, best in columns}
-    return "\n".join(lines) + "\n", json.dumps({"tasks": table, "summaries": summaries}, indent=1)
-
-
-def write_atomically(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -262,14 +162,14 @@ def main(argv=None) -> int:
         with open(os.path.join(args.model, "config.json")) as f:
             model_config = json.load(f)["model"]
         max_length = min(args.max_length, model_config["max_position_embeddings"])
-        encoder = Encoder(os.path.join(args.model, "tokenizer.json"), model_config["vocab_size"],
-                          max_length)
-        data = {"encoder": encoder, "valid": {}}
+        tokenizer = ExampleTokenizer(os.path.join(args.model, "tokenizer.json"),
+                                     model_config["vocab_size"], max_length)
+        data = {"tokenizer": tokenizer, "valid": {}}
         examples = read_examples(args.train, task)
-        data["train"] = (encoder(examples), [label for _, label in examples])
+        data["train"] = (tokenizer(examples), [label for _, label in examples])
         for name, path in parse_valid(args.valid).items():
             examples = read_examples(path, task)
-            data["valid"][name] = (encoder(examples), [label for _, label in examples])
+            data["valid"][name] = (tokenizer(examples), [label for _, label in examples])
     except (TaskDataError, FileNotFoundError) as error:
         print(f"tupe-finetune: error: {error}", file=sys.stderr)
         return 2
@@ -282,13 +182,7 @@ def main(argv=None) -> int:
     runs = {lr: {seed: run_one(args, task, data, lr, seed, device) for seed in args.seeds}
             for lr in args.lr}
     if not dist.is_initialized() or dist.get_rank() == 0:
-        summary = summarize(task, runs)
-        os.makedirs(args.out, exist_ok=True)
-        write_atomically(os.path.join(args.out, f"{task.name}.json"), json.dumps(summary, indent=1))
-        write_atomically(os.path.join(args.out, f"{task.name}.md"), markdown(summary))
-        table, everything = combined_table(args.out)
-        write_atomically(os.path.join(args.out, "results.md"), table)
-        write_atomically(os.path.join(args.out, "results.json"), everything)
+        summary = write_reports(args.out, task, runs)
         print(f"best {summary['best']}: " + ", ".join(
             f"{name} {summary['metric']} {values[summary['metric']]:.4f}"
             for name, values in summary["best_median"].items()))

@@ -1,4 +1,4 @@
-"""GLUE tasks as the TUPE paper fine-tunes them, read from local files.
+"""GLUE tasks as the TUPE paper fine-tunes them, read from local files and tokenized.
 
 Files: GLUE's own TSV layout (`.tsv`: CoLA without a header, the others with theirs), or `.csv`
 with a header / `.jsonl` with one object per line using the same column names.
@@ -9,6 +9,9 @@ import json
 import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
+
+import torch
+from tokenizers import Tokenizer
 
 csv.field_size_limit(2**31 - 1)
 
@@ -100,3 +103,43 @@ def _rows(path: str, task: Task):
         for number, values in enumerate(reader, 1 if tsv and task.headerless else 2):
             if values:
                 yield number, dict(zip(header, values))
+
+
+class ExampleTokenizer:
+    """'[CLS] a [SEP]' or '[CLS] a [SEP] b [SEP]' ids, the longer text truncated first."""
+
+    def __init__(self, path: str, model_vocabulary: int, max_length: int):
+        self.tokenizer = Tokenizer.from_file(path)
+        size = self.tokenizer.get_vocab_size()
+        if size > model_vocabulary:
+            raise TaskDataError(f"{path}: {size} tokens, more than the model's vocabulary of "
+                                f"{model_vocabulary}: not the tokenizer this model was trained with")
+        ids = {t: self.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")}
+        if None in ids.values():
+            raise TaskDataError(f"{path}: no {', '.join(t for t, i in ids.items() if i is None)} "
+                                "token: not a tokenizer written by tupe-prep")
+        self.cls, self.sep, self.pad = ids["[CLS]"], ids["[SEP]"], ids["[PAD]"]
+        self.max_length = max_length
+
+    def __call__(self, examples) -> list:
+        columns = list(zip(*(texts for texts, _ in examples)))
+        encoded = [[e.ids for e in self.tokenizer.encode_batch(list(c), add_special_tokens=False)]
+                   for c in columns]
+        budget = self.max_length - 1 - len(columns)  # [CLS] and a [SEP] per text
+        result = []
+        for parts in zip(*encoded):
+            parts = [list(p) for p in parts]
+            while sum(map(len, parts)) > budget:
+                max(parts, key=len).pop()
+            ids = [self.cls]
+            for part in parts:
+                ids += part + [self.sep]
+            result.append(ids)
+        return result
+
+    def batch(self, sequences: list) -> tuple:
+        n = max(map(len, sequences))
+        ids = torch.full((len(sequences), n), self.pad, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, :len(sequence)] = torch.tensor(sequence)
+        return ids, (ids != self.pad).long()

@@ -49,7 +49,7 @@ class ElectraForPretraining(MegatronModule):
         tconfig = discriminator.transformer_config()
         super().__init__(config=tconfig)
         generator_tconfig = generator.transformer_config()
-        self.model_config, self.generator_config = discriminator, generator
+        self.model_config = discriminator
         width = discriminator.hidden_size
         self.embedding = token_embedding(discriminator, tconfig)  # shared by both networks
         self.generator_projection = nn.Linear(width, generator.hidden_size)

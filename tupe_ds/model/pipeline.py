@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from tupe_ds.model.bert import BertForMaskedLM
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import embed
+from tupe_ds.model.pipeline_names import POSITIONAL, WORD_EMBEDDINGS
 from tupe_ds.parallel import gather_tensor_parallel
 
 
@@ -130,16 +131,16 @@ class BertPipeline(PipelineModule):
         counts = stage_layer_counts(config, topology.get_dim("pipe"))
         positional_names = [f"positional.{name}" for name, _ in
                             model.encoder.positional.named_parameters()]
-        specs = [TiedLayerSpec("word_embeddings", EmbeddingPipe, ref,
+        specs = [TiedLayerSpec(WORD_EMBEDDINGS, EmbeddingPipe, ref,
                                tied_weight_attr=["embedding.word_embeddings.weight"])]
         first = 0
         for count in counts:
-            specs.append(TiedLayerSpec("positional", PositionalPipe, ref,
+            specs.append(TiedLayerSpec(POSITIONAL, PositionalPipe, ref,
                                        tied_weight_attr=positional_names))
             specs += [LayerSpec(TransformerLayerPipe, ref, i) for i in range(first, first + count)]
             specs.append(end_of_stage)
             first += count
-        specs.append(TiedLayerSpec("word_embeddings", MaskedLMHeadPipe, ref,
+        specs.append(TiedLayerSpec(WORD_EMBEDDINGS, MaskedLMHeadPipe, ref,
                                    tied_weight_attr=["word_embeddings.weight"]))
         # DeepSpeed cuts the list before each PositionalPipe: one copy at the start of each stage.
         # No autograd while it builds: it broadcasts the tied weights in place.

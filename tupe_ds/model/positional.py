@@ -1,7 +1,8 @@
 """The positional encodings: what each variant adds to the attention of every layer.
 
-TUPE (Ke et al., ICLR 2021; ../shared/papers/tupe_paper.txt) is written here by hand, since no
-library has it. Per head h, with d the head size and n the sequence length:
+TUPE (Ke et al., "Rethinking Positional Encoding in Language Pre-training", ICLR 2021) is
+written here by hand, since no library has it. Per head h, with d the head size and n the
+sequence length:
 
     v_ij = (LN(p_i) U^Q_h)(LN(p_j) U^K_h)^T / sqrt(2d)          untied absolute term  (Eq. 7)
          + b_h(bucket(j - i))                                     TUPE-R only          (Eq. 8)
@@ -154,6 +155,12 @@ class Rotary(RotaryEmbedding):
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
+NO_POSITIONAL_LOGITS = {  # why an encoding has no content-free logits v, for the error message
+    "bert-a": "positions are added to the input embedding",
+    "nope": "it has no positional information",
+    "mask-nope": "positions come only from the causal mask of the first layers",
+    "rope": "rotary embeddings rotate q and k, so every logit depends on content",
+}
 PADDING_LOGIT = -1e4  # exp() of it, relative to any real logit, is 0 in fp32
 
 
@@ -244,12 +251,8 @@ class PositionalEncoding(nn.Module):
         if not self.encoding.has_positional_logits:
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no content-free positional logits: "
-                + {
-                    "bert-a": "positions are added to the input embedding",
-                    "nope": "it has no positional information",
-                    "mask-nope": "positions come only from the causal mask of the first layers",
-                    "rope": "rotary embeddings rotate q and k, so every logit depends on content",
-                }[self.config.pos_encoding]
+                + NO_POSITIONAL_LOGITS.get(self.config.pos_encoding,
+                                           "no term of its logits depends on positions only")
             )
         v = None
         if self.untied is not None:

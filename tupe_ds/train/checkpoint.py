@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from tupe_ds.files import write_atomically
+
 TAG = re.compile(r"^step(\d+)$")
 
 
@@ -51,12 +53,7 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int) -> No
     torch.save(rng_state(), os.path.join(directory, tag_of(step), f"rng_rank{dist.get_rank()}.pt"))
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
-        temporary = os.path.join(directory, "latest.tmp")
-        with open(temporary, "w") as f:
-            f.write(tag_of(step))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, os.path.join(directory, "latest"))
+        write_atomically(os.path.join(directory, "latest"), tag_of(step))
         for old in saved_steps(directory)[:-keep]:
             shutil.rmtree(os.path.join(directory, tag_of(old)), ignore_errors=True)
     dist.barrier()

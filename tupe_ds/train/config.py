@@ -5,6 +5,9 @@ import json
 import os
 from dataclasses import dataclass
 
+import torch
+from tokenizers import Tokenizer
+
 from tupe_ds.model.config import ENCODINGS, PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 
@@ -91,7 +94,7 @@ def load(argv=None) -> RunConfig:
     except json.JSONDecodeError as error:
         fail(f"--ds-config {args.ds_config}: invalid JSON at line {error.lineno}: {error.msg}")
 
-    if ds_config.get("fp16", {}).get("enabled") and not _cuda_available():
+    if ds_config.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
         fail(f"{args.ds_config} enables fp16, which DeepSpeed refuses without CUDA; on a CPU use "
              f"{CPU_CONFIG} (fp32) or enable bf16 instead")
     model_parallel = args.tp * args.pp
@@ -171,14 +174,7 @@ def load(argv=None) -> RunConfig:
 
 def padded_vocab(data_dir: str, tp: int) -> int:
     """The tokenizer's vocabulary rounded up to a multiple of 128 x tp (as Megatron pads it)."""
-    from tokenizers import Tokenizer
-
     size = Tokenizer.from_file(os.path.join(data_dir, "tokenizer.json")).get_vocab_size()
     multiple = 128 * tp
     return -(-size // multiple) * multiple
 
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

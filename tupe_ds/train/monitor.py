@@ -20,7 +20,6 @@ class Monitor:
     def __init__(self, out: str, configs: tuple, global_batch: int, seq_len: int,
                  world_size: int, rank: int):
         self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe")) if rank == 0 else None
-        self.rank = rank
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.step_flops = sum(flops_per_step(c, global_batch, seq_len) for c in configs)
         self.samples = global_batch

@@ -6,12 +6,10 @@ ranks before dividing, so that train and valid figures do not depend on the layo
 
 import torch
 
-from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX, MaskingScheme
+from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING, IGNORE_INDEX
 from tupe_ds.model import build_model
 from tupe_ds.model.electra import build_electra
 from tupe_ds.model.layers import at_labelled
-
-ELECTRA_MASKING = MaskingScheme(probability=0.15, mask=0.85, random=0.0)
 
 
 class MaskedLM:

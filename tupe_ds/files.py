@@ -1,0 +1,39 @@
+"""Outputs that appear whole or not at all: a crash leaves the old file or folder, never half
+of a new one."""
+
+import contextlib
+import os
+import shutil
+
+
+def write_atomically(path: str, text: str) -> None:
+    """`text` to `path` through PATH.tmp, flushed to disk before it replaces `path`."""
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def fresh_folder(path: str):
+    """An empty folder at `path` (what a killed run left there is removed first), removed again
+    if the block fails."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    try:
+        yield path
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def replacing_folder(path: str):
+    """Yields an empty folder beside `path` to fill; when the block ends without an error it
+    replaces `path`, else it is removed."""
+    with fresh_folder(path.rstrip("/") + ".tmp") as temporary:
+        yield temporary
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(temporary, path)
