@@ -104,7 +104,8 @@ def pipeline_layer_files(step_dir: str, tensor_rank: int, states: dict) -> Dict[
 def model_names(state: Dict[str, Tensor], layer_indices: list) -> Dict[str, Tensor]:
     """BertForMaskedLM names for a pipeline stage's parameters; `layer_indices` lists the pipeline
     indices of the transformer layers of the whole model, in order."""
-    renamed = {bert_name(name, layer_indices, copies=False): tensor for name, tensor in state.items()}
+    renamed = {bert_name(name, layer_indices, copies=False): tensor
+               for name, tensor in state.items()}
     renamed.pop(None, None)  # the last stage's copy of the tied word embedding
     return renamed
 
@@ -161,7 +162,8 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
                   tokenizer: str, source: str) -> None:
     """model.safetensors, config.json and tokenizer.json in `out`, which appears when complete."""
     with replacing_folder(out) as folder:
-        save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(folder, "model.safetensors"))
+        save_file({n: t.contiguous() for n, t in state.items()},
+                  os.path.join(folder, "model.safetensors"))
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump({"kind": kind, "model": dataclasses.asdict(config), "source": source}, f,
                       indent=1)
