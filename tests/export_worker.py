@@ -1,5 +1,5 @@
-"""Under a launcher, with tupe-pretrain's flags: train --steps steps as tupe_ds.pretrain does, save
-a checkpoint, and save the live engine's masked-LM logits on a fixed batch (OUT/live_logits.pt)
+"""Under a launcher, with tupe-pretrain's flags: train --steps steps as tupe_ds.train.loop does,
+save a checkpoint, and save the live engine's masked-LM logits on a fixed batch (OUT/live_logits.pt)
 for test_export.py to compare with the exported model's."""
 
 import os
@@ -14,7 +14,7 @@ from tp_inputs import inputs
 from tupe_ds import launch
 from tupe_ds.data.loader import TrainBatches, Vocabulary
 from tupe_ds.parallel import accelerator_device, gather_tensor_parallel
-from tupe_ds.pretrain import build_engine, datasets, write_run_description
+from tupe_ds.train.loop import build_engine, datasets, write_run_description
 from tupe_ds.train import checkpoint
 from tupe_ds.train.config import load
 from tupe_ds.train.objectives import OBJECTIVES

@@ -11,76 +11,14 @@ Run again with the same --out (and a larger --steps to train on): it resumes fro
 complete checkpoint, data position included. SIGTERM or SIGUSR1 saves a checkpoint and stops.
 """
 
-import dataclasses
-import json
-import os
 import sys
 import warnings
 
-import deepspeed
-import torch
-import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
-from megatron.core import parallel_state
-
 from tupe_ds import launch
-from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
-from tupe_ds.data.packing import PackedSentences
-from tupe_ds.files import write_atomically
-from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
-from tupe_ds.parallel import MegatronMPU, accelerator_device
-from tupe_ds.train import checkpoint
-from tupe_ds.train.config import RunConfig, load
-from tupe_ds.train.cuda_arch import fit_cuda_arch_list
-from tupe_ds.train.monitor import Monitor
-from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.optim import parameter_groups
-from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
+from tupe_ds.train.config import load
+from tupe_ds.train.loop import train
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-
-
-def datasets(run: RunConfig, vocab: Vocabulary, masking):
-    prefix = os.path.join(run.args.data, "{}")
-    packed = {split: PackedSentences(prefix.format(split), run.args.seq_len, vocab.cls, vocab.sep)
-              for split in ("train", "valid")}
-    return {split: MaskedSamples(p, vocab, masking, run.args.seed) for split, p in packed.items()}
-
-
-def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int) -> dict:
-    """The objective's metrics over the first --eval-samples valid samples, as valid/NAME."""
-    dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
-    count = min(run.args.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
-    totals = {}
-    steps.evaluate(valid_batches(samples, run.args.seq_len, micro_batch, rank, dp, max(count, dp)),
-                   totals)
-    return {f"valid/{name}": value for name, value in steps.reduce(totals).items()}
-
-
-def write_run_description(run: RunConfig) -> None:
-    """OUT/run.json: the models and layout of the run, which tupe-export reads (atomically)."""
-    description = {"objective": run.args.objective, "data": os.path.abspath(run.args.data),
-                   "tp": run.args.tp, "pp": run.args.pp,
-                   "models": [dataclasses.asdict(config) for config in run.models]}
-    write_atomically(os.path.join(run.args.out, "run.json"), json.dumps(description, indent=1))
-
-
-def build_engine(run: RunConfig, objective, device):
-    """The model (a pipeline of stages when --pp > 1), its DeepSpeed engine and its steps."""
-    args = run.args
-    torch.manual_seed(args.seed)
-    weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    if args.pp > 1:
-        loss = PipelineLoss(objective)
-        model = BertPipeline(run.models[0], pipeline_topology(args.pp, args.tp, run.dp_size), loss)
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config)
-        return model, engine, PipelineSteps(engine, loss, device)
-    model = objective.build(run.models)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config,
-        mpu=MegatronMPU())
-    return model, engine, EngineSteps(engine, objective, device)
 
 
 def main(argv=None) -> int:
@@ -91,71 +29,7 @@ def main(argv=None) -> int:
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes (tp {args.tp}, pp "
               f"{args.pp}, dp {run.dp_size}), global batch {run.ds_config['train_batch_size']}")
         return 0
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
-    device = accelerator_device()
-    backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
-                                             pipeline_model_parallel_size=args.pp)
-    rank = dist.get_rank()
-    os.makedirs(args.out, exist_ok=True)
-    if rank == 0:
-        write_run_description(run)
-
-    arch_note = fit_cuda_arch_list()
-    if arch_note and rank == 0:
-        print(f"tupe-pretrain: {arch_note}", flush=True)
-    objective = OBJECTIVES[args.objective]
-    model, engine, steps = build_engine(run, objective, device)
-    vocab = Vocabulary.from_data_dir(args.data)
-    data = datasets(run, vocab, objective.masking)
-    checkpoints = os.path.join(args.out, "checkpoints")
-    state = checkpoint.resume(engine, checkpoints) if args.resume == "auto" else None
-    step = state["step"] if state else 0
-    batches = TrainBatches(data["train"], args.seq_len, engine.train_micro_batch_size_per_gpu(),
-                           engine.gradient_accumulation_steps(),
-                           parallel_state.get_data_parallel_rank(), run.dp_size,
-                           consumed=state["consumed"] if state else 0)
-    monitor = Monitor(args.out, run.models, batches.global_batch, args.seq_len, run.world_size, rank)
-    stop = checkpoint.StopSignal()
-    say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"{'resumed at' if state else 'starting'} step {step} of {args.steps}: {args.objective} "
-        f"{args.model} {args.pos_encoding}, {run.world_size} processes from {launcher} (tp "
-        f"{args.tp}, pp {args.pp}, dp {run.dp_size}), "
-        f"global batch {batches.global_batch} x {args.seq_len} tokens, {len(data['train'].packed)} "
-        f"train samples", flush=True)
-
-    metrics, totals = {}, {}
-    while step < args.steps:
-        steps.train(batches.next_step(), totals)
-        step += 1
-        if step % args.log_interval == 0 or step == args.steps:
-            scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
-            say(monitor.train(step, steps.reduce(totals), engine.get_lr()[0],
-                              engine.get_global_grad_norm(), scale), flush=True)
-            totals = {}
-        if step % args.eval_interval == 0 or step == args.steps:
-            metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
-            monitor.scalars(step, metrics)
-            say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
-        has_images = run.models[0].encoding.has_positional_logits
-        if has_images and (step % args.image_interval == 0 or step == args.steps):
-            for tag, encoder in objective.encoders(model).items():
-                monitor.positional_images(step, tag, encoder.positional_scores(min(args.seq_len, 128)))
-        stopping = stop.any_rank(device)
-        if step % args.save_interval == 0 or step == args.steps or stopping:
-            checkpoint.save(engine, checkpoints, step, {"step": step, "consumed": batches.consumed},
-                            args.keep_checkpoints)
-        if stopping:
-            say(f"stopping at step {step} on {stop.received or 'a signal to another rank'}; "
-                "run the same command to continue", flush=True)
-            break
-    if not metrics:  # nothing left to train: report where the run stands
-        metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
-    monitor.close()
-    say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
-    say(f"tensorboard --logdir {os.path.join(args.out, 'tensorboard')}")
-    dist.destroy_process_group()
+    train(run, launcher)
     return 0
 
 

@@ -1,1 +1,2 @@
-"""Training: run config, checkpoints, monitoring (the loop itself is tupe_ds/pretrain.py)."""
+"""Training: run config, the loop (loop.py; tupe_ds/pretrain.py is its command), steps,
+checkpoints, monitoring."""
