@@ -138,7 +138,7 @@ def test_losses_and_metrics_as_before_the_speed_work():
             mask = torch.ones_like(mask)
         batch = {"input_ids": ids, "labels": labels, "labelled": labelled_positions(labels)}
         torch.manual_seed(step)
-        loss, output = models[0](*objective.inputs(batch, mask if step % 2 == 0 else None))
+        loss, output = models[0](ids, mask if step % 2 == 0 else None, labels, batch["labelled"])
         torch.manual_seed(step)
         expected_loss, expected = forward_before_the_speed_work(models[1], ids, mask, labels)
         torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)

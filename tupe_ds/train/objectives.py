@@ -20,10 +20,6 @@ class MaskedLM:
     def build(self, configs):
         return build_model(configs[0])
 
-    def inputs(self, batch, attention_mask) -> tuple:
-        """The model's arguments: the head runs on the labelled tokens only."""
-        return batch["input_ids"], attention_mask, batch["labels"], batch["labelled"]
-
     def metrics(self, batch, loss, logits) -> dict:
         """logits: [m, vocab] at the batch's labelled positions, or [batch, seq, vocab]."""
         labels = batch["labels"]
@@ -46,10 +42,6 @@ class Electra:
 
     def build(self, configs):
         return build_electra(configs)  # (discriminator, generator)
-
-    def inputs(self, batch, attention_mask) -> tuple:
-        """The model's arguments: the generator's head runs on the masked tokens only."""
-        return batch["input_ids"], attention_mask, batch["labels"], batch["labelled"]
 
     def metrics(self, batch, loss, output) -> dict:
         return output.metrics

@@ -45,7 +45,8 @@ class EngineSteps:
         batch = {**batch, "labelled": labelled_positions(batch["labels"])}
         batch = {k: to_device(v, self.device) for k, v in batch.items()}
         mask = batch["attention_mask"] if padded else None  # None: no mask for the kernels at all
-        loss, output = self.engine(*self.objective.inputs(batch, mask))
+        # Both objectives' models run their masked-LM head on the labelled tokens only.
+        loss, output = self.engine(batch["input_ids"], mask, batch["labels"], batch["labelled"])
         return batch, loss, output
 
     def train(self, micro_batches, totals: dict) -> None:
