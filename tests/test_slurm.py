@@ -82,10 +82,12 @@ def test_preempted_job_checkpoints_requeues_and_finishes_where_it_stopped(cluste
     # What Slurm sends before the time limit (--signal=B:USR1@600), or an admin before preempting.
     cluster.run("scancel", "--batch", "--signal=USR1", job_id)
     cluster.wait(job_id, lambda job: job["Restarts"] == "1" and job["JobState"] == "PENDING")
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # skip the 2-min hold
+    # Skip Slurm's 2-minute requeue hold, but not into the second the old credential was revoked
+    # in: slurmd kills a job whose credential is no newer than that ("Job credential revoked").
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+2")
     job = cluster.wait_until_done(job_id)
     output = (tmp_path / "run.log").read_text()  # --open-mode=append: both runs
-    assert job["JobState"] == "COMPLETED", output[-3000:]
+    assert job["JobState"] == "COMPLETED", output[-3000:] + cluster.logs()
     stopped = int(output.split("stopping at step ")[1].split()[0])
     assert 3 <= stopped < 40
     assert f"resumed at step {stopped} of 40" in output
