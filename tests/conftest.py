@@ -17,13 +17,26 @@ def shared_memory_before_the_tests():
     return set(glob.glob(DEEPSPEED_SHARED_MEMORY))
 
 
+def mapped_files() -> set:
+    """Every file some process on this machine has mapped (from /proc/PID/maps)."""
+    paths = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                paths.update(line.split(maxsplit=5)[5].strip() for line in f if "/dev/shm/" in line)
+        except (OSError, IndexError):
+            continue
+    return paths
+
+
 @pytest.fixture(autouse=True)
 def remove_deepspeed_shared_memory(shared_memory_before_the_tests):
     """DeepSpeed's CPU all-reduce leaves a 66 MB buffer per rank in /dev/shm (memory) when a run
-    ends; after each test, remove those the suite's runs left (theirs have all ended by then), so
-    that the suite does not fill the memory."""
+    ends; after each test, remove those the suite's runs left, so that the suite does not fill the
+    memory. A buffer some process still maps (another run on this machine) stays."""
     yield
-    for path in set(glob.glob(DEEPSPEED_SHARED_MEMORY)) - shared_memory_before_the_tests:
+    left = set(glob.glob(DEEPSPEED_SHARED_MEMORY)) - shared_memory_before_the_tests
+    for path in left - mapped_files() if left else ():
         try:
             os.remove(path)
         except FileNotFoundError:

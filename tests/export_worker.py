@@ -23,29 +23,28 @@ from tupe_ds.train.objectives import OBJECTIVES
 def main(argv):
     launch.discover()
     run = load(argv)
-    args = run.args
     deepspeed.init_distributed(dist_backend="gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
-                                             pipeline_model_parallel_size=args.pp)
-    os.makedirs(args.out, exist_ok=True)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.layout.tp,
+                                             pipeline_model_parallel_size=run.layout.pp)
+    os.makedirs(run.out, exist_ok=True)
     if dist.get_rank() == 0:
         write_run_description(run)
-    objective = OBJECTIVES[args.objective]
+    objective = OBJECTIVES[run.objective]
     device = accelerator_device()
     _, engine, steps = build_engine(run, objective, device)
-    data = datasets(run, Vocabulary.from_data_dir(args.data), objective.masking)
-    batches = TrainBatches(data["train"], args.seq_len, engine.train_micro_batch_size_per_gpu(),
+    data = datasets(run, Vocabulary.from_data_dir(run.data), objective.masking)
+    batches = TrainBatches(data["train"], run.seq_len, engine.train_micro_batch_size_per_gpu(),
                            engine.gradient_accumulation_steps(),
                            parallel_state.get_data_parallel_rank(), run.dp_size)
-    for _ in range(args.steps):
+    for _ in range(run.steps):
         steps.train(batches.next_step(), {})
-    checkpoint.save(engine, os.path.join(args.out, "checkpoints"), args.steps,
-                    {"step": args.steps, "consumed": batches.consumed}, keep=1)
+    checkpoint.save(engine, os.path.join(run.out, "checkpoints"), run.steps,
+                    {"step": run.steps, "consumed": batches.consumed}, keep=1)
 
     ids, mask, labels = inputs(batch=3, n=40, vocab=1000)
     engine.eval()
     with torch.no_grad():
-        if args.pp > 1:
+        if run.layout.pp > 1:
             engine.reset_activation_shape()  # not the training batches' shape
             _, logits = engine.eval_batch(iter([((ids, mask), labels)]), return_logits=True,
                                           num_micro_batches=1)
@@ -57,7 +56,7 @@ def main(argv):
             writer = True
     if writer and parallel_state.get_tensor_model_parallel_rank() == 0 \
             and parallel_state.get_data_parallel_rank() == 0:
-        torch.save(logits.cpu(), os.path.join(args.out, "live_logits.pt"))
+        torch.save(logits.cpu(), os.path.join(run.out, "live_logits.pt"))
     dist.barrier()
     dist.destroy_process_group()
 

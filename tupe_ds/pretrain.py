@@ -24,10 +24,9 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 def main(argv=None) -> int:
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     run = load(argv)  # everything checkable is checked before any process group starts
-    args = run.args
-    if args.check_only:
-        print(f"tupe-pretrain: configuration OK for {run.world_size} processes (tp {args.tp}, pp "
-              f"{args.pp}, dp {run.dp_size}), global batch {run.ds_config['train_batch_size']}")
+    if run.check_only:
+        print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
+              f"global batch {run.ds_config['train_batch_size']}")
         return 0
     train(run, launcher)
     return 0

@@ -50,30 +50,15 @@ ENCODINGS = {
 PRESETS = {
     "bert-base": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072),
     "bert-large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096),
-    "electra-base-discriminator": dict(
-        num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072
-    ),
-    "electra-base-generator": dict(
-        num_layers=12, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024
-    ),
-    "tiny-generator": dict(  # the tiny ELECTRA pair's generator: half the width of "tiny"
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        ffn_hidden_size=64,
-        vocab_size=512,
-        max_position_embeddings=64,
-        seq_length=64,
-    ),
-    "tiny": dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
-        vocab_size=512,
-        max_position_embeddings=64,
-        seq_length=64,
-    ),
+    "electra-base-discriminator": dict(num_layers=12, hidden_size=768, num_attention_heads=12,
+                                       ffn_hidden_size=3072),
+    "electra-base-generator": dict(num_layers=12, hidden_size=256, num_attention_heads=4,
+                                   ffn_hidden_size=1024),
+    # The tiny ELECTRA pair's generator is half the width of "tiny".
+    "tiny-generator": dict(num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
+                           vocab_size=512, max_position_embeddings=64, seq_length=64),
+    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                 vocab_size=512, max_position_embeddings=64, seq_length=64),
 }
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -58,27 +58,91 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclass
+@dataclass(frozen=True)
+class Layout:
+    """How the run's processes split the work: tensor x pipeline x data parallel."""
+    world_size: int
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    def __str__(self) -> str:
+        return f"tp {self.tp}, pp {self.pp}, dp {self.dp}"
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """Steps between log lines, validations, checkpoints and positional images."""
+    log: int
+    eval: int
+    save: int
+    image: int
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    args: argparse.Namespace
+    objective: str  # a key of tupe_ds.train.objectives.OBJECTIVES
+    model: str  # the preset (or ELECTRA pair) name
+    data: str
+    out: str
+    steps: int
+    seq_len: int
+    seed: int
+    eval_samples: int
+    keep_checkpoints: int
+    resume: bool
+    check_only: bool
+    layout: Layout
+    intervals: Intervals
     models: tuple  # (ModelConfig,) for mlm; (discriminator, generator) for electra
     ds_config: dict
-    world_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // (self.args.tp * self.args.pp)
+        return self.layout.dp
+
+
+def fail(message: str):
+    raise SystemExit(f"tupe-pretrain: error: {message}")
 
 
 def load(argv=None) -> RunConfig:
     """Parse, read the DeepSpeed config, apply the overrides and check everything that can be
     checked without starting a process group: errors say what to change."""
     args = parser().parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_flags(args)
+    layout = process_layout(args, int(os.environ.get("WORLD_SIZE", "1")))
+    ds_config = read_ds_config(args.ds_config)
+    dtype = precision(ds_config)
+    if dtype == "fp16" and not torch.cuda.is_available():
+        fail(f"{args.ds_config} enables fp16, which DeepSpeed refuses without CUDA; on a CPU use "
+             f"{CPU_CONFIG} (fp32) or enable bf16 instead")
+    if args.zero_stage is not None:
+        ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    check_pipeline(args, ds_config, dtype)
+    set_batch(args, ds_config, layout.dp)
+    set_schedule(args, ds_config)
+    ds_config["tensorboard"] = {"enabled": True, "output_path": os.path.join(args.out, "tensorboard"),
+                                "job_name": "deepspeed"}
+    ds_config.setdefault("steps_per_print", 10**9)
+    return RunConfig(objective=args.objective, model=args.model, data=args.data, out=args.out,
+                     steps=args.steps, seq_len=args.seq_len, seed=args.seed,
+                     eval_samples=args.eval_samples, keep_checkpoints=args.keep_checkpoints,
+                     resume=args.resume == "auto", check_only=args.check_only, layout=layout,
+                     intervals=Intervals(log=args.log_interval, eval=args.eval_interval,
+                                         save=args.save_interval, image=args.image_interval),
+                     models=model_configs(args, dtype), ds_config=ds_config)
 
-    def fail(message):
-        raise SystemExit(f"tupe-pretrain: error: {message}")
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Counts are positive, and --data holds what tupe-prep writes."""
     for name in ("steps", "seq_len", "tp", "pp", "eval_interval", "save_interval", "log_interval",
                  "image_interval", "keep_checkpoints", "eval_samples"):
         if getattr(args, name) < 1:
@@ -86,39 +150,59 @@ def load(argv=None) -> RunConfig:
     for name in ("train.idx", "valid.idx", "tokenizer.json"):
         if not os.path.exists(os.path.join(args.data, name)):
             fail(f"--data {args.data}: no {name}; run tupe-prep --output {args.data} first")
-    try:
-        with open(args.ds_config) as f:
-            ds_config = json.load(f)
-    except FileNotFoundError:
-        fail(f"--ds-config {args.ds_config}: no such file")
-    except json.JSONDecodeError as error:
-        fail(f"--ds-config {args.ds_config}: invalid JSON at line {error.lineno}: {error.msg}")
-
-    if ds_config.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
-        fail(f"{args.ds_config} enables fp16, which DeepSpeed refuses without CUDA; on a CPU use "
-             f"{CPU_CONFIG} (fp32) or enable bf16 instead")
-    model_parallel = args.tp * args.pp
-    if world % model_parallel:
-        layout = f"--tp {args.tp}" + (f" x --pp {args.pp} = {model_parallel}" if args.pp > 1 else "")
-        fail(f"{layout} does not divide the {world} processes")
-    dp = world // model_parallel
-    if args.zero_stage is not None:
-        ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
-    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if args.objective == "electra" and args.model not in PAIRS:
+        fail(f"--objective electra needs --model {' or '.join(PAIRS)}, not {args.model!r}")
+    if args.objective == "mlm" and args.model not in PRESETS:
+        fail(f"--model {args.model!r} is an ELECTRA pair: add --objective electra")
     if args.pp > 1 and args.objective != "mlm":
         fail(f"--pp {args.pp}: pipeline parallelism is for BERT (--objective mlm); train "
              f"--objective {args.objective} with --tp and data parallelism")
-    if args.pp > 1 and zero_stage > 1:
+
+
+def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
+    model_parallel = args.tp * args.pp
+    if world_size % model_parallel:
+        layout = f"--tp {args.tp}" + (f" x --pp {args.pp} = {model_parallel}" if args.pp > 1 else "")
+        fail(f"{layout} does not divide the {world_size} processes")
+    return Layout(world_size=world_size, tp=args.tp, pp=args.pp)
+
+
+def read_ds_config(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        fail(f"--ds-config {path}: no such file")
+    except json.JSONDecodeError as error:
+        fail(f"--ds-config {path}: invalid JSON at line {error.lineno}: {error.msg}")
+
+
+def precision(ds_config: dict) -> str:
+    """The training dtype a DeepSpeed config asks for: bf16, fp16 or fp32."""
+    for dtype in ("bf16", "fp16"):
+        if ds_config.get(dtype, {}).get("enabled"):
+            return dtype
+    return "fp32"
+
+
+def check_pipeline(args: argparse.Namespace, ds_config: dict, dtype: str) -> None:
+    """What DeepSpeed's pipeline engine cannot do with this ZeRO stage and precision."""
+    if args.pp == 1:
+        return
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if zero_stage > 1:
         source = "--zero-stage" if args.zero_stage is not None else args.ds_config
         fail(f"--pp {args.pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, and "
              f"{source} sets stage {zero_stage}; use --zero-stage 1")
-    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else (
-        "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32")
-    if (args.pp > 1 and zero_stage == 0 and dtype == "fp32"
-            and ds_config.get("gradient_clipping", 1.0) > 0):  # DeepSpeed's default is 1.0
+    if zero_stage == 0 and dtype == "fp32" and ds_config.get("gradient_clipping", 1.0) > 0:
+        # DeepSpeed's default gradient_clipping is 1.0.
         fail(f"--pp {args.pp} with ZeRO stage 0 in fp32: DeepSpeed's fp32 gradient clipping "
              "leaves the later stages' replicated parameters out of the gradient norm; use "
              "--zero-stage 1 (or fp16/bf16, or gradient_clipping 0)")
+
+
+def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> None:
+    """Global batch, micro-batch and the gradient accumulation that joins them over dp ranks."""
     if args.micro_batch is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.global_batch is not None:
@@ -137,9 +221,12 @@ def load(argv=None) -> RunConfig:
              "ranks; change --global-batch or --micro-batch")
     ds_config["gradient_accumulation_steps"] = batch // (micro * dp)
 
+
+def set_schedule(args: argparse.Namespace, ds_config: dict) -> None:
+    """Learning rate and warmup overrides; the linear decay ends at --steps."""
     scheduler = ds_config.get("scheduler", {}).get("params", {})
     if "total_num_steps" in scheduler:
-        scheduler["total_num_steps"] = args.steps  # linear decay to zero at the last step
+        scheduler["total_num_steps"] = args.steps
     if args.warmup_steps is not None:
         scheduler["warmup_num_steps"] = args.warmup_steps
     if args.lr is not None:
@@ -148,14 +235,10 @@ def load(argv=None) -> RunConfig:
             scheduler["warmup_max_lr"] = args.lr
     if scheduler.get("warmup_num_steps", 0) > args.steps:
         scheduler["warmup_num_steps"] = args.steps
-    ds_config["tensorboard"] = {"enabled": True, "output_path": os.path.join(args.out, "tensorboard"),
-                                "job_name": "deepspeed"}
-    ds_config.setdefault("steps_per_print", 10**9)
 
-    if args.objective == "electra" and args.model not in PAIRS:
-        fail(f"--objective electra needs --model {' or '.join(PAIRS)}, not {args.model!r}")
-    if args.objective == "mlm" and args.model not in PRESETS:
-        fail(f"--model {args.model!r} is an ELECTRA pair: add --objective electra")
+
+def model_configs(args: argparse.Namespace, dtype: str) -> tuple:
+    """(ModelConfig,) for mlm; (discriminator, generator) for electra."""
     presets = PAIRS[args.model] if args.objective == "electra" else (args.model,)
     positions = max(args.seq_len, max(PRESETS[p].get("max_position_embeddings", 512) for p in presets))
     try:
@@ -169,7 +252,7 @@ def load(argv=None) -> RunConfig:
     if args.pp > models[0].num_layers:
         fail(f"--pp {args.pp}: --model {args.model} has {models[0].num_layers} layers, and every "
              "pipeline stage needs at least one; lower --pp")
-    return RunConfig(args=args, models=models, ds_config=ds_config, world_size=world)
+    return models
 
 
 def padded_vocab(data_dir: str, tp: int) -> int:

@@ -27,38 +27,38 @@ from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, masking):
-    prefix = os.path.join(run.args.data, "{}")
-    packed = {split: PackedSentences(prefix.format(split), run.args.seq_len, vocab.cls, vocab.sep)
+    prefix = os.path.join(run.data, "{}")
+    packed = {split: PackedSentences(prefix.format(split), run.seq_len, vocab.cls, vocab.sep)
               for split in ("train", "valid")}
-    return {split: MaskedSamples(p, vocab, masking, run.args.seed) for split, p in packed.items()}
+    return {split: MaskedSamples(p, vocab, masking, run.seed) for split, p in packed.items()}
 
 
 def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int) -> dict:
     """The objective's metrics over the first --eval-samples valid samples, as valid/NAME."""
     dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
-    count = min(run.args.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
+    count = min(run.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
     totals = {}
-    steps.evaluate(valid_batches(samples, run.args.seq_len, micro_batch, rank, dp, max(count, dp)),
+    steps.evaluate(valid_batches(samples, run.seq_len, micro_batch, rank, dp, max(count, dp)),
                    totals)
     return {f"valid/{name}": value for name, value in steps.reduce(totals).items()}
 
 
 def write_run_description(run: RunConfig) -> None:
     """OUT/run.json: the models and layout of the run, which tupe-export reads (atomically)."""
-    description = {"objective": run.args.objective, "data": os.path.abspath(run.args.data),
-                   "tp": run.args.tp, "pp": run.args.pp,
+    description = {"objective": run.objective, "data": os.path.abspath(run.data),
+                   "tp": run.layout.tp, "pp": run.layout.pp,
                    "models": [dataclasses.asdict(config) for config in run.models]}
-    write_atomically(os.path.join(run.args.out, "run.json"), json.dumps(description, indent=1))
+    write_atomically(os.path.join(run.out, "run.json"), json.dumps(description, indent=1))
 
 
 def build_engine(run: RunConfig, objective, device):
     """The model (a pipeline of stages when --pp > 1), its DeepSpeed engine and its steps."""
-    args = run.args
-    torch.manual_seed(args.seed)
+    torch.manual_seed(run.seed)
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    if args.pp > 1:
+    layout = run.layout
+    if layout.pp > 1:
         loss = PipelineLoss(objective)
-        model = BertPipeline(run.models[0], pipeline_topology(args.pp, args.tp, run.dp_size), loss)
+        model = BertPipeline(run.models[0], pipeline_topology(layout.pp, layout.tp, layout.dp), loss)
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config)
         return model, engine, PipelineSteps(engine, loss, device)
@@ -71,62 +71,60 @@ def build_engine(run: RunConfig, objective, device):
 
 def train(run: RunConfig, launcher: str) -> None:
     """Every process of the run calls it: trains from the latest checkpoint to --steps."""
-    args = run.args
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
     device = accelerator_device()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
-                                             pipeline_model_parallel_size=args.pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.layout.tp,
+                                             pipeline_model_parallel_size=run.layout.pp)
     rank = dist.get_rank()
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(run.out, exist_ok=True)
     if rank == 0:
         write_run_description(run)
 
     arch_note = fit_cuda_arch_list()
     if arch_note and rank == 0:
         print(f"tupe-pretrain: {arch_note}", flush=True)
-    objective = OBJECTIVES[args.objective]
+    objective = OBJECTIVES[run.objective]
     model, engine, steps = build_engine(run, objective, device)
-    vocab = Vocabulary.from_data_dir(args.data)
+    vocab = Vocabulary.from_data_dir(run.data)
     data = datasets(run, vocab, objective.masking)
-    checkpoints = os.path.join(args.out, "checkpoints")
-    state = checkpoint.resume(engine, checkpoints) if args.resume == "auto" else None
+    checkpoints = os.path.join(run.out, "checkpoints")
+    state = checkpoint.resume(engine, checkpoints) if run.resume else None
     step = state["step"] if state else 0
-    batches = TrainBatches(data["train"], args.seq_len, engine.train_micro_batch_size_per_gpu(),
+    batches = TrainBatches(data["train"], run.seq_len, engine.train_micro_batch_size_per_gpu(),
                            engine.gradient_accumulation_steps(),
-                           parallel_state.get_data_parallel_rank(), run.dp_size,
+                           parallel_state.get_data_parallel_rank(), run.layout.dp,
                            consumed=state["consumed"] if state else 0)
-    monitor = Monitor(args.out, run.models, batches.global_batch, args.seq_len, run.world_size, rank)
+    monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank)
     stop = checkpoint.StopSignal()
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"{'resumed at' if state else 'starting'} step {step} of {args.steps}: {args.objective} "
-        f"{args.model} {args.pos_encoding}, {run.world_size} processes from {launcher} (tp "
-        f"{args.tp}, pp {args.pp}, dp {run.dp_size}), "
-        f"global batch {batches.global_batch} x {args.seq_len} tokens, {len(data['train'].packed)} "
-        f"train samples", flush=True)
+    say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
+        f"{run.model} {run.models[0].pos_encoding}, {run.world_size} processes from {launcher} "
+        f"({run.layout}), global batch {batches.global_batch} x {run.seq_len} tokens, "
+        f"{len(data['train'].packed)} train samples", flush=True)
 
     metrics, totals = {}, {}
-    while step < args.steps:
+    while step < run.steps:
         steps.train(batches.next_step(), totals)
         step += 1
-        if step % args.log_interval == 0 or step == args.steps:
+        if step % run.intervals.log == 0 or step == run.steps:
             scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
             say(monitor.train(step, steps.reduce(totals), engine.get_lr()[0],
                               engine.get_global_grad_norm(), scale), flush=True)
             totals = {}
-        if step % args.eval_interval == 0 or step == args.steps:
+        if step % run.intervals.eval == 0 or step == run.steps:
             metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
             monitor.scalars(step, metrics)
             say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         has_images = run.models[0].encoding.has_positional_logits
-        if has_images and (step % args.image_interval == 0 or step == args.steps):
+        if has_images and (step % run.intervals.image == 0 or step == run.steps):
             for tag, encoder in objective.encoders(model).items():
-                monitor.positional_images(step, tag, encoder.positional_scores(min(args.seq_len, 128)))
+                monitor.positional_images(step, tag, encoder.positional_scores(min(run.seq_len, 128)))
         stopping = stop.any_rank(device)
-        if step % args.save_interval == 0 or step == args.steps or stopping:
+        if step % run.intervals.save == 0 or step == run.steps or stopping:
             checkpoint.save(engine, checkpoints, step, {"step": step, "consumed": batches.consumed},
-                            args.keep_checkpoints)
+                            run.keep_checkpoints)
         if stopping:
             say(f"stopping at step {step} on {stop.received or 'a signal to another rank'}; "
                 "run the same command to continue", flush=True)
@@ -135,5 +133,5 @@ def train(run: RunConfig, launcher: str) -> None:
         metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
     monitor.close()
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
-    say(f"tensorboard --logdir {os.path.join(args.out, 'tensorboard')}")
+    say(f"tensorboard --logdir {os.path.join(run.out, 'tensorboard')}")
     dist.destroy_process_group()
