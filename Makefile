@@ -12,8 +12,10 @@ VENV_FLAGS := $(if $(HAVE_GPU),--system-site-packages,)
 CPU_TORCH := $(if $(HAVE_GPU),,torch==2.13.0)
 
 DEMO_STEPS ?= 300
+COMPARE_STEPS ?= 200
+COMPARE_ENCODINGS ?= bert-a,tupe-r
 
-.PHONY: venv test demo smoke bench bench-gpu clean
+.PHONY: venv test demo compare smoke bench bench-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -24,17 +26,28 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
+# The CPU suite, on a GPU machine too (its GPUs hidden).
 test: venv
-	$(BIN)/python -m pytest -q tests
+	CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q tests
 
-# The main job on the bundled corpus: prepare it, then pretrain a tiny TUPE-R BERT with 2 CPU
-# ranks (ZeRO-2) under the deepspeed launcher. Run again to resume; DEMO_STEPS=600 to go on.
-demo: venv
+# The main job on the bundled corpus: prepare it, then pretrain a tiny TUPE-R BERT under the
+# deepspeed launcher: on every GPU found (up to 8, bf16 where they have it, else fp16), else with 2
+# CPU ranks (ZeRO-2, fp32). Run again to resume; DEMO_STEPS=600 to go on.
+demo: venv build/sample-prep/train.idx
+	$(BIN)/python -m tupe_ds.demo --steps $(DEMO_STEPS)
+
+# The bundled corpus, prepared once for demo and compare.
+build/sample-prep/train.idx: | venv
 	$(BIN)/tupe-prep --input data/sample --output build/sample-prep --vocab-size 8192 --workers 2
-	$(BIN)/deepspeed --num_gpus 2 --module tupe_ds.pretrain --data build/sample-prep \
-	  --model tiny --pos-encoding tupe-r --ds-config ds_configs/cpu_zero2.json --out build/demo-run \
-	  --steps $(DEMO_STEPS) --seq-len 128 --eval-interval 100 --save-interval 100 \
-	  --image-interval 100 --log-interval 20
+
+# The second demo: BERT-A against TUPE-R, one tiny run each on the same batches (2 CPU ranks, or
+# every GPU), then build/compare/report.md with its figures. Run again to resume or re-report;
+# COMPARE_STEPS=400 to go on, COMPARE_ENCODINGS=bert-a,tupe-r,rope for more.
+compare: venv build/sample-prep/train.idx
+	$(BIN)/tupe-compare run --data build/sample-prep --encodings $(COMPARE_ENCODINGS) \
+	  --model tiny --steps $(COMPARE_STEPS) $(if $(HAVE_GPU),,--nproc 2) --out build/compare \
+	  --ds-config ds_configs/cpu_zero2.json --seq-len 128 --eval-interval 25 --save-interval 50 \
+	  --log-interval 10
 
 # Every encoding, a few AdamW steps each, in one process (no launcher, no data).
 smoke: venv

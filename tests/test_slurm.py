@@ -95,6 +95,29 @@ def test_preempted_job_checkpoints_requeues_and_finishes_where_it_stopped(cluste
     assert "final valid loss" in output.split("resumed at step")[1]
 
 
+def test_compare_array_runs_every_encoding_then_the_dependent_report(cluster, data, tmp_path):
+    out = tmp_path / "cmp"
+    env = {**cluster.env, **job_environment(), "TUPE_DS_ROOT": ROOT,
+           "SUBMIT_ARGS": f"--nodes=1 --ntasks-per-node=1 --gpus-per-node=0 --cpus-per-task=1 "
+                          f"--time=30 --mem=1G --chdir={ROOT} --output={tmp_path}/run-%A_%a.log",
+           "REPORT_ARGS": f"--cpus-per-task=1 --mem=1G --time=10 --chdir={ROOT}"}
+    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "submit_compare.sh"), str(out),
+                             "--data", data, "--encodings", "bert-a,tupe-r", "--steps", "6",
+                             "--nproc", "1", "--eval-interval", "3", *TINY],
+                            env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 runs planned" in result.stdout
+    report_job = result.stdout.split("report: job ")[1].split()[0]
+    job = cluster.wait_until_done(report_job, timeout=400)
+    tasks = "".join(p.read_text() for p in sorted(tmp_path.glob("run-*.log")))
+    assert job["JobState"] == "COMPLETED", tasks[-3000:] + cluster.logs()
+    made = json.loads((out / "report.json").read_text())
+    assert [(r["name"], r["state"]) for r in made["runs"]] == [("bert-a-seed1", "complete"),
+                                                              ("tupe-r-seed1", "complete")]
+    assert "1 tasks on" in tasks and "from srun (tp 1, pp 1, dp 1)" in tasks
+    assert list(made["positional"]) == ["tupe-r"] and (out / "report.md").exists()
+
+
 def test_prep_array_job_and_merge_equal_one_tupe_prep_run(cluster, tmp_path):
     rng = random.Random(5)
     files = [write_txt(tmp_path / f"part{i}.txt", [unique_document(rng) for _ in range(6)])

@@ -170,11 +170,25 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
         shutil.copy(tokenizer, folder)
 
 
+def read_export_description(directory: str) -> dict:
+    """config.json of a tupe-export folder; ExportError naming the fix for anything else."""
+    if not os.path.isdir(directory):
+        raise ExportError(f"{directory}: no such folder; give a folder written by tupe-export")
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        if os.path.exists(os.path.join(directory, "run.json")) or os.path.isdir(
+                os.path.join(directory, "checkpoints")):
+            raise ExportError(f"{directory} is a tupe-pretrain run, not an exported model: run "
+                              f"tupe-export {directory} --out EXPORT_DIR, then give EXPORT_DIR")
+        raise ExportError(f"{directory}: not a tupe-export folder (no config.json); tupe-export "
+                          "RUN_DIR --out DIR writes one from a pretraining run")
+    with open(os.path.join(directory, "config.json")) as f:
+        return json.load(f)
+
+
 def load_exported(directory: str):
     """(model, config, kind) from a tupe-export folder: a BertForMaskedLM on this process's
     device, its masked-LM head absent (left at its initial values) for ELECTRA exports."""
-    with open(os.path.join(directory, "config.json")) as f:
-        description = json.load(f)
+    description = read_export_description(directory)
     config = ModelConfig(**description["model"])
     model = build_model(config)
     state = load_file(os.path.join(directory, "model.safetensors"), device=str(next(model.parameters()).device))

@@ -47,6 +47,17 @@ def discover(environ: MutableMapping[str, str] = os.environ) -> str:
     return "single process"
 
 
+def processes_on_this_node(environ: MutableMapping[str, str] = os.environ) -> int:
+    """How many processes of the run the launcher starts on this machine (1 when it does not
+    say): torchrun, deepspeed, mpirun (OpenMPI, MPICH) or a Slurm job's tasks per node."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if name in environ:
+            return int(environ[name])
+    if "SLURM_NTASKS_PER_NODE" in environ:  # "8", or "8(x2)" for 2 nodes of 8
+        return int(environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    return 1
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list such as "gpu[03-05,07]"."""
     hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,

@@ -14,7 +14,7 @@ complete checkpoint, data position included. SIGTERM or SIGUSR1 saves a checkpoi
 import sys
 import warnings
 
-from tupe_ds import launch
+from tupe_ds import doctor, launch
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import train
 
@@ -25,6 +25,9 @@ def main(argv=None) -> int:
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     run = load(argv)  # everything checkable is checked before any process group starts
     if run.check_only:
+        machine = doctor.probe()
+        print(doctor.report(machine, doctor.all_findings(machine, run.ds_config_path,
+                                                         launch.processes_on_this_node())))
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
               f"global batch {run.ds_config['train_batch_size']}")
         return 0

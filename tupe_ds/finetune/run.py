@@ -14,7 +14,6 @@ seed, the medians) and results.md / results.json: the best of every task fine-tu
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tupe_ds import launch
-from tupe_ds.export import load_exported
+from tupe_ds.export import ExportError, load_exported, read_export_description
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
@@ -159,8 +158,7 @@ def main(argv=None) -> int:
     launch.discover()
     task = TASKS[args.task]
     try:  # everything about the inputs is checked before a model is built
-        with open(os.path.join(args.model, "config.json")) as f:
-            model_config = json.load(f)["model"]
+        model_config = read_export_description(args.model)["model"]
         max_length = min(args.max_length, model_config["max_position_embeddings"])
         tokenizer = ExampleTokenizer(os.path.join(args.model, "tokenizer.json"),
                                      model_config["vocab_size"], max_length)
@@ -170,7 +168,7 @@ def main(argv=None) -> int:
         for name, path in parse_valid(args.valid).items():
             examples = read_examples(path, task)
             data["valid"][name] = (tokenizer(examples), [label for _, label in examples])
-    except (TaskDataError, FileNotFoundError) as error:
+    except (TaskDataError, ExportError, FileNotFoundError) as error:
         print(f"tupe-finetune: error: {error}", file=sys.stderr)
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))

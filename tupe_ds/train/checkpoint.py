@@ -38,12 +38,17 @@ def saved_steps(directory: str) -> list:
     return sorted(int(m.group(1)) for m in map(TAG.match, os.listdir(directory)) if m)
 
 
+def latest_step(directory: str) -> int:
+    """The step of the latest complete checkpoint in `directory`; 0 when there is none."""
+    latest = latest_tag(directory)
+    return int(TAG.match(latest).group(1)) if latest else 0
+
+
 def remove_incomplete(directory: str) -> None:
     """Rank 0, before resuming: folders of saves that never completed."""
-    latest = latest_tag(directory)
-    latest_step = int(TAG.match(latest).group(1)) if latest else -1
+    newest_complete = latest_step(directory)
     for step in saved_steps(directory):
-        if step > latest_step:
+        if step > newest_complete:
             shutil.rmtree(os.path.join(directory, tag_of(step)), ignore_errors=True)
 
 

@@ -4,14 +4,16 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
-import torch
 from tokenizers import Tokenizer
 
+from tupe_ds import doctor
+from tupe_ds.launch import processes_on_this_node
 from tupe_ds.model.config import ENCODINGS, PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 
-CPU_CONFIG = "ds_configs/cpu_zero2.json"
+CPU_CONFIG = doctor.CPU_CONFIG
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,7 +100,8 @@ class RunConfig:
     layout: Layout
     intervals: Intervals
     models: tuple  # (ModelConfig,) for mlm; (discriminator, generator) for electra
-    ds_config: dict
+    ds_config: dict  # with the command line's overrides
+    ds_config_path: str
 
     @property
     def world_size(self) -> int:
@@ -113,24 +116,29 @@ def fail(message: str):
     raise SystemExit(f"tupe-pretrain: error: {message}")
 
 
-def load(argv=None) -> RunConfig:
+def load(argv=None, world_size: Optional[int] = None,
+         machine: Optional[doctor.Machine] = None) -> RunConfig:
     """Parse, read the DeepSpeed config, apply the overrides and check everything that can be
-    checked without starting a process group: errors say what to change."""
+    checked without starting a process group: errors say what to change. The run has
+    `world_size` processes (default: WORLD_SIZE, else 1), on `machine` (default: this one)."""
     args = parser().parse_args(argv)
     check_flags(args)
-    layout = process_layout(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = process_layout(args, world_size)
     ds_config = read_ds_config(args.ds_config)
-    dtype = precision(ds_config)
-    if dtype == "fp16" and not torch.cuda.is_available():
-        fail(f"{args.ds_config} enables fp16, which DeepSpeed refuses without CUDA; on a CPU use "
-             f"{CPU_CONFIG} (fp32) or enable bf16 instead")
+    dtype = doctor.precision(ds_config)
+    machine = machine or doctor.probe()
+    for finding in doctor.all_findings(machine, args.ds_config, processes_on_this_node()):
+        if finding.fatal:
+            fail(finding.text)
     if args.zero_stage is not None:
         ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     check_pipeline(args, ds_config, dtype)
     set_batch(args, ds_config, layout.dp)
     set_schedule(args, ds_config)
-    ds_config["tensorboard"] = {"enabled": True, "output_path": os.path.join(args.out, "tensorboard"),
-                                "job_name": "deepspeed"}
+    ds_config["tensorboard"] = {"enabled": True, "job_name": "deepspeed",
+                                "output_path": os.path.join(args.out, "tensorboard")}
     ds_config.setdefault("steps_per_print", 10**9)
     return RunConfig(objective=args.objective, model=args.model, data=args.data, out=args.out,
                      steps=args.steps, seq_len=args.seq_len, seed=args.seed,
@@ -138,7 +146,8 @@ def load(argv=None) -> RunConfig:
                      resume=args.resume == "auto", check_only=args.check_only, layout=layout,
                      intervals=Intervals(log=args.log_interval, eval=args.eval_interval,
                                          save=args.save_interval, image=args.image_interval),
-                     models=model_configs(args, dtype), ds_config=ds_config)
+                     models=model_configs(args, dtype), ds_config=ds_config,
+                     ds_config_path=args.ds_config)
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -162,7 +171,9 @@ def check_flags(args: argparse.Namespace) -> None:
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
     model_parallel = args.tp * args.pp
     if world_size % model_parallel:
-        layout = f"--tp {args.tp}" + (f" x --pp {args.pp} = {model_parallel}" if args.pp > 1 else "")
+        layout = f"--tp {args.tp}"
+        if args.pp > 1:
+            layout += f" x --pp {args.pp} = {model_parallel}"
         fail(f"{layout} does not divide the {world_size} processes")
     return Layout(world_size=world_size, tp=args.tp, pp=args.pp)
 
@@ -175,14 +186,6 @@ def read_ds_config(path: str) -> dict:
         fail(f"--ds-config {path}: no such file")
     except json.JSONDecodeError as error:
         fail(f"--ds-config {path}: invalid JSON at line {error.lineno}: {error.msg}")
-
-
-def precision(ds_config: dict) -> str:
-    """The training dtype a DeepSpeed config asks for: bf16, fp16 or fp32."""
-    for dtype in ("bf16", "fp16"):
-        if ds_config.get(dtype, {}).get("enabled"):
-            return dtype
-    return "fp32"
 
 
 def check_pipeline(args: argparse.Namespace, ds_config: dict, dtype: str) -> None:
@@ -240,7 +243,8 @@ def set_schedule(args: argparse.Namespace, ds_config: dict) -> None:
 def model_configs(args: argparse.Namespace, dtype: str) -> tuple:
     """(ModelConfig,) for mlm; (discriminator, generator) for electra."""
     presets = PAIRS[args.model] if args.objective == "electra" else (args.model,)
-    positions = max(args.seq_len, max(PRESETS[p].get("max_position_embeddings", 512) for p in presets))
+    positions = max(args.seq_len,
+                    *(PRESETS[p].get("max_position_embeddings", 512) for p in presets))
     try:
         models = tuple(ModelConfig.from_preset(
             preset, pos_encoding=args.pos_encoding, tensor_parallel_size=args.tp,

@@ -20,7 +20,7 @@ from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train import checkpoint
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.cuda_arch import fit_cuda_arch_list
-from tupe_ds.train.monitor import Monitor
+from tupe_ds.train.monitor import Monitor, flops_per_step
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
@@ -45,8 +45,11 @@ def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int) ->
 
 def write_run_description(run: RunConfig) -> None:
     """OUT/run.json: the models and layout of the run, which tupe-export reads (atomically)."""
+    batch = run.ds_config["train_batch_size"]
     description = {"objective": run.objective, "data": os.path.abspath(run.data),
-                   "tp": run.layout.tp, "pp": run.layout.pp,
+                   "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
+                   "global_batch": batch, "seq_len": run.seq_len,
+                   "flops_per_step": sum(flops_per_step(c, batch, run.seq_len) for c in run.models),
                    "models": [dataclasses.asdict(config) for config in run.models]}
     write_atomically(os.path.join(run.out, "run.json"), json.dumps(description, indent=1))
 
@@ -58,7 +61,8 @@ def build_engine(run: RunConfig, objective, device):
     layout = run.layout
     if layout.pp > 1:
         loss = PipelineLoss(objective)
-        model = BertPipeline(run.models[0], pipeline_topology(layout.pp, layout.tp, layout.dp), loss)
+        topology = pipeline_topology(layout.pp, layout.tp, layout.dp)
+        model = BertPipeline(run.models[0], topology, loss)
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config)
         return model, engine, PipelineSteps(engine, loss, device)
@@ -120,7 +124,8 @@ def train(run: RunConfig, launcher: str) -> None:
         has_images = run.models[0].encoding.has_positional_logits
         if has_images and (step % run.intervals.image == 0 or step == run.steps):
             for tag, encoder in objective.encoders(model).items():
-                monitor.positional_images(step, tag, encoder.positional_scores(min(run.seq_len, 128)))
+                scores = encoder.positional_scores(min(run.seq_len, 128))
+                monitor.positional_images(step, tag, scores)
         stopping = stop.any_rank(device)
         if step % run.intervals.save == 0 or step == run.steps or stopping:
             checkpoint.save(engine, checkpoints, step, {"step": step, "consumed": batches.consumed},

@@ -48,6 +48,7 @@ class Monitor:
             "throughput/samples_per_s": self.samples / seconds,
             "throughput/tokens_per_s": self.tokens / seconds,
             "throughput/tflops_per_rank": self.step_flops / seconds / self.world_size / 1e12,
+            "throughput/seconds_per_step": seconds,
         })
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)

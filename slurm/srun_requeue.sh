@@ -1,0 +1,23 @@
+# Sourced by the sbatch scripts that train (pretrain.sbatch, compare.sbatch):
+#   srun_requeue COMMAND [ARGS ...]
+# runs COMMAND as one srun step (a task per GPU). On SIGUSR1 to the batch shell (Slurm's
+# --signal=B:USR1@600 before the time limit, or `scancel --batch --signal=USR1`), the tasks get
+# it too: tupe-pretrain saves a checkpoint and stops, and then the job requeues itself, to resume
+# from that checkpoint. Returns the step's exit status.
+srun_requeue() {
+  local requeue= step status=0
+  trap 'requeue=1
+        echo "$(date -Is) SIGUSR1: the tasks save a checkpoint and stop; then the job is requeued"
+        kill -USR1 "$step" 2>/dev/null || true' USR1  # srun passes it on to every task
+  srun --kill-on-bad-exit=1 "$@" &
+  step=$!
+  while :; do
+    wait "$step" && status=0 || status=$?
+    kill -0 "$step" 2>/dev/null || break  # a trapped signal ended the wait, not the step
+  done
+  trap - USR1
+  if [ -n "$requeue" ] && [ "$status" -eq 0 ]; then
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$status"
+}

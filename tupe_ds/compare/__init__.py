@@ -1,0 +1,1 @@
+"""Comparing positional encodings: plan, runs, report (tupe-compare)."""

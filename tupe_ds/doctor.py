@@ -1,0 +1,203 @@
+"""tupe-doctor: what this machine is to tupe_ds, and what will stop a run on it, before any run.
+
+    tupe-doctor                                       # the machine and its environment
+    tupe-doctor --ds-config ds_configs/bert_large_fp16.json --nproc 8
+
+Prints the accelerator, GPU count and compute capabilities, the versions of torch, CUDA, NCCL,
+DeepSpeed and megatron-core, then each finding with what to change: a precision the GPUs lack, an
+optimizer that needs a compiler that is not there, more processes than GPUs, environment
+variables known to break DeepSpeed. `tupe-pretrain --check-only` prints the same. Exit code 1
+when a finding would stop the run.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from tupe_ds.train.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
+
+BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
+FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
+CPU_CONFIG = "ds_configs/cpu_zero2.json"
+
+
+@dataclass(frozen=True)
+class Machine:
+    accelerator: str  # what DeepSpeed will run on: "cuda" or "cpu"
+    gpus: int  # CUDA devices this process sees
+    capabilities: tuple = ()  # (major, minor) of each GPU
+    versions: dict = field(default_factory=dict)
+
+    def supports(self, dtype: str) -> bool:
+        if dtype == "fp32":
+            return True
+        if self.accelerator != "cuda" or not self.capabilities:
+            return dtype == "bf16"  # DeepSpeed's CPU accelerator trains bf16, refuses fp16
+        need = BF16_CAPABILITY if dtype == "bf16" else FP16_CAPABILITY
+        return all(capability >= need for capability in self.capabilities)
+
+    @property
+    def half_precision(self):
+        """The half precision to train in here: bf16 where every GPU has it, else fp16, else
+        None (a CPU, or GPUs older than FP16_CAPABILITY)."""
+        if self.accelerator != "cuda" or not self.gpus:
+            return None
+        return next((dtype for dtype in ("bf16", "fp16") if self.supports(dtype)), None)
+
+
+def version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def probe(environ=os.environ) -> Machine:
+    """This machine, as torch and DeepSpeed see it (no process group, no model)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    capabilities = tuple(torch.cuda.get_device_capability(i) for i in range(gpus))
+    accelerator = environ.get("DS_ACCELERATOR") or ("cuda" if gpus else "cpu")
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else "-"
+    versions = {"torch": torch.__version__, "CUDA": torch.version.cuda or "-", "NCCL": nccl,
+                "deepspeed": version("deepspeed"), "megatron-core": version("megatron-core")}
+    return Machine(accelerator=accelerator, gpus=gpus, capabilities=capabilities,
+                   versions=versions)
+
+
+@dataclass(frozen=True)
+class Finding:
+    fatal: bool  # the run would fail; else a warning
+    text: str  # what is wrong and what to change
+
+
+def precision(ds_config: dict) -> str:
+    """The training dtype a DeepSpeed config asks for: bf16, fp16 or fp32."""
+    return next((d for d in ("bf16", "fp16") if ds_config.get(d, {}).get("enabled")), "fp32")
+
+
+def precision_findings(ds_config: dict, path: str, machine: Machine) -> list:
+    dtype = precision(ds_config)
+    if machine.supports(dtype):
+        return []
+    if machine.accelerator != "cuda":
+        return [Finding(True, f"{path} enables {dtype}, which DeepSpeed refuses without CUDA; on "
+                              f"a CPU use {CPU_CONFIG} (fp32) or enable bf16 instead")]
+    better = machine.half_precision or "fp32"
+    need = BF16_CAPABILITY if dtype == "bf16" else FP16_CAPABILITY
+    capabilities = ", ".join(f"{major}.{minor}" for major, minor in sorted(set(machine.capabilities)))
+    return [Finding(True, f"{path} enables {dtype}, which needs GPUs of compute capability "
+                          f"{need[0]}.{need[1]} or newer; these have {capabilities}: set "
+                          f'"{dtype}": {{"enabled": false}} and ' +
+                    ("train in fp32" if better == "fp32" else f'"{better}": {{"enabled": true}}')
+                    + (" (ds_configs/*_fp16.json are the fp16 configs)" if better == "fp16" else ""))]
+
+
+def optimizer_findings(ds_config: dict, path: str, machine: Machine, environ=os.environ) -> list:
+    """DeepSpeed's own Adam/AdamW/Lamb on a GPU is an extension compiled on first use: it needs
+    nvcc (CUDA_HOME) and takes about a minute; torch's fused AdamW needs neither."""
+    optimizer = ds_config.get("optimizer", {})
+    kind, params = optimizer.get("type", "").lower(), optimizer.get("params", {})
+    compiled = (kind in ("adam", "adamw") and not params.get("torch_adam")) or kind in (
+        "lamb", "onebitadam", "onebitlamb", "zerooneadam")
+    if machine.accelerator != "cuda" or not compiled:
+        return []
+    has_nvcc = shutil.which("nvcc") or os.path.exists(
+        os.path.join(environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"))
+    if has_nvcc:
+        return [Finding(False, f"{path}: optimizer {optimizer['type']} is compiled by DeepSpeed "
+                               "on first use (about a minute per fresh machine); "
+                               '"torch_adam": true, "fused": true in its params avoids it')]
+    return [Finding(True, f"{path}: optimizer {optimizer['type']} is a DeepSpeed extension "
+                          "compiled on first use, and there is no nvcc here (CUDA_HOME); add "
+                          '"torch_adam": true, "fused": true to its params (torch\'s fused AdamW, '
+                          "as in the shipped configs)")]
+
+
+def launch_findings(processes_here: int, machine: Machine) -> list:
+    """More processes on this machine than GPUs: the extra ranks would have no device."""
+    if machine.accelerator != "cuda" or processes_here <= machine.gpus:
+        return []
+    return [Finding(True, f"{processes_here} processes on this machine, but it has "
+                          f"{machine.gpus} GPU(s): start {machine.gpus} (deepspeed --num_gpus "
+                          f"{machine.gpus}, torchrun --nproc_per_node {machine.gpus}, or one "
+                          "Slurm task per GPU)")]
+
+
+def environment_findings(environ, machine: Machine) -> list:
+    found = []
+    value = environ.get(ARCH_LIST)
+    if value is not None and deepspeed_arch_list(value) != value:
+        found.append(Finding(False, f"{ARCH_LIST}={value!r}: DeepSpeed's extension builder cannot "
+                                    "parse arch letters; tupe-pretrain rewrites it to "
+                                    f"{deepspeed_arch_list(value)!r} for itself, other DeepSpeed "
+                                    f"tools need export {ARCH_LIST}="
+                                    f"'{deepspeed_arch_list(value)}'"))
+    if environ.get("CUDA_VISIBLE_DEVICES") == "" and machine.gpus == 0:
+        found.append(Finding(False, "CUDA_VISIBLE_DEVICES is set but empty: this process sees "
+                                    "no GPU; unset it (or list the GPUs) to train on them"))
+    if environ.get("DS_ACCELERATOR") == "cpu" and machine.gpus:
+        found.append(Finding(False, f"DS_ACCELERATOR=cpu while {machine.gpus} GPU(s) are here: "
+                                    "DeepSpeed will train on the CPU; unset DS_ACCELERATOR"))
+    if machine.accelerator == "cuda" and machine.gpus == 0:
+        found.append(Finding(True, "DS_ACCELERATOR=cuda but torch sees no GPU (a CPU build of "
+                                   "torch, or no driver): install the CUDA build of torch, or "
+                                   "unset DS_ACCELERATOR to run on the CPU"))
+    return found
+
+
+def describe(machine: Machine) -> str:
+    if machine.gpus:
+        capabilities = ", ".join(f"{a}.{b}" for a, b in machine.capabilities)
+        devices = f"{machine.gpus} GPU(s), compute capability {capabilities}"
+    else:
+        devices = "no GPU"
+    versions = ", ".join(f"{name} {value}" for name, value in machine.versions.items())
+    half = machine.half_precision or "none (fp32, or bf16 on a CPU)"
+    return (f"accelerator {machine.accelerator}: {devices}; half precision here: {half}\n"
+            f"{versions}")
+
+
+def report(machine: Machine, findings: list) -> str:
+    lines = [describe(machine)]
+    if not findings:
+        lines.append("no problem found")
+    lines += [f"{'ERROR' if f.fatal else 'warning'}: {f.text}" for f in findings]
+    return "\n".join(lines)
+
+
+def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
+                 environ=os.environ) -> list:
+    findings = environment_findings(environ, machine)
+    if ds_config_path:
+        with open(ds_config_path) as f:
+            ds_config = json.load(f)
+        findings += precision_findings(ds_config, ds_config_path, machine)
+        findings += optimizer_findings(ds_config, ds_config_path, machine, environ)
+    if processes_here:
+        findings += launch_findings(processes_here, machine)
+    return findings
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tupe-doctor", description=__doc__.split("\n")[0])
+    p.add_argument("--ds-config", help="a DeepSpeed config to check against this machine")
+    p.add_argument("--nproc", type=int, help="processes to start on this machine")
+    args = p.parse_args(argv)
+    machine = probe()
+    try:
+        findings = all_findings(machine, args.ds_config, args.nproc)
+    except (OSError, json.JSONDecodeError) as error:
+        print(f"tupe-doctor: error: --ds-config {args.ds_config}: {error}", file=sys.stderr)
+        return 2
+    print(report(machine, findings))
+    return 1 if any(f.fatal for f in findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
