@@ -54,7 +54,8 @@ def findings(machine, config=None, processes=None, **environ):
 
 def test_precision_the_hardware_lacks_is_an_error_with_the_fix():
     (text,) = findings(gpus(8, VOLTA), BF16_CONFIG)
-    assert "enables bf16, which needs GPUs of compute capability 8.0 or newer; these have 7.0" in text
+    assert "enables bf16, which needs GPUs of compute capability 8.0 or newer; these have 7.0" \
+        in text
     assert '"fp16": {"enabled": true}' in text
     (text,) = findings(gpus(1, KEPLER), FP16_CONFIG)
     assert "enables fp16, which needs GPUs of compute capability 6.0" in text and "fp32" in text
@@ -65,7 +66,8 @@ def test_precision_the_hardware_lacks_is_an_error_with_the_fix():
 
 def test_more_processes_than_gpus_is_an_error_naming_the_count():
     (text,) = findings(gpus(2), processes=4)
-    assert "4 processes on this machine, but it has 2 GPU(s): start 2 (deepspeed --num_gpus 2" in text
+    assert "4 processes on this machine, but it has 2 GPU(s): start 2 (deepspeed --num_gpus 2" \
+        in text
     assert findings(gpus(2), processes=2) == [] and findings(CPU, processes=4) == []
 
 
@@ -74,7 +76,8 @@ def test_optimizer_that_needs_a_compiler(tmp_path, monkeypatch):
     config.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}))
     monkeypatch.setattr(doctor.shutil, "which", lambda name: None)
     (fatal,) = doctor.all_findings(gpus(1), str(config), None, {"CUDA_HOME": str(tmp_path)})
-    assert fatal.fatal and "there is no nvcc here" in fatal.text and '"torch_adam": true' in fatal.text
+    assert fatal.fatal and "there is no nvcc here" in fatal.text
+    assert '"torch_adam": true' in fatal.text
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     (warning,) = doctor.all_findings(gpus(1), str(config), None, {"CUDA_HOME": str(tmp_path)})
@@ -99,7 +102,8 @@ def test_environment_traps_are_named_with_their_fix():
 def test_report_lists_the_machine_versions_and_findings():
     machine = gpus(2, AMPERE)
     text = doctor.report(machine, doctor.all_findings(machine, BF16_CONFIG, 4, {}))
-    assert "accelerator cuda: 2 GPU(s), compute capability 8.0, 8.0; half precision here: bf16" in text
+    assert "accelerator cuda: 2 GPU(s), compute capability 8.0, 8.0; half precision here: bf16" \
+        in text
     assert "torch 2.13.0" in text and "ERROR: 4 processes on this machine" in text
     assert "no problem found" in doctor.report(machine, [])
 
@@ -114,7 +118,7 @@ def test_doctor_command_on_this_machine(capsys):
 
 def test_pretraining_config_fails_before_work_on_the_wrong_hardware(data, tmp_path, monkeypatch):
     flags = ["--data", data, "--out", str(tmp_path / "run"), "--steps", "5", "--model", "tiny"]
-    with pytest.raises(SystemExit, match="enables bf16, which needs GPUs of compute capability 8.0"):
+    with pytest.raises(SystemExit, match="enables bf16, which needs GPUs of compute capability"):
         load([*flags, "--ds-config", BF16_CONFIG], world_size=1, machine=gpus(1, VOLTA))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc_per_node 4 on a 2-GPU node
     with pytest.raises(SystemExit, match="4 processes on this machine, but it has 2 GPU"):
@@ -144,3 +148,17 @@ def test_finetune_on_a_folder_that_is_not_an_export_names_tupe_export(tmp_path, 
         capsys.readouterr().err
     assert finetune(["--model", str(tmp_path / "missing"), *flags]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_check_only_prints_the_machine_report_then_the_layout(data, tmp_path, monkeypatch, capsys):
+    from tupe_ds.pretrain import main as pretrain
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert pretrain(["--data", data, "--out", str(tmp_path / "run"), "--steps", "5", "--model",
+                     "tiny", "--ds-config", CPU_CONFIG, "--check-only"]) == 0
+    out = capsys.readouterr().out
+    assert "accelerator cpu: no GPU" in out and "megatron-core " in out
+    assert "warning: TORCH_CUDA_ARCH_LIST='9.0a'" in out
+    assert "configuration OK for 2 processes (tp 1, pp 1, dp 2)" in out
+    assert not (tmp_path / "run").exists()

@@ -13,6 +13,7 @@ from tupe_ds.parallel import ensure_model_parallel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_CONFIGS = ["bert_large_fp16.json", "bert_base_fp16.json", "bert_large_zero3_offload.json",
                "electra_base_fp16.json"]
+DEMO_CONFIGS = ["demo_bf16.json", "demo_fp16.json"]  # make demo on GPUs (tupe_ds/demo.py)
 
 
 def read(name):
@@ -22,7 +23,7 @@ def read(name):
 
 def test_every_config_is_listed_here():
     names = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))}
-    assert names == set(GPU_CONFIGS) | {"cpu_zero2.json"}
+    assert names == set(GPU_CONFIGS) | set(DEMO_CONFIGS) | {"cpu_zero2.json"}
 
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)
@@ -65,11 +66,9 @@ def deepspeed():
     return deepspeed
 
 
-@pytest.mark.parametrize("name", GPU_CONFIGS)
-def test_optimizer_builds_without_compiling_anything(name, deepspeed, monkeypatch):
-    """torch's fused AdamW ("torch_adam", "fused"), not DeepSpeed's FusedAdam or CPUAdam, whose JIT
-    build needs a compiler (nvcc for FusedAdam, about 60 s) and fails on TORCH_CUDA_ARCH_LIST=9.0a.
-    The config is built on the CPU in fp32, as DeepSpeed refuses fp16 without CUDA."""
+def build_without_compiling(name, deepspeed, monkeypatch):
+    """The config's engine on the CPU in fp32 (DeepSpeed refuses fp16 without CUDA), with every
+    DeepSpeed extension build made to fail."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     def refuse(builder, *args, **kwargs):
@@ -79,11 +78,21 @@ def test_optimizer_builds_without_compiling_anything(name, deepspeed, monkeypatc
     monkeypatch.setattr(OpBuilder, "jit_load", refuse)
     monkeypatch.setenv("LOCAL_RANK", "0")
     config = read(name)
-    del config["fp16"]
+    config.pop("fp16", None)
+    config.pop("bf16", None)
     config.update(train_batch_size=2, train_micro_batch_size_per_gpu=1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
+    return engine, config
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_optimizer_builds_without_compiling_anything(name, deepspeed, monkeypatch):
+    """torch's fused AdamW ("torch_adam", "fused"), not DeepSpeed's FusedAdam or CPUAdam, whose JIT
+    build needs a compiler (nvcc for FusedAdam, about 60 s) and fails on
+    TORCH_CUDA_ARCH_LIST=9.0a."""
+    engine, config = build_without_compiling(name, deepspeed, monkeypatch)
     optimizer = engine.basic_optimizer
     assert type(optimizer) is torch.optim.AdamW
     peak = 2e-4 if name.startswith("electra") else 1e-4
@@ -93,4 +102,16 @@ def test_optimizer_builds_without_compiling_anything(name, deepspeed, monkeypatc
                         "fused": True}
     if config["zero_optimization"]["stage"] == 1:  # no Python hook per parameter and micro-batch
         assert engine.optimizer._grad_acc_hooks == []
+    engine.destroy()
+
+
+@pytest.mark.parametrize("name", DEMO_CONFIGS)
+def test_demo_configs_differ_only_in_precision_and_compile_nothing(name, deepspeed, monkeypatch):
+    dtype = name[len("demo_"):-len(".json")]
+    assert read(name)[dtype]["enabled"]
+    others = [{k: v for k, v in read(n).items() if k not in ("fp16", "bf16")} for n in DEMO_CONFIGS]
+    assert others[0] == others[1]
+    engine, _ = build_without_compiling(name, deepspeed, monkeypatch)
+    assert type(engine.basic_optimizer) is torch.optim.AdamW
+    assert engine.optimizer._grad_acc_hooks == []
     engine.destroy()

@@ -90,12 +90,13 @@ def precision_findings(ds_config: dict, path: str, machine: Machine) -> list:
                               f"a CPU use {CPU_CONFIG} (fp32) or enable bf16 instead")]
     better = machine.half_precision or "fp32"
     need = BF16_CAPABILITY if dtype == "bf16" else FP16_CAPABILITY
-    capabilities = ", ".join(f"{major}.{minor}" for major, minor in sorted(set(machine.capabilities)))
+    capabilities = ", ".join(f"{a}.{b}" for a, b in sorted(set(machine.capabilities)))
     return [Finding(True, f"{path} enables {dtype}, which needs GPUs of compute capability "
                           f"{need[0]}.{need[1]} or newer; these have {capabilities}: set "
                           f'"{dtype}": {{"enabled": false}} and ' +
                     ("train in fp32" if better == "fp32" else f'"{better}": {{"enabled": true}}')
-                    + (" (ds_configs/*_fp16.json are the fp16 configs)" if better == "fp16" else ""))]
+                    + (" (ds_configs/*_fp16.json are the fp16 configs)" if better == "fp16"
+                       else ""))]
 
 
 def optimizer_findings(ds_config: dict, path: str, machine: Machine, environ=os.environ) -> list:

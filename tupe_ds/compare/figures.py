@@ -51,7 +51,8 @@ def positional_correlations(scores: np.ndarray, encoding: str, path: str) -> Non
                                              (scores[:, 1:, 0], "[CLS] column: i -> [CLS]"))):
         axis = figure.add_subplot(grid[rows, index * half:(index + 1) * half])
         for head in range(heads):
-            axis.plot(np.arange(1, scores.shape[1]), values[head], linewidth=1, label=f"head {head}")
+            axis.plot(np.arange(1, scores.shape[1]), values[head], linewidth=1,
+                      label=f"head {head}")
         axis.legend(fontsize=7, ncol=min(heads, 4))
         axis.set_title(title, fontsize=9)
         axis.set_xlabel("position")

@@ -241,7 +241,8 @@ def markdown(report: dict) -> str:
     if report["figures"]["valid_loss"]:
         lines += [f"![validation loss]({report['figures']['valid_loss']})", "",
                   "Lines: mean over seeds; bands: lowest to highest seed; dotted: the baseline's "
-                  "final loss.", ""]
+                  "final loss. Time: the logged seconds per step added up, each run's start-up "
+                  "(first steps) included; FLOPs: Megatron's count per step.", ""]
     if race["target"] is not None:
         baseline = race["baseline"]
         lines += [f"Steps to reach {baseline}'s final validation loss ({race['target']:.4f} at "
