@@ -204,3 +204,18 @@ def test_finetune_results_become_one_row_per_encoding(tmp_path):
     assert table["bert-a"]["average"] == pytest.approx((0.82 + 0.72) / 2)
     assert table["tupe-r"] == pytest.approx({"sst2 dev (accuracy)": 0.86, "mrpc dev (f1)": 0.76,
                                              "average": 0.81})
+
+
+@pytest.mark.parametrize("launcher, module_flag", [("deepspeed", "--module"), ("torchrun", "-m")])
+def test_each_run_is_one_launcher_command_with_the_runs_flags(launcher, module_flag):
+    plan = Plan(out="/c", data="/d", encodings=("rope",), seeds=(7,), steps=9, baseline="rope",
+                processes=4, pretrain_flags=("--model", "tiny", "--lr", "1e-3"))
+    command = runner.launch_command(plan, plan.runs[0], launcher)
+    program = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
+    assert command[:3] == [sys.executable, "-m", program[launcher]]
+    assert command[3:5] == ["--num_gpus" if launcher == "deepspeed" else "--nproc_per_node", "4"]
+    start = command.index("tupe_ds.pretrain")
+    assert command[start - 1] == module_flag
+    assert command[start:] == ["tupe_ds.pretrain", "--data", "/d", "--out", "/c/runs/rope-seed7",
+                                   "--pos-encoding", "rope", "--seed", "7", "--steps", "9",
+                                   "--model", "tiny", "--lr", "1e-3"]
