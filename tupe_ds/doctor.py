@@ -35,8 +35,10 @@ class Machine:
     def supports(self, dtype: str) -> bool:
         if dtype == "fp32":
             return True
-        if self.accelerator != "cuda" or not self.capabilities:
+        if self.accelerator != "cuda":
             return dtype == "bf16"  # DeepSpeed's CPU accelerator trains bf16, refuses fp16
+        if not self.capabilities:
+            return False
         need = BF16_CAPABILITY if dtype == "bf16" else FP16_CAPABILITY
         return all(capability >= need for capability in self.capabilities)
 
@@ -173,11 +175,14 @@ def report(machine: Machine, findings: list) -> str:
 
 
 def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
-                 environ=os.environ) -> list:
+                 environ=os.environ, ds_config=None) -> list:
+    """Every finding; the DeepSpeed config is read from `ds_config_path` unless already given
+    as `ds_config`."""
     findings = environment_findings(environ, machine)
     if ds_config_path:
-        with open(ds_config_path) as f:
-            ds_config = json.load(f)
+        if ds_config is None:
+            with open(ds_config_path) as f:
+                ds_config = json.load(f)
         findings += precision_findings(ds_config, ds_config_path, machine)
         findings += optimizer_findings(ds_config, ds_config_path, machine, environ)
     if processes_here:

@@ -26,8 +26,9 @@ def main(argv=None) -> int:
     run = load(argv)  # everything checkable is checked before any process group starts
     if run.check_only:
         machine = doctor.probe()
-        print(doctor.report(machine, doctor.all_findings(machine, run.ds_config_path,
-                                                         launch.processes_on_this_node())))
+        findings = doctor.all_findings(machine, run.ds_config_path,
+                                       launch.processes_on_this_node(), ds_config=run.ds_config)
+        print(doctor.report(machine, findings))
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
               f"global batch {run.ds_config['train_batch_size']}")
         return 0

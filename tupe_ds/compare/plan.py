@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from tupe_ds.doctor import probe
 from tupe_ds.files import write_atomically
 from tupe_ds.train.config import load
 
@@ -61,9 +62,10 @@ class Plan:
         if self.baseline not in self.encodings:
             raise CompareError(f"--baseline {self.baseline} is not one of --encodings "
                                f"{','.join(self.encodings)}")
+        machine = probe()
         for run in self.runs:
             try:
-                load(self.pretrain_argv(run), world_size=self.processes)
+                load(self.pretrain_argv(run), world_size=self.processes, machine=machine)
             except SystemExit as error:
                 message = str(error).replace("tupe-pretrain: error: ", "")
                 raise CompareError(f"run {run.name}: {message}") from None

@@ -129,7 +129,8 @@ def load(argv=None, world_size: Optional[int] = None,
     ds_config = read_ds_config(args.ds_config)
     dtype = doctor.precision(ds_config)
     machine = machine or doctor.probe()
-    for finding in doctor.all_findings(machine, args.ds_config, processes_on_this_node()):
+    for finding in doctor.all_findings(machine, args.ds_config, processes_on_this_node(),
+                                       ds_config=ds_config):
         if finding.fatal:
             fail(finding.text)
     if args.zero_stage is not None:

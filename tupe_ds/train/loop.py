@@ -20,7 +20,7 @@ from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train import checkpoint
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.cuda_arch import fit_cuda_arch_list
-from tupe_ds.train.monitor import Monitor, flops_per_step
+from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
@@ -49,7 +49,7 @@ def write_run_description(run: RunConfig) -> None:
     description = {"objective": run.objective, "data": os.path.abspath(run.data),
                    "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
                    "global_batch": batch, "seq_len": run.seq_len,
-                   "flops_per_step": sum(flops_per_step(c, batch, run.seq_len) for c in run.models),
+                   "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
                    "models": [dataclasses.asdict(config) for config in run.models]}
     write_atomically(os.path.join(run.out, "run.json"), json.dumps(description, indent=1))
 

@@ -16,12 +16,17 @@ def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> floa
     return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 
 
+def run_flops_per_step(configs: tuple, global_batch: int, seq_len: int) -> float:
+    """All the run's networks (ELECTRA: generator and discriminator)."""
+    return sum(flops_per_step(c, global_batch, seq_len) for c in configs)
+
+
 class Monitor:
     def __init__(self, out: str, configs: tuple, global_batch: int, seq_len: int,
                  world_size: int, rank: int):
         self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe")) if rank == 0 else None
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
-        self.step_flops = sum(flops_per_step(c, global_batch, seq_len) for c in configs)
+        self.step_flops = run_flops_per_step(configs, global_batch, seq_len)
         self.samples = global_batch
         self.tokens = global_batch * seq_len
         self.world_size = world_size
