@@ -62,7 +62,7 @@ from tupe_ds.model import ModelConfig, build_model
 from tupe_ds.model.config import DTYPES
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.model.layers import labelled_positions
-from tupe_ds.parallel import MegatronMPU
+from tupe_ds.parallel import MegatronMPU, end_distributed
 from tupe_ds.train.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import flops_per_step
 from tupe_ds.train.objectives import OBJECTIVES
@@ -726,7 +726,7 @@ def main() -> None:
         result = {"header": head, "peak_flops": PEAK, "args": settings, "rows": rows,
                   "ratios": ratio_rows, "electra": electra, "sweep": sweep}
         write_atomically(args.json, json.dumps(result, indent=1))
-    dist.destroy_process_group()
+    end_distributed()
 
 
 init_distributed()

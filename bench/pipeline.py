@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.model.positional import PositionalEncoding
-from tupe_ds.parallel import MegatronMPU, accelerator_device
+from tupe_ds.parallel import MegatronMPU, accelerator_device, end_distributed
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
 from tupe_ds.train.objectives import OBJECTIVES
@@ -204,4 +204,4 @@ if rank == 0:
     print(f"  on this machine per micro-batch: recompute {recompute * 1e3:.2f} ms, send "
           f"{send_v * 1e3:.2f} ms ({'recompute' if recompute < send_v else 'send'} cheaper by "
           f"{max(recompute, send_v) / min(recompute, send_v):.1f}x)")
-dist.destroy_process_group()
+end_distributed()

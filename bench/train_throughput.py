@@ -24,7 +24,7 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
 from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
-from tupe_ds.parallel import MegatronMPU, accelerator_device
+from tupe_ds.parallel import MegatronMPU, accelerator_device, end_distributed
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
 from tupe_ds.train.cuda_arch import fit_cuda_arch_list
@@ -112,4 +112,4 @@ if device.type == "cpu":
 if dist.get_rank() == 0:
     print(f"device {accelerator.device_name()}, torch {torch.__version__}")
     print(line)
-dist.destroy_process_group()
+end_distributed()

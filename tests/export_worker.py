@@ -13,8 +13,8 @@ from megatron.core import parallel_state
 from tp_inputs import inputs
 from tupe_ds import launch
 from tupe_ds.data.loader import TrainBatches, Vocabulary
-from tupe_ds.parallel import accelerator_device, gather_tensor_parallel
-from tupe_ds.train.loop import build_engine, datasets, write_run_description
+from tupe_ds.parallel import accelerator_device, end_distributed, gather_tensor_parallel
+from tupe_ds.train.loop import build_engine, datasets, saved_layout, write_run_description
 from tupe_ds.train import checkpoint
 from tupe_ds.train.config import load
 from tupe_ds.train.objectives import OBJECTIVES
@@ -39,7 +39,8 @@ def main(argv):
     for _ in range(run.steps):
         steps.train(batches.next_step(), {})
     checkpoint.save(engine, os.path.join(run.out, "checkpoints"), run.steps,
-                    {"step": run.steps, "consumed": batches.consumed}, keep=1)
+                    {"step": run.steps, "consumed": batches.consumed}, keep=1,
+                    layout=saved_layout(run, engine))
 
     ids, mask, labels = inputs(batch=3, n=40, vocab=1000)
     engine.eval()
@@ -57,8 +58,8 @@ def main(argv):
     if writer and parallel_state.get_tensor_model_parallel_rank() == 0 \
             and parallel_state.get_data_parallel_rank() == 0:
         torch.save(logits.cpu(), os.path.join(run.out, "live_logits.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    steps.close()
+    end_distributed()
 
 
 if __name__ == "__main__":

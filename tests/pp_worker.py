@@ -12,7 +12,6 @@ import sys
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tp_inputs import micro_batches
@@ -20,6 +19,7 @@ from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import masked_lm_loss
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.model.positional import PositionalEncoding
+from tupe_ds.parallel import end_distributed
 
 LR = 1.0  # large, so that a wrong gradient moves the weights visibly
 MICRO_BATCHES = 2
@@ -58,8 +58,7 @@ def main(out_dir, encodings):
                 for name, param in module.named_parameters()}
         torch.save({"loss": loss.detach(), "positional_calls": PositionalEncoding.attention_bias.calls,
                     "tied": tied}, os.path.join(out_dir, f"{encoding}.stage{stage}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

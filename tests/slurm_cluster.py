@@ -1,5 +1,11 @@
-"""A one-node Slurm cluster on 127.0.0.1 for the tests: munged, slurmctld and slurmd from Debian's
-packages (installed when missing, as root), configured in a temporary folder, stopped by PID.
+"""Slurm clusters for the tests: munged, slurmctld and slurmd from Debian's packages (installed
+when missing, as root), configured in a temporary folder, stopped by PID.
+
+- SlurmCluster(root): one node on 127.0.0.1.
+- SlurmCluster(root, Network(...)): a controller and nodes n1, n2, ... each in a network
+  namespace of its own, joined by a bridge (Network): real sockets between the nodes, one
+  slurmd per node (`slurmd -N nK`; Debian builds Slurm with --enable-multiple-slurmd). The munge
+  socket and the filesystem are the machine's, as a cluster's shared filesystem would be.
 
 Cgroups are not available on this kind of machine: processes are tracked by proctrack/linuxproc
 and tasks are not confined (task/none).
@@ -10,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -50,13 +57,116 @@ def memory_mb() -> int:
         return int(f.readline().split()[1]) // 1024
 
 
+class Network:
+    """A network of its own for test hosts on this machine: a bridge, and per host a network
+    namespace joined to it by a veth pair whose inner end is `eth1`. The addresses are from the
+    documentation range 192.0.2.0/24 and exist only inside these namespaces (the bridge has
+    none), so no traffic leaves them. Inside host H, the machine's hostname resolves to H's own
+    address, as on a cluster node (a hosts file of its own, mounted on /etc/hosts in a private
+    mount namespace: `ip netns exec` would also remount /sys, hiding the cgroups slurmd needs).
+    Needs root; remove() takes everything down."""
+
+    SUBNET = "192.0.2"
+    INTERFACE = "eth1"
+
+    def __init__(self, hosts: dict):
+        """hosts: name -> last byte of its address, e.g. {"ctl": 100, "n1": 101}."""
+        tag = str(os.getpid() % 100000)
+        self.bridge = f"tupebr{tag}"
+        self.namespaces = {host: f"tupe-{host}-{tag}" for host in hosts}
+        self.addresses = {host: f"{self.SUBNET}.{last}" for host, last in hosts.items()}
+        self.created = []  # what remove() takes down, newest first
+        self.folder = Path(tempfile.mkdtemp(prefix="tupe-network-"))
+        try:
+            self._ip("link", "add", self.bridge, "type", "bridge")
+            self.created.append(("link", self.bridge))
+            self._ip("link", "set", self.bridge, "up")
+            for index, host in enumerate(hosts):
+                self._add_host(host, f"tupev{index}{tag}")
+        except BaseException:
+            self.remove()
+            raise
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        """Why network namespaces cannot be made here, or None."""
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        for program, package in (("ip", "iproute2"), ("nsenter", "util-linux"),
+                                 ("unshare", "util-linux")):
+            if which(program) is None:
+                return f"no `{program}` command (Debian's {package})"
+        probe = f"tupe-probe-{os.getpid()}"
+        result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        if result.returncode != 0:
+            return f"`ip netns add` refused: {result.stderr.strip()}"
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+        return None
+
+    @staticmethod
+    def _ip(*arguments) -> None:
+        result = subprocess.run(["ip", *arguments], capture_output=True, text=True, timeout=30)
+        if result.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(arguments)}: {result.stderr.strip()}")
+
+    def _add_host(self, host: str, outer: str) -> None:
+        namespace = self.namespaces[host]
+        self._ip("netns", "add", namespace)
+        self.created.append(("netns", namespace))
+        self._ip("link", "add", outer, "type", "veth", "peer", "name", self.INTERFACE,
+                 "netns", namespace)
+        self._ip("link", "set", outer, "master", self.bridge, "up")
+        self._ip("-n", namespace, "addr", "add", f"{self.addresses[host]}/24", "dev",
+                 self.INTERFACE)
+        self._ip("-n", namespace, "link", "set", self.INTERFACE, "up")
+        self._ip("-n", namespace, "link", "set", "lo", "up")
+        names = "".join(f"{address} {name}\n" for name, address in self.addresses.items())
+        (self.folder / f"{host}.hosts").write_text(
+            f"127.0.0.1 localhost\n{self.addresses[host]} {socket.gethostname()}\n{names}")
+
+    def prefix(self, host: str) -> list:
+        """The command prefix that runs a program on `host`."""
+        return ["nsenter", f"--net=/run/netns/{self.namespaces[host]}", "unshare", "--mount",
+                "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
+                str(self.folder / f"{host}.hosts")]
+
+    def pids(self, host: str) -> list:
+        """Every process running in `host`'s namespace."""
+        result = subprocess.run(["ip", "netns", "pids", self.namespaces[host]],
+                                capture_output=True, text=True)
+        return [int(pid) for pid in result.stdout.split()]
+
+    def remove(self) -> None:
+        for kind, name in reversed(self.created):
+            if kind == "netns":
+                for pid in self.pids(next(h for h, n in self.namespaces.items() if n == name)):
+                    try:  # what a failed test left running there
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            subprocess.run(["ip", kind, "delete", name], capture_output=True)
+        self.created = []
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class SlurmCluster:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, network: Optional[Network] = None):
+        """One node on 127.0.0.1; or, with a network of hosts "ctl" and "n1", "n2", ...,
+        slurmctld on ctl and one slurmd per node."""
         self.root = root
+        self.network = network
         self.node = socket.gethostname().split(".")[0]
         for name in ("state", "spool", "munge"):
             (root / name).mkdir(parents=True, exist_ok=True)
         self.pid_files = []
+        try:
+            self._start_daemons()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_daemons(self) -> None:
+        root, network = self.root, self.network
         munge = root / "munge"
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -68,7 +178,7 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.conf.write_text(f"""\
 ClusterName=tupe-test
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={self.node}({network.addresses["ctl"] if network else "127.0.0.1"})
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 SlurmUser=root
@@ -83,30 +193,56 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
 ReturnToService=2
 StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}
+SlurmdSpoolDir={root / 'spool'}/%n
 SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.pid'}
+SlurmdPidFile={root / 'slurmd'}.%n.pid
 SlurmctldLogFile={root / 'slurmctld.log'}
-SlurmdLogFile={root / 'slurmd.log'}
+SlurmdLogFile={root / 'slurmd'}.%n.log
+SlurmdParameters=config_overrides
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory_mb()} State=UNKNOWN
+{self._node_lines()}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """)
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self._start([which("slurmctld"), "-f", str(self.conf)], root / "slurmctld.pid")
-        self._start([which("slurmd"), "-f", str(self.conf)], root / "slurmd.pid")
+        self._start([which("slurmctld"), "-f", str(self.conf)], root / "slurmctld.pid",
+                    host="ctl")
+        for node in self.nodes:
+            (root / "spool" / node).mkdir(exist_ok=True)
+            extra = ["-N", node] if network else []
+            self._start([which("slurmd"), "-f", str(self.conf), *extra],
+                        root / f"slurmd.{node}.pid", host=node)
         deadline = time.time() + 60
-        while "idle" not in self.run("sinfo", "-h", "-o", "%T", check=False).stdout:
+        while self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split() != [
+                "idle"] * len(self.nodes):
             if time.time() > deadline:
-                raise RuntimeError("the Slurm node did not come up:\n" + self.logs())
+                raise RuntimeError("the Slurm nodes did not come up:\n" + self.logs())
             time.sleep(0.5)
 
-    def _start(self, command, pid_file: Path) -> None:
-        subprocess.run(command, check=True, capture_output=True, timeout=60)
+    @property
+    def nodes(self) -> list:
+        if self.network is None:
+            return [self.node]
+        return [host for host in self.network.addresses if host != "ctl"]
+
+    def _node_lines(self) -> str:
+        if self.network is None:
+            return (f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} "
+                    f"RealMemory={memory_mb()} State=UNKNOWN")
+        # Two task slots per node whatever this machine has (config_overrides).
+        return "\n".join(f"NodeName={node} NodeAddr={self.network.addresses[node]} CPUs=2 "
+                         f"RealMemory={memory_mb() // 4} State=UNKNOWN" for node in self.nodes)
+
+    def on(self, host: Optional[str]) -> list:
+        """The prefix that runs a command on `host` ("ctl" or a node; None: this machine)."""
+        return self.network.prefix(host) if self.network and host else []
+
+    def _start(self, command, pid_file: Path, host: Optional[str] = None) -> None:
+        subprocess.run([*self.on(host), *command], check=True, capture_output=True, timeout=60)
         self.pid_files.append(pid_file)
         deadline = time.time() + 30
         while not pid_file.exists():
@@ -118,8 +254,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
         return "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in sorted(self.root.glob("*.log")))
 
     def run(self, *command, check=True, env=None) -> subprocess.CompletedProcess:
-        result = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True,
-                                text=True, timeout=60)
+        """A Slurm client command (sbatch, scontrol, ...), run where the controller is."""
+        result = subprocess.run([*self.on("ctl"), *command], env={**self.env, **(env or {})},
+                                capture_output=True, text=True, timeout=60)
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)}: {result.stderr}")
         return result
@@ -147,7 +284,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
             "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), timeout)
 
     def stop(self) -> None:
-        for pid_file in reversed(self.pid_files):  # slurmd, slurmctld, then munged
+        for pid_file in reversed(self.pid_files):  # the slurmds, slurmctld, then munged
             try:
                 pid = int(pid_file.read_text().split()[0])
                 os.kill(pid, signal.SIGTERM)

@@ -14,7 +14,7 @@ import sklearn.metrics
 import torch
 
 import tupe_ds
-from test_pretrain import environment, free_port
+from test_pretrain import EXIT_WORKER, environment, free_port
 from tupe_ds.export import save_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.run import main as finetune
@@ -108,11 +108,12 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
 
 
 def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
-    """2 ranks; 241 examples leave a last batch of one, too small to split (it is skipped)."""
+    """2 ranks, each exiting with no process group left; 241 examples leave a last batch of
+    one, too small to split (it is skipped)."""
     sentiment = {**sentiment, "train": write_sentiment(tmp_path / "odd.tsv", 241, 1)}
     out = tmp_path / "launched"
     command = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
-               "--master_port", free_port(), "--module", "tupe_ds.finetune.run",
+               "--master_port", free_port(), EXIT_WORKER, "finetune",
                *finetune_flags(sentiment, out)[:-12], "--lr", "3e-3", "--seeds", "1", "--epochs",
                "4", "--batch-size", "16", "--max-length", "32"]
     result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=400)

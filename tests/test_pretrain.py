@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
+EXIT_WORKER = os.path.join(ROOT, "tests", "exit_worker.py")
 
 
 def free_port() -> str:
@@ -25,13 +26,15 @@ def free_port() -> str:
 
 
 def command(launcher, processes, data, out, *flags):
+    """tupe-pretrain under a launcher, through tests/exit_worker.py: every rank must also leave
+    no process group behind (else its exit code is 3)."""
     flags = ["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out),
              "--seq-len", "64", "--log-interval", "1", "--eval-samples", "32", *flags]
     if launcher == "deepspeed":
         return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(processes), "--master_port",
-                free_port(), "--module", "tupe_ds.pretrain", *flags]
+                free_port(), EXIT_WORKER, "pretrain", *flags]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", free_port(), "-m", "tupe_ds.pretrain", *flags]
+            "--master_port", free_port(), EXIT_WORKER, "pretrain", *flags]
 
 
 def environment():
@@ -171,8 +174,8 @@ def test_sigusr1_saves_a_checkpoint_and_stops_cleanly(data, tmp_path):
                                env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     wait_for(lambda: os.path.exists(out / "train_log.jsonl") and len(losses(out)) >= 3, process)
-    workers = subprocess.run(["pgrep", "-f", f"tupe_ds.pretrain.*{out}"], capture_output=True,
-                             text=True).stdout.split()
+    workers = subprocess.run(["pgrep", "-f", f"exit_worker.py pretrain.*{out}"],
+                             capture_output=True, text=True).stdout.split()
     workers = [int(pid) for pid in workers if int(pid) != process.pid]
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGUSR1)  # one rank only: every rank must stop with it

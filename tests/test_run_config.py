@@ -99,3 +99,37 @@ def test_the_configs_micro_batch_is_the_most_a_rank_runs(data, tmp_path, monkeyp
         micro, accumulation)
     assert "not a multiple of micro-batch 8 x 4" in fails(
         base(data, tmp_path, "--global-batch", "16", "--micro-batch", "8"), monkeypatch, world=4)
+
+
+def saved_checkpoint(out, **layout):
+    """A checkpoint folder holding only what the configuration reads: its layout.json (and the
+    name of a ZeRO optimizer shard)."""
+    step = out / "checkpoints" / "step3"
+    step.mkdir(parents=True)
+    saved = {"world_size": 2, "tp": 1, "pp": 1, "dp": 2, "zero_stage": 2, "micro_batch": 8,
+             "gradient_accumulation": 1, "vocab_size": 1024, **layout}
+    (step / "layout.json").write_text(json.dumps(saved))
+    (step / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_text("")
+    (out / "checkpoints" / "latest").write_text("step3")
+
+
+def test_a_checkpoint_of_another_layout_is_converted_or_refused_before_any_process_starts(
+        data, tmp_path, monkeypatch):
+    saved_checkpoint(tmp_path / "run", world_size=4, dp=4, vocab_size=1280)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = load(base(data, tmp_path, "--tp", "2"))
+    assert run.resharding.convert and run.resharding.saved.dp == 4
+    assert run.ds_config["checkpoint"]["load_universal"]
+    assert run.models[0].vocab_size == 1280  # the checkpoint's padding, not this tp's (1024)
+    assert load(base(data, tmp_path, "--resume", "never")).resharding is None
+
+    saved_checkpoint(tmp_path / "pp", world_size=2, pp=2, dp=1)
+    message = fails(base(data, tmp_path, out=str(tmp_path / "pp")), monkeypatch, world=4)
+    assert "pipeline-parallel checkpoints resume only on their own layout" in message
+    assert "resume on 2 processes with --tp 1 --pp 2 (the layout that wrote it)" in message
+    saved_checkpoint(tmp_path / "vocab", vocab_size=1152)
+    assert "padded to 1152 for tp 1, which does not split into --tp 2 shards" in fails(
+        base(data, tmp_path, "--tp", "2", out=str(tmp_path / "vocab")), monkeypatch, world=4)
+    saved_checkpoint(tmp_path / "zero3", zero_stage=3)
+    assert "reshapes checkpoints of ZeRO stage 0-2 only" in fails(
+        base(data, tmp_path, out=str(tmp_path / "zero3")), monkeypatch, world=4)

@@ -1,5 +1,6 @@
 """Launching everywhere: the real sbatch scripts against a real Slurm (one node on 127.0.0.1,
-tests/slurm_cluster.py), preemption and requeue, mpirun, and how each launcher's ranks are read.
+tests/slurm_cluster.py), mpirun, and how each launcher's ranks are read. Preemption and requeue,
+on two nodes: test_multinode.py.
 
 When Slurm, munge and OpenMPI cannot be installed, these tests are skipped with the reason."""
 
@@ -71,28 +72,6 @@ def test_a_wrong_layout_fails_the_job_before_any_task_starts(cluster, data, tmp_
     assert job["JobState"] == "FAILED"
     assert "--tp 4 does not divide the 2 processes" in output
     assert "starting step" not in output and not (tmp_path / "run").exists()
-
-
-def test_preempted_job_checkpoints_requeues_and_finishes_where_it_stopped(cluster, data, tmp_path):
-    out = tmp_path / "run"
-    job_id = submit_pretraining(cluster, data, out, "--steps", "40", "--save-interval", "1000",
-                                "--eval-interval", "1000")
-    cluster.wait(job_id, lambda job: os.path.exists(out / "train_log.jsonl")
-                 and len(logged_steps(out)) >= 3)
-    # What Slurm sends before the time limit (--signal=B:USR1@600), or an admin before preempting.
-    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
-    cluster.wait(job_id, lambda job: job["Restarts"] == "1" and job["JobState"] == "PENDING")
-    # Skip Slurm's 2-minute requeue hold, but not into the second the old credential was revoked
-    # in: slurmd kills a job whose credential is no newer than that ("Job credential revoked").
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+2")
-    job = cluster.wait_until_done(job_id)
-    output = (tmp_path / "run.log").read_text()  # --open-mode=append: both runs
-    assert job["JobState"] == "COMPLETED", output[-3000:] + cluster.logs()
-    stopped = int(output.split("stopping at step ")[1].split()[0])
-    assert 3 <= stopped < 40
-    assert f"resumed at step {stopped} of 40" in output
-    assert logged_steps(out) == list(range(1, 41))  # nothing lost, nothing trained twice
-    assert "final valid loss" in output.split("resumed at step")[1]
 
 
 def test_compare_array_runs_every_encoding_then_the_dependent_report(cluster, data, tmp_path):

@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 import tupe_ds
 from tp_inputs import inputs
 from tupe_ds.model import positional
+from tupe_ds.parallel import end_distributed
 
 
 def gather_shards(param):
@@ -51,8 +52,7 @@ def main(out_dir, encodings):
         if model.model_config.encoding.has_positional_logits:
             result["scores"] = model.positional_scores(16).detach()
         torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

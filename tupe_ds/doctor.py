@@ -6,20 +6,24 @@
 Prints the accelerator, GPU count and compute capabilities, the versions of torch, CUDA, NCCL,
 DeepSpeed and megatron-core, then each finding with what to change: a precision the GPUs lack, an
 optimizer that needs a compiler that is not there, more processes than GPUs, environment
-variables known to break DeepSpeed. `tupe-pretrain --check-only` prints the same. Exit code 1
-when a finding would stop the run.
+variables known to break DeepSpeed, a lock in the torch extensions folder that no live build
+holds (every run would wait on it forever). `tupe-pretrain --check-only` prints the same. Exit
+code 1 when a finding would stop the run.
 """
 
 import argparse
+import glob
 import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
 
 from tupe_ds.train.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
 
+STALE_LOCK_SECONDS = 300  # an extension build takes a minute or two
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
 FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
 CPU_CONFIG = "ds_configs/cpu_zero2.json"
@@ -154,6 +158,62 @@ def environment_findings(environ, machine: Machine) -> list:
     return found
 
 
+def extensions_root(environ=os.environ) -> str:
+    """Where torch builds DeepSpeed's extensions: TORCH_EXTENSIONS_DIR, else torch's cache."""
+    if environ.get("TORCH_EXTENSIONS_DIR"):
+        return environ["TORCH_EXTENSIONS_DIR"]
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return get_default_build_root()
+
+
+def lock_holders(path: str) -> list:
+    """PIDs of the processes on this machine with `path` open: torch's FileBaton keeps its lock
+    file open from the start of a build to its end."""
+    target, holders = os.path.realpath(path), []
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == target:
+                holders.append(int(fd.split("/")[2]))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return sorted(set(holders))
+
+
+def extension_locks(environ=os.environ) -> list:
+    """(path, age in seconds, PIDs holding it) of every extension build lock: ROOT/NAME/lock,
+    or ROOT/pyXY_ACCELERATOR/NAME/lock under torch's default root."""
+    root = extensions_root(environ)
+    found = []
+    for path in sorted(glob.glob(os.path.join(root, "*", "lock")) +
+                       glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            age = time.time() - os.path.getmtime(path)
+        except FileNotFoundError:  # the build ended meanwhile
+            continue
+        found.append((path, age, lock_holders(path)))
+    return found
+
+
+def lock_text(path: str, age: float, holders: list) -> str:
+    if holders:
+        return (f"{path}: process {', '.join(map(str, holders))} is building this DeepSpeed "
+                "extension; runs that need it wait until it is done")
+    state = (f"{age / 60:.0f} minutes old and held by no process on this machine: the lock of a "
+             f"build that was killed" if age > STALE_LOCK_SECONDS else
+             f"held by no process on this machine ({age:.0f} s old): another machine sharing "
+             "this folder may be building")
+    return (f"{path}: {state}; every run that loads this extension waits on it forever. "
+            f"If no build is running, remove it: rm {path}")
+
+
+def extension_lock_findings(environ=os.environ) -> list:
+    """A lock of torch's extension builder that no live build holds makes every later run wait
+    forever, in silence: fatal once older than STALE_LOCK_SECONDS, else a warning."""
+    return [Finding(not holders and age > STALE_LOCK_SECONDS, lock_text(path, age, holders))
+            for path, age, holders in extension_locks(environ)]
+
+
 def describe(machine: Machine) -> str:
     if machine.gpus:
         capabilities = ", ".join(f"{a}.{b}" for a, b in machine.capabilities)
@@ -178,7 +238,7 @@ def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
                  environ=os.environ, ds_config=None) -> list:
     """Every finding; the DeepSpeed config is read from `ds_config_path` unless already given
     as `ds_config`."""
-    findings = environment_findings(environ, machine)
+    findings = environment_findings(environ, machine) + extension_lock_findings(environ)
     if ds_config_path:
         if ds_config is None:
             with open(ds_config_path) as f:

@@ -34,7 +34,7 @@ from tupe_ds.files import replacing_folder
 from tupe_ds.model.bert import BertForMaskedLM, build_model
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.pipeline_names import bert_name
-from tupe_ds.parallel import ensure_model_parallel
+from tupe_ds.parallel import end_distributed, ensure_model_parallel
 
 KINDS = {"mlm": "bert-mlm", "electra": "electra-discriminator"}
 
@@ -212,6 +212,7 @@ def main(argv=None) -> int:
         print(f"tupe-export: error: {error}", file=sys.stderr)
         return 2
     print(f"exported {step_dir} -> {args.out} (model.safetensors, config.json, tokenizer.json)")
+    end_distributed()
     return 0
 
 

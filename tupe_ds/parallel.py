@@ -1,6 +1,9 @@
-"""Process groups and devices: megatron-core's parallel_state, set up when nobody else did."""
+"""Process groups and devices: megatron-core's parallel_state, set up when nobody else did, and
+taken down at the end of a command."""
 
+import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,7 @@ def ensure_model_parallel(tensor_parallel_size: int) -> None:
             )
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             raise RuntimeError("launched with WORLD_SIZE > 1 but torch.distributed is not initialised")
+        accelerator_device()  # imports DeepSpeed before the group exists: see end_distributed
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         current = parallel_state.get_tensor_model_parallel_world_size()
@@ -50,6 +54,36 @@ def ensure_model_parallel(tensor_parallel_size: int) -> None:
             f"world size {world} is not divisible by tensor_parallel_size={tensor_parallel_size}"
         )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+
+
+def end_distributed() -> None:
+    """The last collective of a command, on every rank: wait until every rank is done, then
+    destroy every process group while the interpreter is whole.
+
+    Without it a rank that finishes first (the others still writing reports) exits while gloo's
+    worker threads still hold its last collective's tensors: megatron-core and DeepSpeed keep the
+    groups alive until interpreter finalization, where freeing those tensors takes the GIL and
+    aborts the process ("terminate called without an active exception", exit -6; pytorch#190489).
+    Releasing every reference here lets each group's destructor join its threads now. (DeepSpeed's
+    comm module holds the world group in a default argument when it is imported after the group
+    exists: import it first, as accelerator_device() does.)
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    for name, value in vars(parallel_state).items():  # what destroy_model_parallel leaves (0.16)
+        if isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+    pipeline_p2p = sys.modules.get("deepspeed.runtime.pipe.p2p")
+    if pipeline_p2p is not None:  # DeepSpeed's pipeline engine keeps its grid there (0.19)
+        pipeline_p2p._grid, pipeline_p2p._groups, pipeline_p2p._async = None, None, []
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        deepspeed_comm.destroy_process_group()  # also drops DeepSpeed's references to the groups
+    else:
+        dist.destroy_process_group()
+    gc.collect()  # groups held only by reference cycles (engines, DDP) are destroyed now
 
 
 def gather_tensor_parallel(tensor: torch.Tensor, dim: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from tupe_ds import doctor, launch
+from tupe_ds.parallel import end_distributed
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import train
 
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
               f"global batch {run.ds_config['train_batch_size']}")
         return 0
     train(run, launcher)
+    end_distributed()  # after train() returned: its engine and model are garbage by now
     return 0
 
 

@@ -29,6 +29,7 @@ from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
 from tupe_ds.model.layers import embed
+from tupe_ds.parallel import accelerator_device, end_distributed
 from tupe_ds.train.optim import parameter_groups
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]
@@ -171,12 +172,11 @@ def main(argv=None) -> int:
     except (TaskDataError, ExportError, FileNotFoundError) as error:
         print(f"tupe-finetune: error: {error}", file=sys.stderr)
         return 2
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    device = accelerator_device()  # before any process group: see end_distributed
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     runs = {lr: {seed: run_one(args, task, data, lr, seed, device) for seed in args.seeds}
             for lr in args.lr}
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -186,8 +186,7 @@ def main(argv=None) -> int:
             for name, values in summary["best_median"].items()))
         print(f"results: {args.out}/{task.name}.md (every seed), {args.out}/results.md (all tasks "
               f"in {args.out}), and their .json")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_distributed()
     return 0
 
 

@@ -12,6 +12,8 @@ from tupe_ds import doctor
 from tupe_ds.launch import processes_on_this_node
 from tupe_ds.model.config import ENCODINGS, PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
+from tupe_ds.train import reshard
+from tupe_ds.train.checkpoint import latest_tag
 
 CPU_CONFIG = doctor.CPU_CONFIG
 
@@ -102,6 +104,7 @@ class RunConfig:
     models: tuple  # (ModelConfig,) for mlm; (discriminator, generator) for electra
     ds_config: dict  # with the command line's overrides
     ds_config_path: str
+    resharding: Optional[reshard.Reshard] = None  # resuming a checkpoint of another layout
 
     @property
     def world_size(self) -> int:
@@ -138,6 +141,10 @@ def load(argv=None, world_size: Optional[int] = None,
     check_pipeline(args, ds_config, dtype)
     set_batch(args, ds_config, layout.dp)
     set_schedule(args, ds_config)
+    resharding = plan_resume(args, layout, ds_config)
+    if resharding is not None and resharding.convert:
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    vocab_size = resharding.saved.vocab_size if resharding else padded_vocab(args.data, args.tp)
     ds_config["tensorboard"] = {"enabled": True, "job_name": "deepspeed",
                                 "output_path": os.path.join(args.out, "tensorboard")}
     ds_config.setdefault("steps_per_print", 10**9)
@@ -147,8 +154,8 @@ def load(argv=None, world_size: Optional[int] = None,
                      resume=args.resume == "auto", check_only=args.check_only, layout=layout,
                      intervals=Intervals(log=args.log_interval, eval=args.eval_interval,
                                          save=args.save_interval, image=args.image_interval),
-                     models=model_configs(args, dtype), ds_config=ds_config,
-                     ds_config_path=args.ds_config)
+                     models=model_configs(args, dtype, vocab_size), ds_config=ds_config,
+                     ds_config_path=args.ds_config, resharding=resharding)
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -241,7 +248,26 @@ def set_schedule(args: argparse.Namespace, ds_config: dict) -> None:
         scheduler["warmup_num_steps"] = args.steps
 
 
-def model_configs(args: argparse.Namespace, dtype: str) -> tuple:
+def plan_resume(args: argparse.Namespace, layout: Layout,
+                ds_config: dict) -> Optional[reshard.Reshard]:
+    """How the latest checkpoint in --out resumes when it was written by another layout (None:
+    as it is); one that cannot be reshaped stops the run here, before any process starts."""
+    if args.resume != "auto":
+        return None
+    checkpoints = os.path.join(args.out, "checkpoints")
+    tag = latest_tag(checkpoints)
+    try:
+        saved = reshard.read_saved_layout(checkpoints, tag) if tag else None
+        if saved is None:
+            return None
+        return reshard.plan(tag, saved, layout.world_size, layout.tp, layout.pp,
+                            ds_config.get("zero_optimization", {}).get("stage", 0),
+                            reshard.has_zero_shards(os.path.join(checkpoints, tag)))
+    except ValueError as error:
+        fail(f"--out {args.out}: {error}")
+
+
+def model_configs(args: argparse.Namespace, dtype: str, vocab_size: int) -> tuple:
     """(ModelConfig,) for mlm; (discriminator, generator) for electra."""
     presets = PAIRS[args.model] if args.objective == "electra" else (args.model,)
     positions = max(args.seq_len,
@@ -249,7 +275,7 @@ def model_configs(args: argparse.Namespace, dtype: str) -> tuple:
     try:
         models = tuple(ModelConfig.from_preset(
             preset, pos_encoding=args.pos_encoding, tensor_parallel_size=args.tp,
-            vocab_size=padded_vocab(args.data, args.tp), seq_length=args.seq_len,
+            vocab_size=vocab_size, seq_length=args.seq_len,
             max_position_embeddings=positions, hidden_dropout=args.dropout,
             attention_dropout=args.dropout, dtype=dtype) for preset in presets)
     except ValueError as error:

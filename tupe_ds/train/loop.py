@@ -8,22 +8,23 @@ import os
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
+from tupe_ds import doctor
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.files import write_atomically
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device
-from tupe_ds.train import checkpoint
+from tupe_ds.train import checkpoint, reshard
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
+from tupe_ds.train.waits import announced
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, masking):
@@ -67,10 +68,31 @@ def build_engine(run: RunConfig, objective, device):
             model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config)
         return model, engine, PipelineSteps(engine, loss, device)
     model = objective.build(run.models)
+    model.universal_checkpoint_info = reshard.universal_info(model)  # saved by DeepSpeed
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config,
         mpu=MegatronMPU())
     return model, engine, EngineSteps(engine, objective, device)
+
+
+def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
+    """This run's layout, as its checkpoints record it."""
+    return reshard.SavedLayout(
+        world_size=run.world_size, tp=run.layout.tp, pp=run.layout.pp, dp=run.layout.dp,
+        zero_stage=engine.zero_optimization_stage(),
+        micro_batch=engine.train_micro_batch_size_per_gpu(),
+        gradient_accumulation=engine.gradient_accumulation_steps(),
+        vocab_size=run.models[0].vocab_size)
+
+
+def waiting_with_extensions(what: str):
+    """A wait during which DeepSpeed may also build or load an extension: its text, with the
+    state of every build lock at the time it is printed."""
+    def text() -> str:
+        locks = [doctor.lock_text(*lock) for lock in doctor.extension_locks()]
+        return (f"{what} (DeepSpeed may be building an extension in {doctor.extensions_root()})"
+                + "".join(f"; {lock}" for lock in locks))
+    return text
 
 
 def train(run: RunConfig, launcher: str) -> None:
@@ -78,10 +100,14 @@ def train(run: RunConfig, launcher: str) -> None:
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
     device = accelerator_device()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.layout.tp,
-                                             pipeline_model_parallel_size=run.layout.pp)
-    rank = dist.get_rank()
+    rank = int(os.environ.get("RANK", "0"))
+    with announced(waiting_with_extensions(
+            f"the rendezvous of {run.world_size} processes at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT): every process of the "
+            "run must start"), rank):
+        deepspeed.init_distributed(dist_backend=backend)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.layout.tp,
+                                                 pipeline_model_parallel_size=run.layout.pp)
     os.makedirs(run.out, exist_ok=True)
     if rank == 0:
         write_run_description(run)
@@ -90,16 +116,19 @@ def train(run: RunConfig, launcher: str) -> None:
     if arch_note and rank == 0:
         print(f"tupe-pretrain: {arch_note}", flush=True)
     objective = OBJECTIVES[run.objective]
-    model, engine, steps = build_engine(run, objective, device)
+    with announced(waiting_with_extensions("the DeepSpeed engine of every rank"), rank):
+        model, engine, steps = build_engine(run, objective, device)
     vocab = Vocabulary.from_data_dir(run.data)
-    data = datasets(run, vocab, objective.masking)
+    with announced(f"the sample index of {run.data} (seq-len {run.seq_len})", rank):
+        data = datasets(run, vocab, objective.masking)
     checkpoints = os.path.join(run.out, "checkpoints")
-    state = checkpoint.resume(engine, checkpoints) if run.resume else None
+    state = checkpoint.resume(engine, checkpoints, run.resharding, run.seed) if run.resume else None
     step = state["step"] if state else 0
     batches = TrainBatches(data["train"], run.seq_len, engine.train_micro_batch_size_per_gpu(),
                            engine.gradient_accumulation_steps(),
                            parallel_state.get_data_parallel_rank(), run.layout.dp,
                            consumed=state["consumed"] if state else 0)
+    layout = saved_layout(run, engine)
     monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank)
     stop = checkpoint.StopSignal()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -129,7 +158,7 @@ def train(run: RunConfig, launcher: str) -> None:
         stopping = stop.any_rank(device)
         if step % run.intervals.save == 0 or step == run.steps or stopping:
             checkpoint.save(engine, checkpoints, step, {"step": step, "consumed": batches.consumed},
-                            run.keep_checkpoints)
+                            run.keep_checkpoints, layout)
         if stopping:
             say(f"stopping at step {step} on {stop.received or 'a signal to another rank'}; "
                 "run the same command to continue", flush=True)
@@ -137,6 +166,6 @@ def train(run: RunConfig, launcher: str) -> None:
     if not metrics:  # nothing left to train: report where the run stands
         metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
     monitor.close()
+    steps.close()
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(run.out, 'tensorboard')}")
-    dist.destroy_process_group()

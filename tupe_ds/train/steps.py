@@ -71,6 +71,10 @@ class EngineSteps:
     def reduce(self, totals: dict) -> dict:
         return reduce_metrics(totals, self.device)
 
+    def close(self) -> None:
+        """Let the engine go: its gradient hooks hold it (and its process groups) otherwise."""
+        self.engine.destroy()
+
 
 class PipelineLoss:
     """The last stage's loss_fn: masked-LM loss on this rank's vocabulary shard; it adds the
@@ -117,3 +121,10 @@ class PipelineSteps:
         dist.broadcast_object_list(metrics, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                    group=parallel_state.get_pipeline_model_parallel_group())
         return metrics[0]
+
+    def close(self) -> None:
+        """Let the engine go: the last micro-batches' activations in its buffers carry backward
+        hooks that refer to it, a cycle through autograd the garbage collector cannot see."""
+        for buffers in self.engine.pipe_buffers.values():
+            buffers.clear()
+        self.engine.destroy()

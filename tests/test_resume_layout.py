@@ -1,0 +1,121 @@
+"""Resuming on a different layout (tupe_ds/train/reshard.py): a checkpoint written at dp=2 (ZeRO-1
+and ZeRO-2) resumes at dp=1, at dp=4 and with another micro-batch x accumulation split, and a
+tp=2 checkpoint at tp=1; the losses after the change equal those of the uninterrupted run (fp32,
+dropout off: the data-parallel and tensor-parallel sizes do not change the losses, as
+test_pretrain.py shows), which needs the data position, Adam's moments and step and the schedule
+to carry over. (Layouts that cannot be reshaped: test_run_config.py.)"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from test_pretrain import log, train
+
+STEPS = ["--steps", "6", "--save-interval", "3", "--eval-interval", "6", "--keep-checkpoints",
+         "5", "--dropout", "0", "--global-batch", "32", "--lr", "2e-3", "--warmup-steps", "2"]
+METRICS = ("train/loss", "train/lr", "train/grad_norm")
+
+
+def cut_back_to(run, copy, step):
+    """A copy of a finished run whose latest checkpoint is `step`, as if it had stopped there."""
+    shutil.copytree(run, copy)
+    checkpoints = copy / "checkpoints"
+    for name in os.listdir(checkpoints):
+        if name.startswith("step") and int(name[4:]) > step:
+            shutil.rmtree(checkpoints / name)
+    (checkpoints / "latest").write_text(f"step{step}")
+    with open(copy / "train_log.jsonl") as f:
+        kept = [line for line in f if json.loads(line)["step"] <= step]
+    (copy / "train_log.jsonl").write_text("".join(kept))
+    return copy
+
+
+def assert_same_steps(resumed, reference, steps=(4, 5, 6), names=METRICS):
+    after, before = log(resumed), log(reference)
+    for step in steps:
+        for name in names:
+            assert after[step][name] == pytest.approx(before[step][name], rel=1e-5, abs=1e-6), (
+                step, name)
+
+
+def conversion_lines(stdout):
+    return [line for line in stdout.splitlines() if "universal checkpoint" in line]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["zero1", "zero2"])
+def dp2_run(request, data, tmp_path_factory):
+    """6 steps at dp=2 (micro-batch 8 x 2 accumulation), checkpoints at steps 3 and 6."""
+    out = tmp_path_factory.mktemp(f"dp2-zero{request.param}") / "run"
+    train("deepspeed", 2, data, out, *STEPS, "--zero-stage", str(request.param))
+    return request.param, out
+
+
+def resume(dp2_run, data, copy, processes, *flags):
+    stage, whole = dp2_run
+    resumed = cut_back_to(whole, copy, 3)
+    stdout = train("deepspeed", processes, data, resumed, *STEPS, "--zero-stage", str(stage),
+                   *flags)
+    assert "resumed at step 3 of 6" in stdout
+    return resumed, stdout
+
+
+def test_a_dp2_checkpoint_resumes_on_one_rank(dp2_run, data, tmp_path):
+    """Micro-batches of 8 (8 x 4 at dp=1): the uninterrupted dp=2 run is also the uninterrupted
+    run of the new layout."""
+    resumed, stdout = resume(dp2_run, data, tmp_path / "dp1", 1)
+    converted = conversion_lines(stdout)
+    assert len(converted) == 1 and "written by 2 processes (tp 1, pp 1, dp 2" in converted[0]
+    assert "converted for 1 processes" in converted[0]
+    assert_same_steps(resumed, dp2_run[1])
+    assert log(resumed)[6]["valid/loss"] == pytest.approx(log(dp2_run[1])[6]["valid/loss"],
+                                                          rel=1e-5)
+    assert os.listdir(resumed / "checkpoints" / "universal") == []  # dropped after step 6
+    layout = json.loads((resumed / "checkpoints" / "step6" / "layout.json").read_text())
+    assert (layout["dp"], layout["micro_batch"], layout["gradient_accumulation"]) == (1, 8, 4)
+
+
+def test_a_dp2_checkpoint_resumes_on_four_ranks_and_another_micro_batch_split(dp2_run, data,
+                                                                              tmp_path):
+    """Micro-batches of 4 weight the tokens of a step differently (the loss is a mean per
+    micro-batch), so the uninterrupted run of that split is the same checkpoint resumed at dp=2
+    with micro-batches of 4 (4 x 4: ZeRO's shards load as they are). At dp=4 (4 x 2) they go
+    through the conversion and give the same steps; both start from the dp=2 run's state and
+    data position: its step-4 loss (before the update) and learning rate."""
+    native, stdout = resume(dp2_run, data, tmp_path / "dp2", 2, "--micro-batch", "4")
+    assert not conversion_lines(stdout)
+    layout = json.loads((native / "checkpoints" / "step6" / "layout.json").read_text())
+    assert (layout["micro_batch"], layout["gradient_accumulation"]) == (4, 4)
+    converted, stdout = resume(dp2_run, data, tmp_path / "dp4", 4, "--micro-batch", "4")
+    lines = conversion_lines(stdout)
+    assert len(lines) == 1 and "converted for 4 processes" in lines[0]
+    assert_same_steps(converted, native)
+    assert_same_steps(native, dp2_run[1], steps=(4,), names=("train/loss", "train/lr"))
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1(data, tmp_path):
+    whole = tmp_path / "tp2"
+    train("torchrun", 2, data, whole, *STEPS, "--tp", "2", "--micro-batch", "8")
+    resumed = cut_back_to(whole, tmp_path / "tp1", 3)
+    stdout = train("torchrun", 1, data, resumed, *STEPS, "--micro-batch", "8")
+    assert "written by 2 processes (tp 2, pp 1, dp 1" in stdout
+    assert "resumed at step 3 of 6" in stdout and "(tp 1, pp 1, dp 1)" in stdout
+    assert_same_steps(resumed, whole)
+
+
+def test_ranks_of_a_new_layout_derive_distinct_reproducible_random_states():
+    import torch
+
+    from tupe_ds.train.checkpoint import derive_rng_state
+
+    draws = {}
+    for rank in range(4):
+        derive_rng_state(1234, 300, rank)
+        draws[rank] = torch.rand(3)
+    derive_rng_state(1234, 300, 2)
+    assert torch.equal(torch.rand(3), draws[2])
+    assert len({tuple(d.tolist()) for d in draws.values()}) == 4
+    derive_rng_state(1234, 301, 2)
+    assert not np.allclose(torch.rand(3).numpy(), draws[2].numpy())
