@@ -33,7 +33,7 @@ def main(argv):
     device = accelerator_device()
     _, engine, steps = build_engine(run, objective, device)
     data = datasets(run, Vocabulary.from_data_dir(run.data), objective.masking)
-    batches = TrainBatches(data["train"], run.seq_len, engine.train_micro_batch_size_per_gpu(),
+    batches = TrainBatches(data["train"], engine.train_micro_batch_size_per_gpu(),
                            engine.gradient_accumulation_steps(),
                            parallel_state.get_data_parallel_rank(), run.dp_size)
     for _ in range(run.steps):

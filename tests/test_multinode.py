@@ -77,8 +77,10 @@ def assert_trains_like_one_process(run, reference, tmp_path):
     mine, theirs = log(run), log(reference)
     assert sorted(s for s in mine if "train/loss" in mine[s]) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):  # the gradient norm, a sum of squares, drifts the most:
-        # seen here up to 3e-5 at tp=2 and 1e-5 at dp=4 (other reduction orders), the loss 2e-7
-        for name, tolerance in (("train/loss", 1e-5), ("train/grad_norm", 1e-4)):
+        # other reduction orders leave the loss within 5e-7 at every step and the norm within
+        # 1e-5, except at a few steps whose gradients cancel (seen here: 3e-4 at step 38 of the
+        # batches since issue 21, then back to 1e-5); a lost or doubled micro-batch moves it by percents
+        for name, tolerance in (("train/loss", 1e-5), ("train/grad_norm", 1e-3)):
             assert mine[step][name] == pytest.approx(theirs[step][name], rel=tolerance), (
                 step, name)
     assert mine[STEPS]["valid/loss"] == pytest.approx(theirs[STEPS]["valid/loss"], rel=1e-5)

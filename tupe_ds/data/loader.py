@@ -5,19 +5,24 @@ data-parallel rank r takes the r-th slice of them, in gradient-accumulation micr
 stream visits every packed sample once per epoch in an order drawn from (seed, epoch), and each
 sample is masked anew from (seed, epoch, sample). So one seed gives the same global batches
 whatever the number of ranks, and a run resumed at step s sees exactly what it had not seen.
+
+A micro-batch is read and masked in whole-batch operations (`MaskedSamples.batch`; sample by
+sample, the reference, gives the same tensors), and a background thread makes the next steps'
+batches while the current one trains (`TrainBatches(prefetch=...)`).
 """
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Dict, Iterator, List
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from tupe_ds.data.masking import IGNORE_INDEX, MaskingScheme, mask_tokens
+from tupe_ds.data import counter_random
+from tupe_ds.data.masking import IGNORE_INDEX, MaskingIds, MaskingScheme, mask_batch, mask_tokens
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.data.prefetch import Prefetched
 
 Batch = Dict[str, torch.Tensor]
 
@@ -59,64 +64,118 @@ def collate(samples: List[tuple], seq_len: int, pad: int) -> Batch:
 
 
 class MaskedSamples:
-    """Masked sample g of the endless stream over a PackedSentences dataset."""
+    """The endless stream over a PackedSentences dataset: global sample g is packed sample
+    order_epoch[position], (epoch, position) = divmod(g, len(packed)), masked from (seed, epoch,
+    sample). `vectorised=False` makes batches sample by sample (the reference)."""
 
-    def __init__(self, packed: PackedSentences, vocab: Vocabulary, scheme: MaskingScheme, seed: int):
+    def __init__(self, packed: PackedSentences, vocab: Vocabulary, scheme: MaskingScheme,
+                 seed: int, vectorised: bool = True):
         if len(packed) == 0:
-            raise ValueError("the dataset holds no sample")
+            raise ValueError(f"{packed.prefix}: the dataset holds no sample")
         self.packed, self.vocab, self.scheme, self.seed = packed, vocab, scheme, seed
+        self.vectorised = vectorised
         self.special = np.array(vocab.special)
-        self.random_low = max(vocab.special) + 1
+        self.is_special = np.zeros(vocab.size, dtype=bool)
+        self.is_special[self.special] = True
+        self.ids = MaskingIds(mask=vocab.mask, random_low=max(vocab.special) + 1,
+                              random_high=vocab.size)
 
-    @lru_cache(maxsize=2)
-    def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.packed))
+    def locate(self, global_samples: np.ndarray):
+        """(epochs, samples) of global samples."""
+        epochs, positions = np.divmod(np.asarray(global_samples, dtype=np.int64), len(self.packed))
+        samples = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            samples[here] = counter_random.permutation(self.seed, int(epoch), len(self.packed),
+                                                       positions[here])
+        return epochs, samples
 
     def masked(self, epoch: int, sample: int) -> tuple:
-        rng = np.random.default_rng([self.seed, epoch, sample])
-        return mask_tokens(self.packed[sample], rng, self.scheme, self.vocab.mask,
-                           self.random_low, self.vocab.size, self.special)
+        """(inputs, labels) of one sample, read and masked alone."""
+        return mask_tokens(self.packed[sample], self.seed, epoch, sample, self.scheme, self.ids,
+                           self.special)
 
     def __getitem__(self, g: int) -> tuple:
-        epoch, position = divmod(g, len(self.packed))
-        return self.masked(epoch, int(self.order(epoch)[position]))
+        epochs, samples = self.locate(np.array([g]))
+        return self.masked(int(epochs[0]), int(samples[0]))
+
+    def batch(self, epochs: np.ndarray, samples: np.ndarray) -> Batch:
+        """Sample samples[i] of epoch epochs[i] in row i."""
+        seq_len, pad = self.packed.seq_len, self.vocab.pad
+        if not self.vectorised:
+            return collate([self.masked(int(e), int(s)) for e, s in zip(epochs, samples)],
+                           seq_len, pad)
+        tokens, lengths = self.packed.rows(samples, pad)
+        inputs, labels = mask_batch(tokens, self.seed, epochs, samples, self.scheme, self.ids,
+                                    self.is_special)
+        attention_mask = (np.arange(seq_len) < lengths[:, None]).astype(np.int64)
+        return {"input_ids": torch.from_numpy(inputs),
+                "attention_mask": torch.from_numpy(attention_mask),
+                "labels": torch.from_numpy(labels)}
+
+    def global_samples(self, first: int, count: int) -> Batch:
+        """Global samples [first, first + count), one per row."""
+        return self.batch(*self.locate(np.arange(first, first + count)))
 
 
 class TrainBatches:
-    """This rank's micro-batches, step by step; `consumed` (global samples) is the resume state."""
+    """This rank's micro-batches, step by step; `consumed` (global samples) is the resume state.
+    With prefetch > 0 a thread makes up to that many steps ahead (pinned when `pin`)."""
 
-    def __init__(self, samples: MaskedSamples, seq_len: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, consumed: int = 0):
-        self.samples, self.seq_len = samples, seq_len
+    def __init__(self, samples: MaskedSamples, micro_batch: int, grad_accum: int, dp_rank: int,
+                 dp_size: int, consumed: int = 0, prefetch: int = 0, pin: bool = False):
+        self.samples = samples
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed = consumed
+        self.ahead = Prefetched(self._steps(consumed), prefetch, pin) if prefetch else None
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp_size
 
-    def next_step(self) -> Iterator[Batch]:
-        """The micro-batches of the next optimizer step, collated when read (pipeline stages that
-        read no data skip the work); the step counts as consumed when this is called."""
+    def step(self, consumed: int) -> Iterator[Batch]:
+        """The micro-batches of the step that starts at global sample `consumed`, made when read
+        (pipeline stages that read no data skip the work)."""
         per_rank = self.micro_batch * self.grad_accum
-        start = self.consumed + self.dp_rank * per_rank
-        self.consumed += self.global_batch
-        return (collate([self.samples[g] for g in range(first, first + self.micro_batch)],
-                        self.seq_len, self.samples.vocab.pad)
+        start = consumed + self.dp_rank * per_rank
+        return (self.samples.global_samples(first, self.micro_batch)
                 for first in range(start, start + per_rank, self.micro_batch))
 
+    def _steps(self, consumed: int):
+        while True:
+            yield list(self.step(consumed))
+            consumed += self.global_batch
 
-def valid_batches(samples: MaskedSamples, seq_len: int, micro_batch: int, dp_rank: int,
-                  dp_size: int, count: int) -> Iterator[Batch]:
-    """The first `count` samples (one fixed masking), this rank's share, in micro-batches.
+    def next_step(self) -> Iterator[Batch]:
+        """The micro-batches of the next optimizer step; the step counts as consumed when this
+        is called."""
+        consumed = self.consumed
+        self.consumed += self.global_batch
+        return next(self.ahead) if self.ahead else self.step(consumed)
 
-    The last micro-batch is filled up with empty rows (all padding, no label), which count for
-    nothing, so that every micro-batch has the shape the pipeline engine's buffers expect.
-    """
-    count = min(count, len(samples.packed))
-    mine = list(range(dp_rank, count, dp_size))
-    empty = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    def close(self) -> None:
+        if self.ahead:
+            self.ahead.close()
+
+
+def with_empty_rows(batch: Batch, rows: int, pad: int) -> Batch:
+    """`batch` grown to `rows` rows with empty ones (all padding, no label), which count for
+    nothing: every micro-batch then has the shape the pipeline engine's buffers expect."""
+    missing = rows - len(batch["input_ids"])
+    if missing == 0:
+        return batch
+    fill = {"input_ids": pad, "attention_mask": 0, "labels": IGNORE_INDEX}
+    return {key: torch.cat([value, value.new_full((missing, value.shape[1]), fill[key])])
+            for key, value in batch.items()}
+
+
+def valid_batches(samples: MaskedSamples, micro_batch: int, dp_rank: int, dp_size: int,
+                  count: int) -> Iterator[Batch]:
+    """The first `count` samples (masked as in epoch 0), this rank's share, in micro-batches
+    (the last one filled up with empty rows)."""
+    mine = np.arange(dp_rank, min(count, len(samples.packed)), dp_size)
     for first in range(0, len(mine), micro_batch):
-        rows = [samples.masked(0, g) for g in mine[first:first + micro_batch]]
-        yield collate(rows + [empty] * (micro_batch - len(rows)), seq_len, samples.vocab.pad)
+        rows = mine[first:first + micro_batch]
+        yield with_empty_rows(samples.batch(np.zeros_like(rows), rows), micro_batch,
+                              samples.vocab.pad)

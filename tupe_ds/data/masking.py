@@ -1,10 +1,18 @@
-"""Dynamic masking: which tokens a sample's loss is on, and what the model sees there."""
+"""Dynamic masking: which tokens a sample's loss is on, and what the model sees there.
+
+The random numbers of sample s in epoch e come from tupe_ds.data.counter_random at coordinates
+(seed, e, s, position), so a sample is masked the same way alone (`mask_tokens`, the reference)
+or in a micro-batch (`mask_batch`, what training runs), on any rank.
+"""
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from tupe_ds.data import counter_random
+
 IGNORE_INDEX = -100  # the label of a token the loss skips (torch's cross-entropy default)
+MAX_SEQ_LEN = 1 << 16  # positions fill the low 16 bits of the keys that pick the chosen tokens
 
 
 @dataclass(frozen=True)
@@ -21,22 +29,80 @@ BERT_MASKING = MaskingScheme()
 ELECTRA_MASKING = MaskingScheme(probability=0.15, mask=0.85, random=0.0)
 
 
-def mask_tokens(tokens: np.ndarray, rng: np.random.Generator, scheme: MaskingScheme,
-                mask_id: int, random_low: int, random_high: int, special: np.ndarray):
-    """(inputs, labels): labels hold the original ids at chosen positions, IGNORE_INDEX elsewhere.
+@dataclass(frozen=True)
+class MaskingIds:
+    """The ids masking writes: [MASK], and random replacements drawn from [random_low,
+    random_high) (the ids after the special ones)."""
 
-    Exactly round(probability * candidates) positions (at least 1) are chosen among the tokens
-    not in `special`; random replacements are drawn from [random_low, random_high).
-    """
+    mask: int
+    random_low: int
+    random_high: int
+
+
+def chosen_count(candidates, probability: float):
+    """round(probability x candidates), at least 1 where there is a candidate (halves round to
+    even, as Python's round does)."""
+    return np.minimum(candidates, np.maximum(1, np.rint(probability * np.asarray(candidates))))
+
+
+def choice_keys(keys, positions) -> np.ndarray:
+    """Distinct sort keys: random high bits, the position in the low 16. The chosen positions
+    are the candidates with the smallest keys."""
+    high = counter_random.bits(keys, positions) & ~np.uint64(MAX_SEQ_LEN - 1)
+    return high | np.asarray(positions, dtype=np.uint64)
+
+
+def replacements(keys, positions, ids: MaskingIds) -> np.ndarray:
+    span = ids.random_high - ids.random_low
+    drawn = np.floor(counter_random.uniform(keys, positions) * span).astype(np.int64)
+    return ids.random_low + drawn
+
+
+def mask_tokens(tokens: np.ndarray, seed: int, epoch: int, sample: int, scheme: MaskingScheme,
+                ids: MaskingIds, special: np.ndarray):
+    """(inputs, labels) of one sample: labels hold the original ids at chosen positions,
+    IGNORE_INDEX elsewhere. Exactly round(probability * candidates) positions (at least 1) are
+    chosen among the tokens not in `special`. The reference for `mask_batch`."""
+    keys = [counter_random.sample_keys(seed, epoch, sample, stream) for stream in
+            (counter_random.CHOICE, counter_random.ACTION, counter_random.REPLACEMENT)]
     candidates = np.flatnonzero(~np.isin(tokens, special))
-    count = min(len(candidates), max(1, int(round(scheme.probability * len(candidates)))))
-    chosen = rng.choice(candidates, size=count, replace=False)
+    count = int(chosen_count(len(candidates), scheme.probability))
+    chosen = candidates[np.argsort(choice_keys(keys[0], candidates))[:count]]
     labels = np.full_like(tokens, IGNORE_INDEX)
     labels[chosen] = tokens[chosen]
     inputs = tokens.copy()
-    action = rng.random(count)
+    action = counter_random.uniform(keys[1], chosen)
     to_mask = chosen[action < scheme.mask]
     to_random = chosen[(action >= scheme.mask) & (action < scheme.mask + scheme.random)]
-    inputs[to_mask] = mask_id
-    inputs[to_random] = rng.integers(random_low, random_high, size=len(to_random))
+    inputs[to_mask] = ids.mask
+    inputs[to_random] = replacements(keys[2], to_random, ids)
+    return inputs, labels
+
+
+def mask_batch(tokens: np.ndarray, seed: int, epochs: np.ndarray, samples: np.ndarray,
+               scheme: MaskingScheme, ids: MaskingIds, is_special: np.ndarray):
+    """`mask_tokens` of every row of tokens [batch, seq_len] (row i is sample samples[i] of
+    epoch epochs[i]; padding must be special), in whole-batch operations: (inputs, labels).
+    `is_special[id]` says whether an id is special."""
+    rows, length = tokens.shape
+    assert length <= MAX_SEQ_LEN
+    positions = np.arange(length)
+    candidate = ~is_special[tokens]
+    count = chosen_count(candidate.sum(axis=1), scheme.probability).astype(np.int64)
+    choice = counter_random.sample_keys(seed, epochs, samples, counter_random.CHOICE)
+    keys = np.where(candidate, choice_keys(choice[:, None], positions), np.uint64(2**64 - 1))
+    threshold = np.sort(keys, axis=1)[np.arange(rows), np.maximum(count - 1, 0)]
+    chosen = candidate & (keys <= threshold[:, None]) & (count > 0)[:, None]
+    row, column = np.nonzero(chosen)
+    labels = np.where(chosen, tokens, IGNORE_INDEX)
+    inputs = tokens.copy()
+    action_keys = counter_random.sample_keys(seed, epochs, samples, counter_random.ACTION)
+    action = counter_random.uniform(action_keys[row], column)
+    to_mask = action < scheme.mask
+    to_random = (action >= scheme.mask) & (action < scheme.mask + scheme.random)
+    inputs[row[to_mask], column[to_mask]] = ids.mask
+    replacement_keys = counter_random.sample_keys(seed, epochs, samples,
+                                                  counter_random.REPLACEMENT)
+    inputs[row[to_random], column[to_random]] = replacements(
+        replacement_keys[row[to_random]], column[to_random], ids)
     return inputs, labels

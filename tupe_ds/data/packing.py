@@ -3,48 +3,160 @@
 Sample k is "[CLS] s_a s_a+1 ... s_b [SEP]": consecutive sentences, as many as fit in seq_len,
 crossing document boundaries with a [SEP] between documents (RoBERTa's FULL-SENTENCES, as the
 paper trains). A sentence longer than a whole sample is cut to fit. The packing is one greedy
-pass over the sentence lengths, written here (megatron-core's helpers pack GPT token streams or
-BERT sentence pairs within documents, neither of which this is).
+pass over the sentence lengths, written here and compiled with numba (megatron-core's helpers
+pack GPT token streams or BERT sentence pairs within documents, neither of which this is). Its
+result, the sample index, is built once per (dataset, seq_len, rule) into a cache folder and
+memory-mapped by every process (tupe_ds.data.index_cache).
 """
+
+import os
+import time
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from numba import njit
+
+from tupe_ds.data.index_cache import cached_array, content_digest
+
+PACKING_RULE = "full-sentences/1"  # change it whenever pack() would return something else
+
+
+@njit(cache=True)
+def _greedy_boundaries(lengths, document_starts, budget, boundaries):
+    """Fills boundaries[:count + 1] and returns count, the number of samples; with an empty
+    `boundaries` it only counts."""
+    write = len(boundaries) > 0
+    count, first, used, document = 0, 0, 0, 1
+    last_document = len(document_starts) - 1  # document_starts[-1] is the end of the data
+    for sentence in range(len(lengths)):
+        while document < last_document and document_starts[document] < sentence:
+            document += 1
+        crosses = document < last_document and document_starts[document] == sentence
+        cost = lengths[sentence] + (1 if crosses and sentence > first else 0)
+        if sentence > first and used + cost > budget:
+            if write:
+                boundaries[count] = first
+            count += 1
+            first, used, cost = sentence, 0, lengths[sentence]
+        used += cost
+    if len(lengths) > first:
+        if write:
+            boundaries[count] = first
+        count += 1
+    if write:
+        boundaries[count] = len(lengths)
+    return count
 
 
 def pack(sentence_lengths: np.ndarray, document_starts: np.ndarray, budget: int) -> np.ndarray:
-    """[samples, 2] (first, last + 1) sentence ranges whose tokens, plus one separator per document
-    boundary crossed, fit in `budget` tokens."""
-    starts = set(document_starts[1:-1].tolist())
-    samples, first, used = [], 0, 0
-    for sentence, length in enumerate(sentence_lengths.tolist()):
-        cost = length + (1 if sentence in starts and sentence > first else 0)
-        if sentence > first and used + cost > budget:
-            samples.append((first, sentence))
-            first, used, cost = sentence, 0, length
-        used += cost
-    if len(sentence_lengths) > first:
-        samples.append((first, len(sentence_lengths)))
-    return np.array(samples, dtype=np.int64).reshape(-1, 2)
+    """Sample boundaries [samples + 1]: sample k holds sentences [b[k], b[k+1]), whose tokens,
+    plus one separator per document boundary crossed, fit in `budget` tokens (a sentence longer
+    than `budget` alone in its sample)."""
+    lengths = np.asarray(sentence_lengths)  # int32 as megatron-core stores them: no copy
+    starts = np.asarray(document_starts, dtype=np.int64)
+    count = _greedy_boundaries(lengths, starts, budget, np.zeros(0, dtype=np.int64))
+    boundaries = np.empty(count + 1, dtype=np.int64)
+    _greedy_boundaries(lengths, starts, budget, boundaries)
+    return boundaries
+
+
+def check_contiguous(dataset: IndexedDataset, prefix: str) -> None:
+    """Batches read a sample's sentences as one slice of the .bin: they must lie back to back,
+    as megatron-core's builder writes them."""
+    lengths, pointers = dataset.sequence_lengths, dataset.index.sequence_pointers
+    if len(lengths) and pointers[0] != 0:
+        raise ValueError(f"{prefix}.idx: the first sentence does not start the .bin")
+    itemsize = dataset.index.dtype_size
+    for start in range(0, len(lengths), 1 << 24):  # bounded temporaries
+        block = slice(start, min(start + (1 << 24) + 1, len(lengths)))
+        gaps = np.flatnonzero(np.diff(pointers[block]) != lengths[block][:-1] * itemsize)
+        if len(gaps):
+            raise ValueError(f"{prefix}.idx: sentence {start + gaps[0] + 1} does not follow "
+                             "the one before it in the .bin; rewrite the dataset with tupe-prep")
 
 
 class PackedSentences:
-    """samples[k] -> int64 token ids "[CLS] ... [SEP]", at most seq_len long."""
+    """The packed samples of the dataset at `prefix`: `rows(samples)` reads a batch of them at
+    once, samples[k] one (the reference for `rows`)."""
 
-    def __init__(self, prefix: str, seq_len: int, cls_id: int, sep_id: int):
-        self.dataset = IndexedDataset(prefix)
+    def __init__(self, prefix: str, seq_len: int, cls_id: int, sep_id: int, cache_folder: str):
+        self.dataset, self.prefix = IndexedDataset(prefix), prefix
         self.seq_len, self.cls_id, self.sep_id = seq_len, cls_id, sep_id
-        self.document_starts = set(self.dataset.document_indices[1:-1].tolist())
-        self.samples = pack(self.dataset.sequence_lengths, self.dataset.document_indices, seq_len - 2)
+        self.document_starts = self.dataset.document_indices
+        self.pointers = self.dataset.index.sequence_pointers
+        index = self.dataset.index
+        self.tokens = self.dataset.bin_reader.read(  # the whole .bin, mapped, not read
+            index.dtype, os.path.getsize(prefix + ".bin") // index.dtype_size, 0)
+        key = {"rule": PACKING_RULE, "seq_len": seq_len,
+               "dataset": content_digest(self.dataset.sequence_lengths, self.document_starts)}
+        started = time.time()
+        self.boundaries, self.index_path, built = cached_array(
+            cache_folder, f"{os.path.basename(prefix)}.samples-{seq_len}", key, self._build)
+        if built:
+            print(f"tupe_ds: built the sample index of {prefix} ({len(self)} samples of "
+                  f"{len(self.dataset)} sentences at seq-len {seq_len}) in "
+                  f"{time.time() - started:.1f} s: {self.index_path}", flush=True)
+
+    def _build(self) -> np.ndarray:
+        check_contiguous(self.dataset, self.prefix)
+        return pack(self.dataset.sequence_lengths, self.document_starts, self.seq_len - 2)
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.boundaries) - 1
+
+    def sentences(self, k: int) -> range:
+        return range(int(self.boundaries[k]), int(self.boundaries[k + 1]))
+
+    def inner_document_starts(self, first: np.ndarray, last: np.ndarray):
+        """(row, start) of every document start strictly inside [first[row], last[row])."""
+        low = np.searchsorted(self.document_starts, first, side="right")
+        high = np.searchsorted(self.document_starts, last, side="left")
+        counts = np.maximum(high - low, 0)
+        row = np.repeat(np.arange(len(first)), counts)
+        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = self.document_starts[np.repeat(low, counts) + offset]
+        distinct = np.ones(len(starts), dtype=bool)  # an empty document repeats a start
+        distinct[1:] = (starts[1:] != starts[:-1]) | (row[1:] != row[:-1])
+        return row[distinct], starts[distinct]
 
     def __getitem__(self, k: int) -> np.ndarray:
-        first, last = self.samples[k]
+        """int64 token ids "[CLS] ... [SEP]", at most seq_len long, read sentence by sentence."""
+        sentences = self.sentences(k)
+        _, crossed = self.inner_document_starts(np.array([sentences.start]),
+                                                np.array([sentences.stop]))
         pieces = [np.array([self.cls_id])]
-        for sentence in range(first, last):
-            if sentence in self.document_starts and sentence > first:
+        for sentence in sentences:
+            if sentence in crossed:
                 pieces.append(np.array([self.sep_id]))
             pieces.append(self.dataset[sentence])
         tokens = np.concatenate(pieces).astype(np.int64)[: self.seq_len - 1]
         return np.append(tokens, self.sep_id)
+
+    def rows(self, samples: np.ndarray, pad: int):
+        """(tokens [len(samples), seq_len] int64 padded with `pad`, lengths): samples[i] in row
+        i, as samples[k] gives it, from whole-batch operations on the mapped .bin."""
+        samples = np.asarray(samples, dtype=np.int64)
+        batch, width = len(samples), self.seq_len
+        first, last = self.boundaries[samples], self.boundaries[samples + 1]
+        itemsize = self.dataset.index.dtype_size
+        token_start = self.pointers[first] // itemsize
+        token_count = (self.pointers[last - 1] // itemsize
+                       + self.dataset.sequence_lengths[last - 1] - token_start)
+        # a separator before each inner document start, at its place in the output row
+        row, starts = self.inner_document_starts(first, last)
+        nth = np.arange(len(row)) - np.searchsorted(row, row)
+        separator_at = 1 + self.pointers[starts] // itemsize - token_start[row] + nth
+        content = np.minimum(1 + token_count + np.bincount(row, minlength=batch), width - 1)
+        is_separator = np.zeros((batch, width + 1), dtype=bool)
+        kept = separator_at < width - 1
+        is_separator[row[kept], separator_at[kept]] = True
+        is_separator = is_separator[:, :width]
+        position = np.arange(width)
+        offset = position - 1 - np.cumsum(is_separator, axis=1)  # token offset in the slice
+        is_token = (position > 0) & (position < content[:, None]) & ~is_separator
+        tokens = np.full((batch, width), pad, dtype=np.int64)
+        tokens[is_token] = self.tokens[(token_start[:, None] + offset)[is_token]]
+        tokens[is_separator] = self.sep_id
+        tokens[:, 0] = self.cls_id
+        tokens[np.arange(batch), content] = self.sep_id
+        return tokens, content + 1

@@ -16,6 +16,10 @@ from tupe_ds.train import reshard
 from tupe_ds.train.checkpoint import latest_tag
 
 CPU_CONFIG = doctor.CPU_CONFIG
+DATA_STREAMS = {
+    "vectorised": "each micro-batch read and masked in whole-batch operations",
+    "per-sample": "the reference: sample by sample (the same batches, slower)",
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +45,15 @@ def parser() -> argparse.ArgumentParser:
                    help="total optimizer steps of the run; a larger value resumes and goes on")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--index-cache", metavar="DIR",
+                   help="folder of the sample indexes (built once per dataset and seq-len, "
+                        "memory-mapped by every process); default: --data when writable, else "
+                        "OUT/index-cache")
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="optimizer steps of batches a background thread makes ahead (0: made "
+                        "in the step)")
+    p.add_argument("--data-stream", choices=list(DATA_STREAMS), default="vectorised",
+                   help="; ".join(f"{name}: {text}" for name, text in DATA_STREAMS.items()))
     p.add_argument("--micro-batch", type=int, help="overrides train_micro_batch_size_per_gpu")
     p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
@@ -104,6 +117,9 @@ class RunConfig:
     models: tuple  # (ModelConfig,) for mlm; (discriminator, generator) for electra
     ds_config: dict  # with the command line's overrides
     ds_config_path: str
+    index_cache: str  # folder of the sample indexes
+    prefetch: int  # steps of batches made ahead by a thread
+    vectorised_stream: bool  # --data-stream vectorised
     resharding: Optional[reshard.Reshard] = None  # resuming a checkpoint of another layout
 
     @property
@@ -155,7 +171,24 @@ def load(argv=None, world_size: Optional[int] = None,
                      intervals=Intervals(log=args.log_interval, eval=args.eval_interval,
                                          save=args.save_interval, image=args.image_interval),
                      models=model_configs(args, dtype, vocab_size), ds_config=ds_config,
-                     ds_config_path=args.ds_config, resharding=resharding)
+                     ds_config_path=args.ds_config, index_cache=index_cache(args),
+                     prefetch=args.prefetch, vectorised_stream=args.data_stream == "vectorised",
+                     resharding=resharding)
+
+
+def index_cache(args: argparse.Namespace) -> str:
+    """--index-cache, else --data where this process may write, else OUT/index-cache; created,
+    and checked writable."""
+    folder = args.index_cache or (args.data if os.access(args.data, os.W_OK)
+                                  else os.path.join(args.out, "index-cache"))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        fail(f"--index-cache {folder}: cannot create it ({error.strerror}); choose another "
+             "folder with --index-cache")
+    if not os.access(folder, os.W_OK):
+        fail(f"--index-cache {folder}: not writable; choose another folder with --index-cache")
+    return folder
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -164,6 +197,8 @@ def check_flags(args: argparse.Namespace) -> None:
                  "image_interval", "keep_checkpoints", "eval_samples"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prefetch < 0:
+        fail("--prefetch must be 0 (no thread) or more")
     for name in ("train.idx", "valid.idx", "tokenizer.json"):
         if not os.path.exists(os.path.join(args.data, name)):
             fail(f"--data {args.data}: no {name}; run tupe-prep --output {args.data} first")

@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from tupe_ds import doctor
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.data.prefetch import made_ahead
 from tupe_ds.files import write_atomically
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device
@@ -28,19 +29,27 @@ from tupe_ds.train.waits import announced
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, masking):
-    prefix = os.path.join(run.data, "{}")
-    packed = {split: PackedSentences(prefix.format(split), run.seq_len, vocab.cls, vocab.sep)
+    packed = {split: PackedSentences(os.path.join(run.data, split), run.seq_len, vocab.cls,
+                                     vocab.sep, run.index_cache)
               for split in ("train", "valid")}
-    return {split: MaskedSamples(p, vocab, masking, run.seed) for split, p in packed.items()}
+    return {split: MaskedSamples(p, vocab, masking, run.seed, run.vectorised_stream)
+            for split, p in packed.items()}
 
 
-def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int) -> dict:
+def reads_data(run: RunConfig) -> bool:
+    """Whether this rank's steps read batches (a pipeline's middle stages do not)."""
+    return run.layout.pp == 1 or parallel_state.is_pipeline_first_stage() \
+        or parallel_state.is_pipeline_last_stage()
+
+
+def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int, device) -> dict:
     """The objective's metrics over the first --eval-samples valid samples, as valid/NAME."""
     dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
     count = min(run.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
     totals = {}
-    steps.evaluate(valid_batches(samples, run.seq_len, micro_batch, rank, dp, max(count, dp)),
-                   totals)
+    with made_ahead(valid_batches(samples, micro_batch, rank, dp, max(count, dp)),
+                    run.prefetch if reads_data(run) else 0, pin=device.type != "cpu") as batches:
+        steps.evaluate(batches, totals)
     return {f"valid/{name}": value for name, value in steps.reduce(totals).items()}
 
 
@@ -124,10 +133,12 @@ def train(run: RunConfig, launcher: str) -> None:
     checkpoints = os.path.join(run.out, "checkpoints")
     state = checkpoint.resume(engine, checkpoints, run.resharding, run.seed) if run.resume else None
     step = state["step"] if state else 0
-    batches = TrainBatches(data["train"], run.seq_len, engine.train_micro_batch_size_per_gpu(),
+    batches = TrainBatches(data["train"], engine.train_micro_batch_size_per_gpu(),
                            engine.gradient_accumulation_steps(),
                            parallel_state.get_data_parallel_rank(), run.layout.dp,
-                           consumed=state["consumed"] if state else 0)
+                           consumed=state["consumed"] if state else 0,
+                           prefetch=run.prefetch if reads_data(run) else 0,
+                           pin=device.type != "cpu")
     layout = saved_layout(run, engine)
     monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank)
     stop = checkpoint.StopSignal()
@@ -147,7 +158,8 @@ def train(run: RunConfig, launcher: str) -> None:
                               engine.get_global_grad_norm(), scale), flush=True)
             totals = {}
         if step % run.intervals.eval == 0 or step == run.steps:
-            metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
+            metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
+                               device)
             monitor.scalars(step, metrics)
             say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         has_images = run.models[0].encoding.has_positional_logits
@@ -164,8 +176,10 @@ def train(run: RunConfig, launcher: str) -> None:
                 "run the same command to continue", flush=True)
             break
     if not metrics:  # nothing left to train: report where the run stands
-        metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu())
+        metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
+                               device)
     monitor.close()
+    batches.close()
     steps.close()
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(run.out, 'tensorboard')}")

@@ -1,0 +1,175 @@
+"""The sample index cache: built once per (dataset, seq_len, packing rule) by one process while
+the others wait, written atomically, memory-mapped, never read for another dataset or seq_len.
+
+Processes are real (python subprocesses opening the same dataset); a build is slowed down or
+killed by wrapping a function in the subprocess only.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from tupe_ds.data.index_cache import cached_array
+from tupe_ds.data.packing import PackedSentences, pack
+
+CLS, SEP = 2, 3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_corpus(prefix, seed, documents=200):
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(documents):
+        lengths = rng.integers(1, 20, size=int(rng.integers(1, 6)))
+        builder.add_document(rng.integers(10, 900, size=int(lengths.sum())), lengths.tolist())
+    builder.finalize(prefix + ".idx")
+
+
+def expected_boundaries(packed):
+    dataset = packed.dataset
+    return pack(dataset.sequence_lengths, dataset.document_indices, packed.seq_len - 2)
+
+
+def index_files(folder):
+    return sorted(name for name in os.listdir(folder) if ".npy" in name)
+
+
+def opening_process(prefix, cache, seq_len, before=""):
+    """A python process that runs `before` (code), then opens the packed samples and prints
+    'built: B' and the number of samples."""
+    code = "\n".join([
+        "import time, numpy as np",
+        "import tupe_ds.data.index_cache as index_cache",
+        "import tupe_ds.data.packing as packing",
+        before,
+        f"packed = packing.PackedSentences({prefix!r}, {seq_len}, {CLS}, {SEP}, {cache!r})",
+        "print('samples:', len(packed), flush=True)"])
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+SLOW_BUILD = """
+real_pack = packing.pack
+def slow_pack(*args):
+    print("building", flush=True)
+    time.sleep(3)
+    return real_pack(*args)
+packing.pack = slow_pack
+"""
+
+KILLED_WHILE_WRITING = """
+def half_written(file, array):
+    file.write(b"\\x93NUMPY half of an index")
+    file.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+index_cache.np.save = half_written
+"""
+
+
+def test_index_is_built_once_then_mapped(tmp_path):
+    prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    write_corpus(prefix, seed=0)
+    first = PackedSentences(prefix, 32, CLS, SEP, cache)
+    assert np.array_equal(first.boundaries, expected_boundaries(first))
+    assert index_files(cache) == [os.path.basename(first.index_path)]
+    modified = os.stat(first.index_path).st_mtime_ns
+    again = PackedSentences(prefix, 32, CLS, SEP, cache)
+    assert again.index_path == first.index_path
+    assert os.stat(again.index_path).st_mtime_ns == modified  # read, not written
+    assert isinstance(again.boundaries, np.memmap) and not again.boundaries.flags.writeable
+    assert np.array_equal(again.boundaries, first.boundaries)
+
+
+def test_other_seq_len_or_dataset_builds_another_index(tmp_path):
+    prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    write_corpus(prefix, seed=0)
+    at_32 = PackedSentences(prefix, 32, CLS, SEP, cache)
+    at_64 = PackedSentences(prefix, 64, CLS, SEP, cache)
+    assert at_64.index_path != at_32.index_path
+    assert np.array_equal(at_64.boundaries, expected_boundaries(at_64))
+    assert len(at_64) < len(at_32)
+    old_boundaries = np.array(at_32.boundaries)
+    del at_32, at_64
+    write_corpus(prefix, seed=1)  # the same path, other sentences
+    changed = PackedSentences(prefix, 32, CLS, SEP, cache)
+    assert np.array_equal(changed.boundaries, expected_boundaries(changed))
+    assert not np.array_equal(changed.boundaries, old_boundaries)
+    assert len(index_files(cache)) == 3
+
+
+def test_a_changed_rule_builds_another_index(tmp_path, monkeypatch):
+    import tupe_ds.data.packing as packing
+    prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    write_corpus(prefix, seed=0)
+    before = PackedSentences(prefix, 32, CLS, SEP, cache).index_path
+    monkeypatch.setattr(packing, "PACKING_RULE", "full-sentences/2")
+    assert PackedSentences(prefix, 32, CLS, SEP, cache).index_path != before
+
+
+def test_processes_starting_together_build_the_index_once(tmp_path):
+    prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    write_corpus(prefix, seed=0)
+    started = time.time()
+    processes = [opening_process(prefix, cache, 32, SLOW_BUILD) for _ in range(2)]
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    assert sum(output.count("building") for output in outputs) == 1, outputs
+    assert sum(output.count("built the sample index") for output in outputs) == 1, outputs
+    assert time.time() - started >= 3  # the other one waited for the slow build
+    packed = PackedSentences(prefix, 32, CLS, SEP, cache)
+    assert all(f"samples: {len(packed)}" in output for output in outputs)
+    assert np.array_equal(packed.boundaries, expected_boundaries(packed))
+    assert index_files(cache) == [os.path.basename(packed.index_path)]
+
+
+def test_a_killed_build_leaves_no_index_that_is_used(tmp_path):
+    prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    write_corpus(prefix, seed=0)
+    process = opening_process(prefix, cache, 32, KILLED_WHILE_WRITING)
+    lines = iter(process.stdout.readline, "")
+    assert "writing" in (line.strip() for line in lines), "the build never started writing"
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    remains = index_files(cache)
+    assert len(remains) == 1 and ".npy.tmp-" in remains[0]  # half written, never renamed
+    packed = PackedSentences(prefix, 32, CLS, SEP, cache)  # the lock died with the process
+    assert np.array_equal(packed.boundaries, expected_boundaries(packed))
+    assert index_files(cache) == [os.path.basename(packed.index_path)]
+
+
+def test_cached_array_keys_name_the_file(tmp_path):
+    builds = []
+
+    def build():
+        builds.append(1)
+        return np.arange(5)
+
+    array, path, built = cached_array(str(tmp_path), "thing", {"a": 1}, build)
+    assert built and array.tolist() == [0, 1, 2, 3, 4]
+    assert cached_array(str(tmp_path), "thing", {"a": 1}, build)[1:] == (path, False)
+    assert cached_array(str(tmp_path), "thing", {"a": 2}, build)[1] != path
+    assert len(builds) == 2
+
+
+def test_sentences_not_back_to_back_are_refused(tmp_path, monkeypatch):
+    prefix = str(tmp_path / "corpus")
+    write_corpus(prefix, seed=0)
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+    real_init = _IndexReader.__init__
+
+    def gap_after_sentence_4(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        pointers = self.sequence_pointers.copy()
+        pointers[5:] += 4
+        self.sequence_pointers = pointers
+
+    monkeypatch.setattr(_IndexReader, "__init__", gap_after_sentence_4)
+    with pytest.raises(ValueError, match=r"corpus.idx: sentence 5 does not follow"):
+        PackedSentences(prefix, 32, CLS, SEP, str(tmp_path / "cache"))

@@ -1,0 +1,77 @@
+"""Arrays computed once per input and kept as .npy files that every process memory-maps.
+
+An array is named by a digest of its key (what it was computed from: the input's content digest,
+the rule, its parameters), so a changed input or rule names another file and an old file is
+never read for it. The first process to need it builds it under an exclusive lock on the cache
+folder's filesystem while the others wait on the lock (processes of other nodes sharing the
+folder too); it is written to a temporary file and renamed into place, so a build that is killed
+leaves nothing that is read (the next builder removes its remains).
+"""
+
+import contextlib
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import os
+from typing import Callable, Tuple
+
+import numpy as np
+
+
+def content_digest(*arrays: np.ndarray) -> str:
+    """sha256 over the arrays' dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+    return digest.hexdigest()
+
+
+def cached_path(folder: str, name: str, key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(folder, f"{name}.{digest}.npy")
+
+
+@contextlib.contextmanager
+def exclusive(path: str):
+    """An exclusive lock on `path` (created if missing), released when the block ends or the
+    process dies."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise OSError(f"{path}: this filesystem cannot lock files ({error.strerror}); "
+                              "point --index-cache at a folder on one that can (a local disk "
+                              "is enough: each node then builds its own copy)") from error
+            raise
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def write_npy_atomically(path: str, array: np.ndarray) -> None:
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "wb") as f:
+        np.save(f, array)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def cached_array(folder: str, name: str, key: dict,
+                 build: Callable[[], np.ndarray]) -> Tuple[np.ndarray, str, bool]:
+    """(the array memory-mapped read-only, its file, whether this process built it)."""
+    path = cached_path(folder, name, key)
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        with exclusive(path[:-len(".npy")] + ".lock"):
+            if not os.path.exists(path):  # else another process built it while this one waited
+                for remains in glob.glob(glob.escape(path) + ".tmp-*"):
+                    os.remove(remains)  # of a build that was killed
+                write_npy_atomically(path, build())
+                return np.load(path, mmap_mode="r"), path, True
+    return np.load(path, mmap_mode="r"), path, False
