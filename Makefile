@@ -56,6 +56,7 @@ smoke: venv
 bench: venv
 	$(BIN)/python bench/step_time.py
 	$(BIN)/python bench/prep_throughput.py
+	$(BIN)/python bench/data_stream.py --size tenth
 	$(BIN)/deepspeed --num_gpus 2 bench/train_throughput.py --model tiny
 	$(BIN)/deepspeed --num_gpus 2 bench/pipeline.py
 

@@ -108,7 +108,8 @@ def measure(prefix: str, cache: str, seq_lens, samples_per_run: int, reference_s
                 list(stream.next_step())
             rate = steps * micro_batch / (time.perf_counter() - started)
             row["samples_per_s" if vectorised else "reference_samples_per_s"] = rate
-        row["memory_after_batches_mb"] = memory()
+            if vectorised:  # the reference reads through megatron-core's own mapping
+                row["memory_after_batches_mb"] = memory()
         result["seq"][seq_len] = row
     return result
 

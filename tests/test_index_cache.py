@@ -37,7 +37,8 @@ def expected_boundaries(packed):
 
 
 def index_files(folder):
-    return sorted(name for name in os.listdir(folder) if ".npy" in name)
+    """The sample index files in `folder`, whole or not."""
+    return sorted(name for name in os.listdir(folder) if ".samples-" in name and ".npy" in name)
 
 
 def opening_process(prefix, cache, seq_len, before=""):
@@ -79,6 +80,11 @@ def test_index_is_built_once_then_mapped(tmp_path):
     first = PackedSentences(prefix, 32, CLS, SEP, cache)
     assert np.array_equal(first.boundaries, expected_boundaries(first))
     assert index_files(cache) == [os.path.basename(first.index_path)]
+    assert len([name for name in os.listdir(cache) if name.startswith("corpus.document-starts.")
+                and name.endswith(".npy")]) == 1
+    assert np.array_equal(first.document_starts,
+                          np.unique(first.dataset.document_indices[1:-1]))
+    assert first.document_starts.flags.aligned and first.boundaries.flags.aligned
     modified = os.stat(first.index_path).st_mtime_ns
     again = PackedSentences(prefix, 32, CLS, SEP, cache)
     assert again.index_path == first.index_path

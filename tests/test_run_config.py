@@ -133,3 +133,22 @@ def test_a_checkpoint_of_another_layout_is_converted_or_refused_before_any_proce
     saved_checkpoint(tmp_path / "zero3", zero_stage=3)
     assert "reshapes checkpoints of ZeRO stage 0-2 only" in fails(
         base(data, tmp_path, out=str(tmp_path / "zero3")), monkeypatch, world=4)
+
+
+def test_the_index_cache_folder(data, tmp_path, monkeypatch):
+    """--data where this process may write, else OUT/index-cache, or --index-cache; a folder
+    that cannot be made is named before any work."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert load(base(data, tmp_path)).index_cache == data
+    chosen = tmp_path / "cache"
+    assert load(base(data, tmp_path, "--index-cache", str(chosen))).index_cache == str(chosen)
+    assert chosen.is_dir()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert f"--index-cache {blocker}/cache: cannot create it" in fails(
+        base(data, tmp_path, "--index-cache", str(blocker / "cache")), monkeypatch)
+    assert "--prefetch must be 0 (no thread) or more" in fails(
+        base(data, tmp_path, "--prefetch", "-1"), monkeypatch)
+    may_write = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: may_write(path, mode) and path != data)
+    assert load(base(data, tmp_path)).index_cache == str(tmp_path / "run" / "index-cache")

@@ -9,6 +9,7 @@ result, the sample index, is built once per (dataset, seq_len, rule) into a cach
 memory-mapped by every process (tupe_ds.data.index_cache).
 """
 
+import mmap
 import os
 import time
 
@@ -75,6 +76,15 @@ def check_contiguous(dataset: IndexedDataset, prefix: str) -> None:
                              "the one before it in the .bin; rewrite the dataset with tupe-prep")
 
 
+def mapped_tokens(path: str, dtype) -> np.ndarray:
+    """The whole .bin as an array, mapped, not read. Samples are read at random places: the
+    kernel is told so, and reads the pages a sample needs rather than 128 kB ahead of each."""
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapping.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapping, dtype=dtype)
+
+
 class PackedSentences:
     """The packed samples of the dataset at `prefix`: `rows(samples)` reads a batch of them at
     once, samples[k] one (the reference for `rows`)."""
@@ -82,16 +92,19 @@ class PackedSentences:
     def __init__(self, prefix: str, seq_len: int, cls_id: int, sep_id: int, cache_folder: str):
         self.dataset, self.prefix = IndexedDataset(prefix), prefix
         self.seq_len, self.cls_id, self.sep_id = seq_len, cls_id, sep_id
-        self.document_starts = self.dataset.document_indices
         self.pointers = self.dataset.index.sequence_pointers
-        index = self.dataset.index
-        self.tokens = self.dataset.bin_reader.read(  # the whole .bin, mapped, not read
-            index.dtype, os.path.getsize(prefix + ".bin") // index.dtype_size, 0)
-        key = {"rule": PACKING_RULE, "seq_len": seq_len,
-               "dataset": content_digest(self.dataset.sequence_lengths, self.document_starts)}
+        self.tokens = mapped_tokens(prefix + ".bin", self.dataset.index.dtype)
+        dataset = content_digest(self.dataset.sequence_lengths, self.dataset.document_indices)
+        name = os.path.basename(prefix)
         started = time.time()
         self.boundaries, self.index_path, built = cached_array(
-            cache_folder, f"{os.path.basename(prefix)}.samples-{seq_len}", key, self._build)
+            cache_folder, f"{name}.samples-{seq_len}",
+            {"rule": PACKING_RULE, "seq_len": seq_len, "dataset": dataset}, self._build)
+        # megatron-core's .idx holds its int64 arrays at offsets that are not multiples of 8,
+        # and numpy copies a whole unaligned array to search it: the starts go to the cache too
+        self.document_starts, _, _ = cached_array(
+            cache_folder, f"{name}.document-starts", {"dataset": dataset},
+            lambda: np.unique(self.dataset.document_indices[1:-1]))
         if built:
             print(f"tupe_ds: built the sample index of {prefix} ({len(self)} samples of "
                   f"{len(self.dataset)} sentences at seq-len {seq_len}) in "
@@ -99,7 +112,8 @@ class PackedSentences:
 
     def _build(self) -> np.ndarray:
         check_contiguous(self.dataset, self.prefix)
-        return pack(self.dataset.sequence_lengths, self.document_starts, self.seq_len - 2)
+        return pack(self.dataset.sequence_lengths, self.dataset.document_indices,
+                    self.seq_len - 2)
 
     def __len__(self) -> int:
         return len(self.boundaries) - 1
@@ -108,16 +122,14 @@ class PackedSentences:
         return range(int(self.boundaries[k]), int(self.boundaries[k + 1]))
 
     def inner_document_starts(self, first: np.ndarray, last: np.ndarray):
-        """(row, start) of every document start strictly inside [first[row], last[row])."""
+        """(row, start) of every document start strictly inside [first[row], last[row]),
+        ordered by row."""
         low = np.searchsorted(self.document_starts, first, side="right")
         high = np.searchsorted(self.document_starts, last, side="left")
         counts = np.maximum(high - low, 0)
         row = np.repeat(np.arange(len(first)), counts)
         offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        starts = self.document_starts[np.repeat(low, counts) + offset]
-        distinct = np.ones(len(starts), dtype=bool)  # an empty document repeats a start
-        distinct[1:] = (starts[1:] != starts[:-1]) | (row[1:] != row[:-1])
-        return row[distinct], starts[distinct]
+        return row, self.document_starts[np.repeat(low, counts) + offset]
 
     def __getitem__(self, k: int) -> np.ndarray:
         """int64 token ids "[CLS] ... [SEP]", at most seq_len long, read sentence by sentence."""
