@@ -9,21 +9,20 @@ result, the sample index, is built once per (dataset, seq_len, rule) into a cach
 memory-mapped by every process (tupe_ds.data.index_cache).
 """
 
+import functools
 import mmap
 import os
 import time
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from numba import njit
 
 from tupe_ds.data.index_cache import cached_array, content_digest
 
 PACKING_RULE = "full-sentences/1"  # change it whenever pack() would return something else
 
 
-@njit(cache=True)
-def _greedy_boundaries(lengths, document_starts, budget, boundaries):
+def greedy_boundaries(lengths, document_starts, budget, boundaries):
     """Fills boundaries[:count + 1] and returns count, the number of samples; with an empty
     `boundaries` it only counts."""
     write = len(boundaries) > 0
@@ -55,10 +54,19 @@ def pack(sentence_lengths: np.ndarray, document_starts: np.ndarray, budget: int)
     than `budget` alone in its sample)."""
     lengths = np.asarray(sentence_lengths)  # int32 as megatron-core stores them: no copy
     starts = np.asarray(document_starts, dtype=np.int64)
-    count = _greedy_boundaries(lengths, starts, budget, np.zeros(0, dtype=np.int64))
+    compiled = compiled_greedy_boundaries()
+    count = compiled(lengths, starts, budget, np.zeros(0, dtype=np.int64))
     boundaries = np.empty(count + 1, dtype=np.int64)
-    _greedy_boundaries(lengths, starts, budget, boundaries)
+    compiled(lengths, starts, budget, boundaries)
     return boundaries
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_greedy_boundaries():
+    """greedy_boundaries compiled by numba (imported here: only the process that builds an index
+    pays for it), cached on disk beside this file."""
+    from numba import njit
+    return njit(cache=True)(greedy_boundaries)
 
 
 def check_contiguous(dataset: IndexedDataset, prefix: str) -> None:
