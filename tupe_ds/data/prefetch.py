@@ -2,7 +2,8 @@
 
 The thread runs the same generator the training loop would, in the same order, at most `depth`
 items ahead; numpy does the heavy part of each batch with the GIL released. Tensors come out
-pinned when they are bound for an accelerator, so the step's copies do not block the host.
+pinned when they are bound for an accelerator, so the step's copies do not block the host (not
+measured on a GPU yet).
 (DataLoader workers would copy every batch between processes and need the stream's position
 handed over at each resume; one thread needs neither.)
 """
