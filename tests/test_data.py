@@ -13,6 +13,7 @@ one is. (The sample index cache: test_index_cache.py.)
 """
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -575,7 +576,11 @@ def test_prefetched_batches_are_the_same_in_the_same_order(open_samples):
         for expected, actual in zip(plain_step, ahead_step):
             assert_same_batch(actual, expected)
     assert ahead.consumed == plain.consumed == 12 * 12
-    assert ahead.ahead.queue.qsize() == 2  # made ahead while nothing was read
+    deadline = time.time() + 30  # the thread refills what was read, then waits
+    while ahead.ahead.queue.qsize() < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert ahead.ahead.queue.qsize() == 2  # made ahead while nothing was read, and no more
     ahead.close()
     assert not ahead.ahead.thread.is_alive()
 
