@@ -63,7 +63,7 @@ from tupe_ds.model.config import DTYPES
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.model.layers import labelled_positions
 from tupe_ds.parallel import MegatronMPU, end_distributed
-from tupe_ds.train.cuda_arch import fit_cuda_arch_list
+from tupe_ds.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import flops_per_step
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from tupe_ds.train.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
+from tupe_ds.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
 
 STALE_LOCK_SECONDS = 300  # an extension build takes a minute or two
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores

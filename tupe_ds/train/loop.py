@@ -20,7 +20,7 @@ from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device
 from tupe_ds.train import checkpoint, reshard
 from tupe_ds.train.config import RunConfig
-from tupe_ds.train.cuda_arch import fit_cuda_arch_list
+from tupe_ds.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
