@@ -94,6 +94,13 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     dtype: str = "fp32"  # parameter dtype: fp32, fp16 or bf16
     attention: str = "fast"  # one of ATTENTION: how the positional term reaches the kernel
+    key_padding: str = "auto"  # one of KEY_PADDING: how padded keys reach it (fast layout)
+    # TUPE-A's positional term as q/k columns (True) or a [1, heads, n, n] mask (False) in the
+    # fast layout; None: the device's choice (kernel_layout.untied_as_columns)
+    untied_as_columns: Optional[bool] = None
+    # widened q/k heads are zero-padded to a multiple of this; None: the device's choice
+    # (kernel_layout.head_multiple)
+    head_multiple: Optional[int] = None
     # bias + dropout + residual and bias + GELU each compiled into one kernel (torch.compile);
     # None: where it pays, on CUDA (on a CPU the compile takes longer than it saves)
     fused_elementwise: Optional[bool] = None
@@ -138,6 +145,15 @@ class ModelConfig:
                 f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         require(self.attention in ATTENTION, "attention",
                 f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION)}")
+        require(self.key_padding in KEY_PADDING, "key_padding",
+                f"unknown key_padding {self.key_padding!r}; choose one of "
+                f"{', '.join(KEY_PADDING)}")
+        require(self.attention == "fast" or self.key_padding == "auto", "key_padding",
+                f"{self.key_padding!r} applies to attention='fast' only (the dense reference "
+                "puts padding into its mask)")
+        require(self.head_multiple is None
+                or (isinstance(self.head_multiple, int) and self.head_multiple > 0),
+                "head_multiple", f"must be None or a positive integer, got {self.head_multiple!r}")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
