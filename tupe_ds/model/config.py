@@ -64,11 +64,19 @@ PRESETS = {
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 ATTENTION = {
-    "fast": "the layout the fused attention kernels run fastest (model/positional.py, "
-            "'fast layout'): on CUDA TUPE-A's positional term as extra query/key columns; no "
+    "fast": "the layout the fused attention kernels run fastest (model/kernel_layout.py): on CUDA TUPE-A's positional term as extra query/key columns; no "
             "mask without padding, no [batch, heads, n, n] tensor",
     "dense": "the reference: every positional and padding term in one additive "
              "[batch or 1, heads or 1, n, n] mask",
+}
+
+KEY_PADDING = {  # the fast layout's candidates for a padded batch (model/kernel_layout.py)
+    "auto": "one more q/k column where q/k are widened or a positional mask is there anyway, "
+            "else a [batch, 1, 1, n] mask",
+    "mask": "a [batch, 1, 1, n] mask, added to the positional mask where there is one",
+    "column": "one more q/k column (query a constant, key minus a large number at padded keys)",
+    "unpadded": "the real tokens only, as nested (jagged) tensors, where no mask is needed; "
+                "encodings with a positional mask (bert-r, tupe-r) keep the column",
 }
 
 
