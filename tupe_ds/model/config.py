@@ -64,8 +64,9 @@ PRESETS = {
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 ATTENTION = {
-    "fast": "the layout the fused attention kernels run fastest (model/kernel_layout.py): on CUDA TUPE-A's positional term as extra query/key columns; no "
-            "mask without padding, no [batch, heads, n, n] tensor",
+    "fast": "the layout the fused attention kernels run fastest (model/kernel_layout.py): on "
+            "CUDA TUPE-A's positional term as extra query/key columns; no mask without "
+            "padding, no [batch, heads, n, n] tensor",
     "dense": "the reference: every positional and padding term in one additive "
              "[batch or 1, heads or 1, n, n] mask",
 }
