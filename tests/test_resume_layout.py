@@ -106,16 +106,23 @@ def test_a_tp2_checkpoint_resumes_at_tp1(data, tmp_path):
 
 
 def test_ranks_of_a_new_layout_derive_distinct_reproducible_random_states():
+    """Data-parallel ranks and stages draw apart; tensor-parallel ranks share the default
+    generator (hidden dropout of replicated activations) and not the tensor-parallel one."""
     import torch
+    from megatron.core import tensor_parallel
 
     from tupe_ds.train.checkpoint import derive_rng_state
 
-    draws = {}
-    for rank in range(4):
-        derive_rng_state(1234, 300, rank)
-        draws[rank] = torch.rand(3)
-    derive_rng_state(1234, 300, 2)
-    assert torch.equal(torch.rand(3), draws[2])
-    assert len({tuple(d.tolist()) for d in draws.values()}) == 4
-    derive_rng_state(1234, 301, 2)
-    assert not np.allclose(torch.rand(3).numpy(), draws[2].numpy())
+    def draws(step, dp, pp, tp):
+        derive_rng_state(1234, step, dp, pp, tp)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            heads = torch.rand(3)
+        return tuple(torch.rand(3).tolist()), tuple(heads.tolist())
+
+    ranks = [(dp, pp) for dp in range(3) for pp in range(2)]
+    hidden = {rank: draws(300, *rank, tp=0)[0] for rank in ranks}
+    assert len(set(hidden.values())) == len(ranks)
+    assert draws(300, 2, 1, tp=0)[0] == hidden[(2, 1)]  # reproducible
+    tp0, tp1 = draws(300, 1, 0, tp=0), draws(300, 1, 0, tp=1)
+    assert tp0[0] == tp1[0] and tp0[1] != tp1[1]
+    assert draws(301, 2, 1, tp=0)[0] != hidden[(2, 1)]

@@ -3,10 +3,8 @@
 Usage: torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR ENCODING [ENCODING ...]
 
 ENCODING:columns puts TUPE-A's positional term into q/k columns, as on CUDA
-(positional.untied_as_columns).
+(ModelConfig.untied_as_columns); the name `dropout` saves what each rank's dropout drew instead.
 """
-
-from unittest import mock
 
 import os
 import sys
@@ -17,7 +15,7 @@ from megatron.core import parallel_state
 
 import tupe_ds
 from tp_inputs import inputs
-from tupe_ds.model import positional
+from tupe_ds.model.kernel_layout import MaskedAttention
 from tupe_ds.parallel import end_distributed
 
 
@@ -30,19 +28,45 @@ def gather_shards(param):
     return torch.cat(shards, dim=param.partition_dim)
 
 
+def dropout_draws(p=0.5) -> dict:
+    """Attention-dropout masks of layer 0's heads on this rank, read off uniform attention over
+    one-hot values (the output is mask / (n (1 - p))), and the encoder's output in training mode,
+    which hidden dropout (outside the tensor-parallel region) must make equal on every rank."""
+    torch.manual_seed(0)
+    model = tupe_ds.build_model("tiny", pos_encoding="tupe-r", tensor_parallel_size=2,
+                                hidden_dropout=p, attention_dropout=p)
+    model.train()
+    attention = model.encoder.block.layers[0].self_attention.core_attention
+    n, b, heads, d = 16, 8, 2, 16  # tiny: 4 heads of 16, 2 per rank; n = d for one-hot values
+    zeros = torch.zeros(n, b, heads, d)
+    one_hot = torch.eye(n).view(n, 1, 1, d).expand(n, b, heads, d)
+    context = attention(zeros, zeros, one_hot, attention_bias=MaskedAttention())
+    masks = context.view(n, b, heads, d) * (n * (1 - p))  # [i, b, head, j]: 0 or 1
+    encoder_out = []
+    model.encoder.register_forward_hook(lambda module, args, out: encoder_out.append(out.detach()))
+    ids, mask, labels = inputs()
+    model(ids, mask, labels)
+    model.eval()
+    model(ids, mask, labels)
+    return {"attention_masks": masks.detach(), "encoder_output": encoder_out[0],
+            "encoder_output_without_dropout": encoder_out[1]}
+
+
 def main(out_dir, encodings):
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     rank = dist.get_rank()
     for name in encodings:
+        if name == "dropout":
+            torch.save(dropout_draws(), os.path.join(out_dir, f"{name}.rank{rank}.pt"))
+            continue
         encoding, _, layout = name.partition(":")
         torch.manual_seed(0)
         model = tupe_ds.build_model("tiny", pos_encoding=encoding, tensor_parallel_size=2,
-                                    hidden_dropout=0.0, attention_dropout=0.0)
+                                    hidden_dropout=0.0, attention_dropout=0.0,
+                                    untied_as_columns=True if layout == "columns" else None)
         ids, mask, labels = inputs()
-        columns = (lambda device: True) if layout == "columns" else positional.untied_as_columns
-        with mock.patch.object(positional, "untied_as_columns", columns):
-            loss, logits = model(ids, mask, labels)
+        loss, logits = model(ids, mask, labels)
         loss.backward()
         result = {
             "loss": loss.detach(),

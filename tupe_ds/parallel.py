@@ -1,14 +1,17 @@
-"""Process groups and devices: megatron-core's parallel_state, set up when nobody else did, and
-taken down at the end of a command."""
+"""Process groups, devices and generators: megatron-core's parallel_state, set up when nobody else
+did, and taken down at the end of a command; the tensor-parallel ranks' dropout generators."""
 
+import contextlib
 import gc
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn as dist_nn
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import random as megatron_random
 
 
 def accelerator_device() -> torch.device:
@@ -118,3 +121,70 @@ class MegatronMPU:
     @staticmethod
     def get_data_parallel_group_ranks():
         return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+
+
+class AcceleratorRNGTracker(megatron_random.CudaRNGStatesTracker):
+    """megatron-core's tracker of named generator states, over the accelerator's default generator.
+
+    Written here because megatron-core's CudaRNGStatesTracker saves and restores CUDA states only
+    (torch.cuda calls): this is the same bookkeeping through DeepSpeed's accelerator, so a CPU
+    runs the code a GPU runs.
+    """
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states_ or seed in self.seeds_:
+            raise ValueError(f"generator state {name!r} or seed {seed} is already tracked")
+        accelerator = _accelerator()
+        outside = accelerator.get_rng_state()
+        accelerator.manual_seed(seed)
+        self.states_[name] = accelerator.get_rng_state()
+        accelerator.set_rng_state(outside)
+        self.seeds_.add(seed)
+        self._is_initialized = True
+
+    @contextlib.contextmanager
+    def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        accelerator = _accelerator()
+        outside = accelerator.get_rng_state()
+        accelerator.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = accelerator.get_rng_state()
+            accelerator.set_rng_state(outside)
+
+
+def _accelerator():
+    from deepspeed.accelerator import get_accelerator  # slow import: only when a model trains
+
+    return get_accelerator()
+
+
+TENSOR_PARALLEL_SEED_OFFSET = 2718  # megatron-core's model_parallel_cuda_manual_seed's
+
+
+def seed_tensor_parallel_rng(seed: int, tp_rank: Optional[int] = None) -> None:
+    """Megatron's seeding of dropout inside the tensor-parallel region (megatron-core's
+    model_parallel_cuda_manual_seed): the tracker's state is seed + 2718 + tp rank, so each rank
+    draws its own heads' attention dropout. Dropout of replicated activations (hidden states) uses
+    the default generator, which the caller seeds alike on every tensor-parallel rank
+    (torch.manual_seed(seed), as Megatron does)."""
+    if tp_rank is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tracker = AcceleratorRNGTracker()
+    tracker.add(megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                (seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank) % 2**63)
+    megatron_random._CUDA_RNG_STATE_TRACKER = tracker  # megatron-core's own slot for it
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def tensor_parallel_rng():
+    """The context in which this rank draws dropout for its own heads."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        return tracker.fork()
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return contextlib.nullcontext()
+    raise RuntimeError("dropout under tensor parallelism needs a generator per tensor-parallel "
+                       "rank: build the model with tupe_ds.build_model, or call "
+                       "tupe_ds.parallel.seed_tensor_parallel_rng(seed) before training")

@@ -4,12 +4,12 @@ Written here because megatron-core's DotProductAttention refuses an additive bia
 in a layer (QKV and output projections, MLP, LayerNorms, residuals) is megatron-core's local spec.
 """
 
+import contextlib
 import copy
 import functools
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.jit import jit_fuser
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.transformer.mlp import MLP
@@ -18,13 +18,16 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tupe_ds.model.config import ModelConfig
-from tupe_ds.model.positional import AttentionBias
+from tupe_ds.model.kernel_layout import Layout
+from tupe_ds.parallel import tensor_parallel_rng
 
 
 class BiasedCoreAttention(MegatronModule):
-    """softmax(q k^T * scale + bias) v for this rank's heads, through torch's fused SDPA.
+    """softmax(q k^T * scale + positional terms) v for this rank's heads, through torch's SDPA.
 
-    `attention_bias` is the AttentionBias of the batch, the same object for every layer.
+    `attention_bias` is the batch's kernel layout (model/kernel_layout.py), one object for every
+    layer. Attention dropout is drawn from this tensor-parallel rank's own generator: its heads
+    are not the other ranks' heads.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, softmax_scale: float,
@@ -34,29 +37,14 @@ class BiasedCoreAttention(MegatronModule):
         self.causal = layer_number <= causal_layers  # mask-nope: the first K layers
         self.dropout = config.attention_dropout
 
-    def forward(self, query, key, value, attention_mask=None, attention_bias: AttentionBias = None,
+    def forward(self, query, key, value, attention_mask=None, attention_bias: Layout = None,
                 **unused_megatron_args):
         # query, key, value: [n, b, heads, d_head] (megatron-core's layout)
-        bias = attention_bias
         n, b, heads, d_head = query.shape
-        if bias.query is not None:  # BERT-A^d: q + LN(p)U^Q, k + LN(p)U^K
-            query = query + bias.query
-            key = key + bias.key
-        if bias.query_columns is not None:  # the fast layout: [q, positional, ...] heads
-            query = torch.cat([query, bias.query_columns.expand(n, b, -1, -1)], dim=-1)
-            key = torch.cat([key, bias.key_columns.expand(n, b, -1, -1)], dim=-1)
-        mask = bias.causal_mask if self.causal else bias.mask
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, n, d]
-        attend = functools.partial(
-            F.scaled_dot_product_attention, q, k, v, mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal and mask is None, scale=self.scale)
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        if self.training and self.dropout and tracker.is_initialized():
-            with tracker.fork():  # different heads, different dropout per tp rank
-                context = attend()
-        else:
-            context = attend()
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
+            context = attention_bias.attend(q, k, v, self.causal, dropout, self.scale)
         return context.permute(2, 0, 1, 3).reshape(n, b, heads * d_head)
 
 

@@ -6,13 +6,15 @@ The public API takes and returns [batch, seq]; inside, megatron-core's [seq, bat
 import dataclasses
 from typing import Optional, Union
 
+import torch
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import (Encoder, MaskedLMHead, at_labelled, embed, masked_lm_loss,
                                   token_embedding)
-from tupe_ds.parallel import accelerator_device, ensure_model_parallel, gather_tensor_parallel
+from tupe_ds.parallel import (accelerator_device, ensure_model_parallel, gather_tensor_parallel,
+                              seed_tensor_parallel_rng)
 
 
 class BertForMaskedLM(MegatronModule):
@@ -59,11 +61,14 @@ def build_model(preset_or_config: Union[str, ModelConfig] = "bert-base", **overr
     """A BertForMaskedLM on this process's accelerator, e.g. build_model("tiny", pos_encoding="rope").
 
     Overrides are ModelConfig field names. Without a launcher this sets up megatron-core's parallel
-    state for tp=1; under one, torch.distributed must be initialised first.
+    state for tp=1; under one, torch.distributed must be initialised first. Weights come from
+    torch's generator (seed it alike on every rank: torch.manual_seed), and each tensor-parallel
+    rank's attention dropout from a generator seeded from it (parallel.seed_tensor_parallel_rng).
     """
     if isinstance(preset_or_config, ModelConfig):
         config = dataclasses.replace(preset_or_config, **overrides)
     else:
         config = ModelConfig.from_preset(preset_or_config, **overrides)
     ensure_model_parallel(config.tensor_parallel_size)
+    seed_tensor_parallel_rng(torch.initial_seed())
     return BertForMaskedLM(config).to(accelerator_device())

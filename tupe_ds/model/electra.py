@@ -25,7 +25,8 @@ from torch.profiler import record_function
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import (Encoder, MaskedLMHead, at_labelled, embed, labelled_positions,
                                   masked_lm_loss, token_embedding)
-from tupe_ds.parallel import accelerator_device, ensure_model_parallel, gather_tensor_parallel
+from tupe_ds.parallel import (accelerator_device, ensure_model_parallel, gather_tensor_parallel,
+                              seed_tensor_parallel_rng)
 
 DISCRIMINATOR_WEIGHT = 50.0
 PAIRS = {  # --model with --objective electra: (discriminator preset, generator preset)
@@ -150,4 +151,5 @@ def build_electra(model: Union[str, tuple] = "electra-base", **overrides) -> Ele
     if generator.vocab_size != discriminator.vocab_size:
         generator = dataclasses.replace(generator, vocab_size=discriminator.vocab_size)
     ensure_model_parallel(discriminator.tensor_parallel_size)
+    seed_tensor_parallel_rng(torch.initial_seed())
     return ElectraForPretraining(discriminator, generator).to(accelerator_device())

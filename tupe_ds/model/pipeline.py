@@ -50,7 +50,7 @@ class EmbeddingPipe(nn.Module):
 class PositionalPipe(nn.Module):
     """First on every stage: the positional term of the stage's layers, once per micro-batch.
 
-    (hidden, attention_mask) -> (hidden, attention_mask, (AttentionBias, rotary embedding)).
+    (hidden, attention_mask) -> (hidden, attention_mask, (kernel layout, rotary embedding)).
     """
 
     def __init__(self, model: weakref.ref):

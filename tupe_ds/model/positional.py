@@ -20,8 +20,6 @@ learned vectors p_th1/p_th2 as in appendix B (not from an extra position row), U
 the reset overwrites the summed v (Eq. 11) rather than using dedicated relative buckets.
 """
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,28 +32,8 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
+from tupe_ds.model import kernel_layout
 from tupe_ds.model.config import ModelConfig
-
-
-@dataclass
-class AttentionBias:
-    """What every layer's core attention receives, computed once per forward.
-
-    mask:          additive logits, broadcast to [b, heads, n, n], in the activations' dtype.
-    causal_mask:   mask-nope's first layers: `mask` plus the causal triangle, or None where the
-                   kernel's own causal masking is enough (fast layout, no padding).
-    query, key:    BERT-A^d's positional query/key [n, 1, heads, d_head], added to each layer's q/k.
-    query_columns: [n, 1, heads, e] and
-    key_columns:   [n, b or 1, heads, e]: appended to each layer's q and k (the fast layout), so
-                   that one dot product over the longer heads gives content + positional logits.
-    """
-
-    mask: Optional[Tensor] = None
-    causal_mask: Optional[Tensor] = None
-    query: Optional[Tensor] = None
-    key: Optional[Tensor] = None
-    query_columns: Optional[Tensor] = None
-    key_columns: Optional[Tensor] = None
 
 
 class UntiedPositions(nn.Module):
@@ -161,67 +139,6 @@ NO_POSITIONAL_LOGITS = {  # why an encoding has no content-free logits v, for th
     "mask-nope": "positions come only from the causal mask of the first layers",
     "rope": "rotary embeddings rotate q and k, so every logit depends on content",
 }
-PADDING_LOGIT = -1e4  # exp() of it, relative to any real logit, is 0 in fp32
-
-
-def padding_logits(padding: Tensor) -> Tensor:
-    """[b, n] True at padded keys -> additive fp32 logits [b, 1, 1, n]: the dtype's minimum there."""
-    logits = torch.zeros(padding.shape, dtype=torch.float32, device=padding.device)
-    b, n = padding.shape
-    return logits.masked_fill(padding, torch.finfo(torch.float32).min).view(b, 1, 1, n)
-
-
-def causal_logits(n: int, device: torch.device) -> Tensor:
-    """[n, n]: -inf above the diagonal (a query sees no later key), 0 elsewhere."""
-    future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(n, n, device=device).masked_fill(future, float("-inf"))
-
-
-def padding_columns(padding: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Padding as one more query/key column: query a, key -|PADDING_LOGIT| / (scale a) at padded
-    keys and 0 at real ones, so that a padded key's logit drops by 1e4 (its softmax weight is then
-    exactly 0, as under the dense mask) and a real key's is unchanged. Both values stay within
-    fp16's range: a = sqrt(1e4 / scale), about 336 for d_head = 64."""
-    a = math.sqrt(-PADDING_LOGIT / scale)
-    n = padding.shape[1]
-    query = torch.full((n, 1, 1, 1), a, device=padding.device)
-    key = padding.t()[:, :, None, None] * (PADDING_LOGIT / (scale * a))  # [n, b, 1, 1]
-    return query, key
-
-
-def fast_head_multiple(device: torch.device, masked: bool) -> int:
-    """Widened q/k heads are padded with zeros to a multiple of this. On CUDA without a mask, a
-    size cuDNN's fused attention has kernels for (64, 128, 192, 256); with one (the
-    memory-efficient kernel, which reads a mask with a gradient), the 8 it aligns to. The CPU
-    kernels take any size."""
-    if device.type != "cuda":
-        return 1
-    return 8 if masked else 64
-
-
-def untied_as_columns(device: torch.device) -> bool:
-    """Whether TUPE-A's positional term joins q/k as extra columns (else a [1, heads, n, n]
-    mask). On CUDA the widened heads keep SDPA on the fused kernels, which a mask leaves. The CPU
-    kernels pay for head width in full and add a mask cheaply: there the columns made attention
-    1.3x slower (bench/attention.py, bench/README.md)."""
-    return device.type == "cuda"
-
-
-def join_columns(columns: list, heads: int, head_size: int, dtype: torch.dtype,
-                 multiple: int) -> tuple[Tensor, Tensor]:
-    """The column pieces side by side, in `dtype`, zero-padded so that head_size plus their
-    width is a multiple of `multiple`: query [n, 1, heads, e], key [n, 1 or b, heads, e]."""
-    batch = max(key.shape[1] for _, key in columns)
-    width = sum(query.shape[-1] for query, _ in columns)
-    extra = -(head_size + width) % multiple
-    queries = [q.expand(-1, 1, heads, -1).to(dtype) for q, _ in columns]
-    keys = [k.expand(-1, batch, heads, -1).to(dtype) for _, k in columns]
-    if extra:
-        queries.append(queries[0].new_zeros(queries[0].shape[:-1] + (extra,)))
-        keys.append(keys[0].new_zeros(keys[0].shape[:-1] + (extra,)))
-    return torch.cat(queries, dim=-1), torch.cat(keys, dim=-1)
-
-
 def reset_cls(v: Tensor, theta1: Tensor, theta2: Tensor) -> Tensor:
     """Eq. 9, in place: row 0 ([CLS] to all) becomes theta1, column 0 below it (all to [CLS])
     theta2. v: [heads, n, n], theta: [heads]."""
@@ -264,72 +181,24 @@ class PositionalEncoding(nn.Module):
             v = reset_cls(v, *self.untied.cls_logits(self.scale))
         return v
 
-    def attention_bias(
-        self, n: int, padding: Optional[Tensor], dtype: torch.dtype, device: torch.device
-    ) -> AttentionBias:
-        """The AttentionBias of a batch; padding is [b, n] with True at padded positions, or None
-        when no sample of the batch is padded."""
+    def attention_bias(self, n: int, padding: Optional[Tensor], dtype: torch.dtype,
+                       device: torch.device) -> kernel_layout.Layout:
+        """How this batch's positional terms and padding reach every layer's attention (one
+        object for all layers; model/kernel_layout.py decides the form). padding: [b, n] True at
+        padded positions, or None when no sample of the batch is padded."""
         if self.config.attention == "dense":
-            bias = self._dense_bias(n, padding, dtype, device)
+            layout = kernel_layout.dense_layout(self, n, padding, dtype, device)
         else:
-            bias = self._fast_bias(n, padding, dtype, device)
-        if self.encoding.untied_cross:
+            layout = kernel_layout.fast_layout(self, n, padding, dtype, device)
+        if self.encoding.untied_cross:  # BERT-A^d: LN(p)U^Q, LN(p)U^K added to q, k
             query, key = self.untied.positions(n)  # [heads, n, d_head]
-            bias.query = query.transpose(0, 1).unsqueeze(1).to(dtype)  # [n, 1, heads, d_head]
-            bias.key = key.transpose(0, 1).unsqueeze(1).to(dtype)
-        return bias
-
-    def _dense_bias(self, n, padding, dtype, device) -> AttentionBias:
-        """The reference: everything in one additive mask, summed in fp32 and cast once."""
-        enc = self.encoding
-        mask = None
-        if enc.untied or enc.relative:
-            mask = self.content_free_logits(n).float().unsqueeze(0)  # [1, heads, n, n]
-        if padding is not None:
-            mask = padding_logits(padding) if mask is None else mask + padding_logits(padding)
-        bias = AttentionBias()
-        if enc.causal_prefix:
-            causal = causal_logits(n, device)
-            bias.causal_mask = (causal if mask is None else mask + causal).to(dtype)
-        if mask is not None:
-            bias.mask = mask.clamp(min=torch.finfo(dtype).min).to(dtype)
-        return bias
-
-    def _fast_bias(self, n, padding, dtype, device) -> AttentionBias:
-        """The fast layout: what the fused kernels (cuDNN / flash) take without leaving them.
-
-        - TUPE-A (untied, no relative term): v has rank d_head (plus one for the [CLS] column),
-          so on CUDA it joins the word logits as extra query/key columns of the same scale: no
-          mask (untied_as_columns).
-        - BERT-R, TUPE-R (and TUPE-A off CUDA): v goes as a [1, heads, n, n] mask (with its
-          gradient), never widened to the batch; the Toeplitz relative term has full rank.
-        - Padding: extra key columns where q/k are already widened or a mask is there anyway,
-          else a [b, 1, 1, n] mask; nothing at all when the batch has no padding.
-        """
-        enc = self.encoding
-        bias = AttentionBias()
-        columns = []  # (query [n, 1, heads, e], key [n, 1 or b, heads, e]) pieces
-        if enc.untied and not enc.relative and untied_as_columns(device):
-            columns.append(self.untied_columns(n))
-        elif enc.untied or enc.relative:
-            bias.mask = self.content_free_logits(n).unsqueeze(0).to(dtype)  # [1, heads, n, n]
-        if padding is not None:
-            if columns or bias.mask is not None:
-                columns.append(padding_columns(padding, self.scale))
-            else:
-                bias.mask = padding_logits(padding).clamp(min=torch.finfo(dtype).min).to(dtype)
-        if enc.causal_prefix and padding is not None:
-            bias.causal_mask = (bias.mask + causal_logits(n, device)).to(dtype)
-        if columns:
-            heads = self.config.num_attention_heads // self.config.tensor_parallel_size
-            bias.query_columns, bias.key_columns = join_columns(
-                columns, heads, self.config.head_size, dtype,
-                multiple=fast_head_multiple(device, masked=bias.mask is not None))
-        return bias
+            layout = kernel_layout.AddedPositions(query.unsqueeze(0).to(dtype),
+                                                  key.unsqueeze(0).to(dtype), layout)
+        return layout
 
     def untied_columns(self, n: int) -> tuple[Tensor, Tensor]:
-        """TUPE-A's v as columns: (LN(p_i) U^Q)(LN(p_j) U^K)^T is a dot product already, and the
-        [CLS] reset (Eq. 9) one more column:
+        """TUPE-A's v as columns [1, heads, n, e]: (LN(p_i) U^Q)(LN(p_j) U^K)^T is a dot product
+        already, and the [CLS] reset (Eq. 9) one more column:
 
             query  [pq_i, 1]     with pq_0 = 0 and the 1 absent at i = 0 (row 0: constant)
             key    [pk_j, t_j]   with pk_0 = 0 and t_0 = theta2 / scale, t_j = 0 for j > 0
@@ -344,7 +213,7 @@ class PositionalEncoding(nn.Module):
             query = torch.cat([query * others, others.expand(query.shape[0], n, 1)], dim=-1)
             cls_column = F.pad((theta2 / self.scale)[:, None, None], (0, 0, 0, n - 1))
             key = torch.cat([key * others, cls_column], dim=-1)
-        return query.transpose(0, 1).unsqueeze(1), key.transpose(0, 1).unsqueeze(1)
+        return query.unsqueeze(0), key.unsqueeze(0)
 
     def rotary_embedding(self, n: int) -> Optional[Tensor]:
         return self.rotary(n) if self.rotary is not None else None

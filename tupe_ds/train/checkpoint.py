@@ -20,8 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from megatron.core import parallel_state, tensor_parallel
 
 from tupe_ds.files import write_atomically
+from tupe_ds.parallel import seed_tensor_parallel_rng
 from tupe_ds.train import reshard
 from tupe_ds.train.waits import announced
 
@@ -134,7 +136,9 @@ def resume(engine, directory: str, plan: Optional[reshard.Reshard], seed: int):
         set_rng_state(torch.load(os.path.join(directory, tag, f"rng_rank{rank}.pt"),
                                  weights_only=False))
     else:  # the old ranks' streams belong to the old layout
-        derive_rng_state(seed, client_state["step"], rank)
+        derive_rng_state(seed, client_state["step"], parallel_state.get_data_parallel_rank(),
+                         parallel_state.get_pipeline_model_parallel_rank(),
+                         parallel_state.get_tensor_model_parallel_rank())
     return client_state
 
 
@@ -148,26 +152,33 @@ def place_optimizer_state(engine) -> None:
 
 
 def rng_state() -> dict:
-    """This rank's random generators (dropout), so that a resumed run draws what it would have."""
+    """This rank's random generators (dropout), so that a resumed run draws what it would have:
+    the default ones (hidden dropout) and the tensor-parallel one (its heads' attention dropout)."""
     accelerator = get_accelerator()
     return {"cpu": torch.get_rng_state(),
-            "accelerator": accelerator.get_rng_state() if accelerator.device_name() != "cpu" else None}
+            "accelerator": accelerator.get_rng_state() if accelerator.device_name() != "cpu" else None,
+            "tensor_parallel": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
-def derive_rng_state(seed: int, step: int, rank: int) -> None:
-    """This rank's generators seeded from (seed, step, rank): a resumed run on a new layout has
-    ranks that did not exist, and old ranks that now draw for other samples."""
-    derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+def derive_rng_state(seed: int, step: int, dp_rank: int, pp_rank: int, tp_rank: int) -> None:
+    """Generators seeded from (seed, step, data-parallel rank, stage): a resumed run on a new
+    layout has ranks that did not exist, and old ranks that now draw for other samples. As at a
+    run's start, the default generators agree across the tensor-parallel ranks (hidden dropout)
+    and the tensor-parallel generator differs (each rank's heads)."""
+    derived = int(np.random.SeedSequence([seed, step, dp_rank, pp_rank]).generate_state(1)[0])
     torch.manual_seed(derived)
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.manual_seed(derived)
+    seed_tensor_parallel_rng(derived, tp_rank)
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if state["accelerator"] is not None:
         get_accelerator().set_rng_state(state["accelerator"])
+    if "tensor_parallel" in state:  # not in checkpoints of earlier versions: seeded anew then
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tensor_parallel"])
 
 
 class StopSignal:

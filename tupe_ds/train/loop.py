@@ -17,7 +17,7 @@ from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import made_ahead
 from tupe_ds.files import write_atomically
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
-from tupe_ds.parallel import MegatronMPU, accelerator_device
+from tupe_ds.parallel import MegatronMPU, accelerator_device, seed_tensor_parallel_rng
 from tupe_ds.train import checkpoint, reshard
 from tupe_ds.train.config import RunConfig
 from tupe_ds.cuda_arch import fit_cuda_arch_list
@@ -66,7 +66,8 @@ def write_run_description(run: RunConfig) -> None:
 
 def build_engine(run: RunConfig, objective, device):
     """The model (a pipeline of stages when --pp > 1), its DeepSpeed engine and its steps."""
-    torch.manual_seed(run.seed)
+    torch.manual_seed(run.seed)  # weights, and dropout alike on every tensor-parallel rank
+    seed_tensor_parallel_rng(run.seed)  # each tensor-parallel rank's heads: its own dropout
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     layout = run.layout
     if layout.pp > 1:
