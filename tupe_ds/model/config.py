@@ -111,7 +111,8 @@ class ModelConfig:
     # (kernel_layout.head_multiple)
     head_multiple: Optional[int] = None
     # bias + dropout + residual and bias + GELU each compiled into one kernel (torch.compile);
-    # None: where it pays, on CUDA (on a CPU the compile takes longer than it saves)
+    # None: on CUDA (what it saves there is not measured yet; on a CPU the compile takes longer
+    # than it saves)
     fused_elementwise: Optional[bool] = None
 
     def __post_init__(self):

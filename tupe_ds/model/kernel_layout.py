@@ -239,20 +239,21 @@ def fast_layout(positional, n: int, padding: Optional[Tensor], dtype,
         columns.append(positional.untied_columns(n))
     elif enc.untied or enc.relative:
         mask = positional.content_free_logits(n).unsqueeze(0).to(dtype)
-    how = key_padding(config.key_padding, bool(columns), mask is not None) if padding is not None \
-        else None
+    how = None if padding is None else key_padding(config.key_padding, bool(columns),
+                                                   mask is not None)
     heads = config.num_attention_heads // config.tensor_parallel_size
-    widen = lambda pieces: join_columns(  # noqa: E731
-        pieces, heads, config.head_size, dtype, head_multiple(config, device), mask)
+    multiple = head_multiple(config, device)
     if how == "unpadded":
-        return unpadded(padding, widen(columns) if columns else None, enc.causal_prefix, dtype)
+        widened = join_columns(columns, heads, config.head_size, dtype, multiple, None) \
+            if columns else None
+        return unpadded(padding, widened, enc.causal_prefix, dtype)
     if how == "column":
         columns.append(padding_columns(padding, positional.scale))
     elif how == "mask":
         mask = padding_logits(padding) if mask is None else mask.float() + padding_logits(padding)
         mask = mask.clamp(min=torch.finfo(dtype).min).to(dtype)
     if columns:
-        return widen(columns)
+        return join_columns(columns, heads, config.head_size, dtype, multiple, mask)
     causal_mask = None
     if enc.causal_prefix and mask is not None:
         causal_mask = (mask + causal_logits(n, device)).to(dtype)
