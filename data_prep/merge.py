@@ -17,7 +17,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from data_prep.pipeline import SPLITS, publish, work_folder
+from data_prep.output import SPLITS, publish, work_folder
 
 SUMMED = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
           "near_duplicates_removed", "invalid_utf8_lines", "bad_lines_skipped", "bytes_in")

@@ -4,94 +4,32 @@ Pass 1 streams the inputs through worker processes (cleaning, MinHash signatures
 splitting) and de-duplicates in input order in this process, spooling the kept documents to disk
 and feeding their sentences straight to the BPE trainer (unless a tokenizer is given). Pass 2
 encodes the spool in batches (tokenizers' own threads) into megatron-core indexed datasets.
-Outputs are written in a work folder and renamed into place when complete, so a crash leaves no
-partial output and running the same command again does the work again from the start.
+Outputs are written in a work folder and renamed into place when complete (`output.py`), so a
+crash leaves no partial output and running the same command again does the work again from the
+start.
 """
 
 import json
 import multiprocessing
 import os
-import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from dataclasses import asdict
+from typing import List
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from data_prep.clean import Cleaner
+from data_prep.config import PrepConfig
 from data_prep.dedup import Deduplicator, exact_key, minhash_signature
+from data_prep.output import SPLITS, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
 from data_prep.sentences import SentenceSplitter
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
-from tupe_ds.files import fresh_folder
 
-SPLITS = ("train", "valid")
-WORK_DIR = ".tmp-prep"
 ENCODE_BATCH_DOCS = 256
-
-
-@dataclass
-class PrepConfig:
-    inputs: List[str]
-    output: str
-    vocab_size: int = 32768
-    min_frequency: int = 2
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
-    lowercase: bool = False
-    dedup: str = "minhash"
-    jaccard_threshold: float = 0.8
-    num_perm: int = 128
-    shingle: int = 5
-    text_key: str = "text"
-    txt_documents: str = "blank-line"
-    tokenizer: Optional[str] = None
-    valid_fraction: float = 0.01
-    min_words: int = 5
-    min_sentence_words: int = 4
-    spacy_model: str = ""
-    skip_bad_lines: bool = False
-    shard: Optional[Tuple[int, int]] = None
-    quiet: bool = False
-
-    def validate(self) -> None:
-        def fail(option, message):
-            raise ValueError(f"{option}: {message}")
-
-        if self.vocab_size < 300:
-            fail("--vocab-size", f"{self.vocab_size} is too small for byte-level BPE (>= 300)")
-        if self.workers < 1:
-            fail("--workers", f"must be at least 1, got {self.workers}")
-        if self.dedup not in ("exact", "minhash", "none"):
-            fail("--dedup", f"choose exact, minhash or none, not {self.dedup!r}")
-        if not 0 < self.jaccard_threshold <= 1:
-            fail("--jaccard-threshold", f"must be in (0, 1], got {self.jaccard_threshold}")
-        if not 0 <= self.valid_fraction < 1:
-            fail("--valid-fraction", f"must be in [0, 1), got {self.valid_fraction}")
-        if self.txt_documents not in ("blank-line", "file"):
-            fail("--txt-documents", f"choose blank-line or file, not {self.txt_documents!r}")
-        if self.shard is not None:
-            index, count = self.shard
-            if not 0 <= index < count:
-                fail("--shard", f"I/N needs 0 <= I < N, got {index}/{count}")
-            if self.tokenizer is None:
-                fail("--shard", "shards must share one tokenizer: pass --tokenizer FILE "
-                     "(train it first with a run on a sample of the corpus)")
-        if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
-            fail("--tokenizer", f"{self.tokenizer}: no such file")
-
-    def shard_files(self, files: List[str]) -> List[str]:
-        """The I-th of N contiguous groups of input files (so merged shards keep input order)."""
-        if self.shard is None:
-            return files
-        index, count = self.shard
-        if len(files) < count:
-            raise ValueError(f"--shard: {len(files)} input file(s) cannot make {count} shards; "
-                             "split the input into at least as many files as shards")
-        bounds = np.linspace(0, len(files), count + 1).round().astype(int)
-        return files[bounds[index]:bounds[index + 1]]
 
 
 # ---- pass 1: per-document work, in worker processes -------------------------------------------
@@ -148,24 +86,18 @@ def prepare(config: PrepConfig) -> dict:
         return _prepare(config, files, work)
 
 
-def work_folder(output: str):
-    """OUTPUT/.tmp-prep, empty, for a run's files until `publish` moves them into OUTPUT; removed
-    if the run fails (a killed process leaves it to the next run, which removes it first)."""
-    os.makedirs(output, exist_ok=True)
-    return fresh_folder(os.path.join(output, WORK_DIR))
-
-
 def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     os.environ.setdefault("RAYON_NUM_THREADS", str(config.workers))  # tokenizers' threads
     started = time.perf_counter()
-    manifest = {"inputs": files, "config": {k: v for k, v in asdict(config).items() if k != "inputs"}}
+    manifest = {"inputs": files,
+                "config": {k: v for k, v in asdict(config).items() if k != "inputs"}}
     seconds = {"clean": 0.0, "dedup": 0.0, "split": 0.0}
 
     reader = Reader(config.text_key, config.txt_documents, config.skip_bad_lines)
     dedup = Deduplicator(config.dedup, config.jaccard_threshold, config.num_perm)
     counts = {"documents_in": 0, "empty_dropped": 0, "short_dropped": 0, "documents_out": 0,
               "sentences": 0}
-    spool_path = os.path.join(work, "documents.jsonl")
+    spool_path = os.path.join(work, SPOOL)
     pass_start = time.perf_counter()
 
     def kept_sentences():
@@ -220,7 +152,8 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                 for split in SPLITS}
     keys = {split: [] for split in SPLITS}
     split_counts = {split: {"documents": 0, "sentences": 0, "tokens": 0} for split in SPLITS}
-    progress = tqdm(total=counts["documents_out"], desc="encode", unit=" docs", disable=config.quiet)
+    progress = tqdm(total=counts["documents_out"], desc="encode", unit=" docs",
+                    disable=config.quiet)
     batch = []
     for document in spooled():
         batch.append(document)
@@ -262,25 +195,10 @@ def _encode(batch, tokenizer, config, builders, keys, split_counts) -> None:
     for document in batch:
         ids = [next(encoded).ids for _ in document["sentences"]]
         split = "valid" if (document["key"] >> 11) / 2**53 < config.valid_fraction else "train"
-        builders[split].add_document([t for s in ids for t in s], [len(s) for s in ids])  # numpy'd there
+        # the document's token ids (made a numpy array there) and its sentence lengths
+        builders[split].add_document([t for s in ids for t in s], [len(s) for s in ids])
         keys[split].append(document["key"])
         counts = split_counts[split]
         counts["documents"] += 1
         counts["sentences"] += len(ids)
         counts["tokens"] += sum(len(s) for s in ids)
-
-
-def publish(work: str, output: str, manifest: dict) -> None:
-    """Move the finished files of `work` into `output`, the manifest last, then drop `work`.
-
-    An output folder is complete when it has a manifest.json; an older one goes first.
-    """
-    old_manifest = os.path.join(output, "manifest.json")
-    if os.path.exists(old_manifest):
-        os.remove(old_manifest)
-    with open(os.path.join(work, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=2)
-    names = sorted(n for n in os.listdir(work) if n != "documents.jsonl" and n != "manifest.json")
-    for name in names + ["manifest.json"]:
-        os.replace(os.path.join(work, name), os.path.join(output, name))
-    shutil.rmtree(work)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from test_pretrain import CPU_CONFIG, environment, log
-from tupe_ds.compare import cli, report, runner
+from tupe_ds.compare import cli, results, runner
 from tupe_ds.compare.plan import Plan, Run, read_plan
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "2",
@@ -35,6 +35,12 @@ def png_size(path) -> tuple:
 def latest_step(run_dir) -> int:
     path = os.path.join(run_dir, "checkpoints", "latest")
     return int(open(path).read().strip()[len("step"):]) if os.path.exists(path) else 0
+
+
+def first_validated_at_or_below(logged: dict, loss: float):
+    """The first step of a run's log whose validation loss is at most `loss` (None: none is)."""
+    return next((step for step, entry in sorted(logged.items())
+                 if entry.get("valid/loss", float("inf")) <= loss), None)
 
 
 def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing(data, tmp_path):
@@ -59,6 +65,12 @@ def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing
 
     made = json.loads((out / "report.json").read_text())
     assert [r["state"] for r in made["runs"]] == ["complete", "complete"]
+    race = made["race"]
+    baseline_log = log(out / "runs" / "bert-a-seed1")
+    target = baseline_log[40]["valid/loss"]  # the race is to the baseline's final loss
+    early = baseline_log[20]["valid/loss"]  # a loss bert-a reaches before its last validation
+    assert race["baseline"] == "bert-a" and race["target"] == target
+    base_seconds = made["runs"][0]["valid"]["seconds"][-1]
     for record in made["runs"]:
         logged = log(out / "runs" / record["name"])
         valid_steps = [step for step, entry in logged.items() if "valid/loss" in entry]
@@ -69,9 +81,14 @@ def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing
         flops = description["flops_per_step"]
         assert record["valid"]["flops"] == [s * flops for s in valid_steps]
         assert 0 < record["valid"]["seconds"][0] < record["valid"]["seconds"][-1]
-    race = made["race"]
-    assert race["baseline"] == "bert-a" and race["target"] == made["runs"][0]["final_valid_loss"]
-    assert race["encodings"]["bert-a"]["step"] <= 40
+        step = first_validated_at_or_below(logged, target)
+        seconds = None if step is None else record["valid"]["seconds"][valid_steps.index(step)]
+        assert race["encodings"][record["encoding"]] == {
+            "step": step, "seconds": seconds,
+            "share_of_baseline_steps": None if step is None else step / 40,
+            "share_of_baseline_time": None if step is None else seconds / base_seconds}
+        assert results.first_reaching(made["curves"][record["encoding"]], early)[0] == \
+            first_validated_at_or_below(logged, early)  # the first step at or below, not the last
     assert made["curves"]["tupe-r"]["mean"] == made["runs"][1]["valid"]["loss"]  # one seed
     assert list(made["positional"]) == ["tupe-r"]  # bert-a has no content-free positional logits
     cls_row = made["positional"]["tupe-r"]["cls_row"]
@@ -175,14 +192,14 @@ def curve_record(encoding, seed, losses):
 
 
 def test_curves_over_seeds_and_the_race_to_the_baseline():
-    bert = report.encoding_curve([curve_record("bert-a", 1, [8.0, 7.0, 6.0, 5.0]),
+    bert = results.encoding_curve([curve_record("bert-a", 1, [8.0, 7.0, 6.0, 5.0]),
                                   curve_record("bert-a", 2, [8.0, 7.0, 6.2, 5.2])])
     assert bert["mean"] == pytest.approx([8.0, 7.0, 6.1, 5.1])
     assert (bert["low"][2], bert["high"][2], bert["seeds"]) == (6.0, 6.2, 2)
-    tupe = report.encoding_curve([curve_record("tupe-r", 1, [7.0, 5.0, 4.0]),  # a shorter run:
+    tupe = results.encoding_curve([curve_record("tupe-r", 1, [7.0, 5.0, 4.0]),  # a shorter run:
                                   curve_record("tupe-r", 2, [7.2, 5.0, 4.2, 3.0])])  # common steps
     assert tupe["step"] == [10, 20, 30]
-    race = report.race_to_baseline({"bert-a": bert, "tupe-r": tupe}, "bert-a")
+    race = results.race_to_baseline({"bert-a": bert, "tupe-r": tupe}, "bert-a")
     assert race["target"] == pytest.approx(5.1) and race["baseline_step"] == 40
     assert race["encodings"]["tupe-r"]["step"] == 20  # 5.0 <= 5.1 at step 20
     assert race["encodings"]["tupe-r"]["share_of_baseline_steps"] == 0.5
@@ -196,10 +213,10 @@ def test_finetune_results_become_one_row_per_encoding(tmp_path):
     scores = {"bert-a-seed1": 0.80, "bert-a-seed2": 0.84, "tupe-r-seed1": 0.86}
     for name, score in scores.items():
         os.makedirs(tmp_path / "finetune" / name)
-        results = {"tasks": {"sst2": {"best": "lr=2e-05", "dev": {"accuracy": score}},
+        written = {"tasks": {"sst2": {"best": "lr=2e-05", "dev": {"accuracy": score}},
                              "mrpc": {"best": "lr=1e-05", "dev": {"f1": score - 0.1}}}}
-        (tmp_path / "finetune" / name / "results.json").write_text(json.dumps(results))
-    table = report.finetune_table(plan)
+        (tmp_path / "finetune" / name / "results.json").write_text(json.dumps(written))
+    table = results.finetune_table(plan)
     assert table["bert-a"]["sst2 dev (accuracy)"] == pytest.approx(0.82)
     assert table["bert-a"]["average"] == pytest.approx((0.82 + 0.72) / 2)
     assert table["tupe-r"] == pytest.approx({"sst2 dev (accuracy)": 0.86, "mrpc dev (f1)": 0.76,

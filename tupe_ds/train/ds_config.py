@@ -1,0 +1,94 @@
+"""A run's DeepSpeed config: the --ds-config file, checked against this machine and against
+DeepSpeed's pipeline engine, with the command line's ZeRO stage, batch and schedule written in."""
+
+import argparse
+import json
+import os
+from typing import Tuple
+
+from tupe_ds import doctor
+from tupe_ds.launch import processes_on_this_node
+from tupe_ds.train.flags import fail
+
+
+def deepspeed_config(args: argparse.Namespace, dp: int,
+                     machine: doctor.Machine) -> Tuple[dict, str]:
+    """The config the DeepSpeed engine gets for `dp` data-parallel ranks, and its precision
+    (fp32, fp16 or bf16); tupe-doctor's fatal findings on `machine` stop the run."""
+    ds_config = read_ds_config(args.ds_config)
+    dtype = doctor.precision(ds_config)
+    for finding in doctor.all_findings(machine, args.ds_config, processes_on_this_node(),
+                                       ds_config=ds_config):
+        if finding.fatal:
+            fail(finding.text)
+    if args.zero_stage is not None:
+        ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    check_pipeline(args, ds_config, dtype)
+    set_batch(args, ds_config, dp)
+    set_schedule(args, ds_config)
+    ds_config["tensorboard"] = {"enabled": True, "job_name": "deepspeed",
+                                "output_path": os.path.join(args.out, "tensorboard")}
+    ds_config.setdefault("steps_per_print", 10**9)
+    return ds_config, dtype
+
+
+def read_ds_config(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        fail(f"--ds-config {path}: no such file")
+    except json.JSONDecodeError as error:
+        fail(f"--ds-config {path}: invalid JSON at line {error.lineno}: {error.msg}")
+
+
+def check_pipeline(args: argparse.Namespace, ds_config: dict, dtype: str) -> None:
+    """What DeepSpeed's pipeline engine cannot do with this ZeRO stage and precision."""
+    if args.pp == 1:
+        return
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if zero_stage > 1:
+        source = "--zero-stage" if args.zero_stage is not None else args.ds_config
+        fail(f"--pp {args.pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1, and "
+             f"{source} sets stage {zero_stage}; use --zero-stage 1")
+    if zero_stage == 0 and dtype == "fp32" and ds_config.get("gradient_clipping", 1.0) > 0:
+        # DeepSpeed's default gradient_clipping is 1.0.
+        fail(f"--pp {args.pp} with ZeRO stage 0 in fp32: DeepSpeed's fp32 gradient clipping "
+             "leaves the later stages' replicated parameters out of the gradient norm; use "
+             "--zero-stage 1 (or fp16/bf16, or gradient_clipping 0)")
+
+
+def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> None:
+    """Global batch, micro-batch and the gradient accumulation that joins them over dp ranks."""
+    if args.micro_batch is not None:
+        ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.global_batch is not None:
+        ds_config["train_batch_size"] = args.global_batch
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    batch = ds_config.get("train_batch_size")
+    if micro is None or batch is None:
+        fail(f"{args.ds_config}: set train_batch_size and train_micro_batch_size_per_gpu "
+             "(or --global-batch and --micro-batch)")
+    if args.micro_batch is None and batch % dp == 0 and batch // dp < micro:
+        # A config's micro-batch is the most one rank runs at once: with more data-parallel ranks
+        # than that many fill the global batch, each runs its share in one micro-batch.
+        micro = ds_config["train_micro_batch_size_per_gpu"] = batch // dp
+    if batch % (micro * dp):
+        fail(f"global batch {batch} is not a multiple of micro-batch {micro} x {dp} data-parallel "
+             "ranks; change --global-batch or --micro-batch")
+    ds_config["gradient_accumulation_steps"] = batch // (micro * dp)
+
+
+def set_schedule(args: argparse.Namespace, ds_config: dict) -> None:
+    """Learning rate and warmup overrides; the linear decay ends at --steps."""
+    scheduler = ds_config.get("scheduler", {}).get("params", {})
+    if "total_num_steps" in scheduler:
+        scheduler["total_num_steps"] = args.steps
+    if args.warmup_steps is not None:
+        scheduler["warmup_num_steps"] = args.warmup_steps
+    if args.lr is not None:
+        ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
+        if "warmup_max_lr" in scheduler:
+            scheduler["warmup_max_lr"] = args.lr
+    if scheduler.get("warmup_num_steps", 0) > args.steps:
+        scheduler["warmup_num_steps"] = args.steps

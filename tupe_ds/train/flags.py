@@ -1,0 +1,106 @@
+"""tupe-pretrain's command line: the parser, and the checks each flag needs on its own (counts,
+the --data folder, the model for the objective, the --index-cache folder)."""
+
+import argparse
+import os
+
+from tupe_ds.model.config import ENCODINGS, PRESETS
+from tupe_ds.model.electra import PAIRS
+
+DATA_STREAMS = {
+    "vectorised": "each micro-batch read and masked in whole-batch operations",
+    "per-sample": "the reference: sample by sample (the same batches, slower)",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tupe-pretrain",
+        description="Masked-LM pretraining with DeepSpeed. Start it with `deepspeed --num_gpus N "
+                    "--module tupe_ds.pretrain ...` or `torchrun --nproc_per_node N -m "
+                    "tupe_ds.pretrain ...`.")
+    p.add_argument("--data", required=True, help="a folder written by tupe-prep")
+    p.add_argument("--objective", default="mlm", choices=["mlm", "electra"],
+                   help="mlm: BERT masked LM; electra: generator + discriminator")
+    p.add_argument("--model", default="bert-base", choices=sorted(set(PRESETS) | set(PAIRS)),
+                   help="a preset; with --objective electra a pair: electra-base or tiny")
+    p.add_argument("--pos-encoding", default="tupe-r", choices=list(ENCODINGS))
+    p.add_argument("--ds-config", required=True, help="DeepSpeed JSON config (ds_configs/)")
+    p.add_argument("--out", required=True, help="run folder: checkpoints/, tensorboard/, log")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (BERT, --objective mlm; ZeRO stage 0 or 1)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
+                   help="overrides zero_optimization.stage")
+    p.add_argument("--steps", type=int, required=True,
+                   help="total optimizer steps of the run; a larger value resumes and goes on")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--index-cache", metavar="DIR",
+                   help="folder of the sample indexes (built once per dataset and seq-len, "
+                        "memory-mapped by every process); default: --data when writable, else "
+                        "OUT/index-cache")
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="optimizer steps of batches a background thread makes ahead (0: made "
+                        "in the step)")
+    p.add_argument("--data-stream", choices=list(DATA_STREAMS), default="vectorised",
+                   help="; ".join(f"{name}: {text}" for name, text in DATA_STREAMS.items()))
+    p.add_argument("--micro-batch", type=int, help="overrides train_micro_batch_size_per_gpu")
+    p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
+    p.add_argument("--lr", type=float, help="overrides the peak learning rate")
+    p.add_argument("--warmup-steps", type=int, help="overrides the scheduler's warmup_num_steps")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--eval-interval", type=int, default=1000, help="steps between validations")
+    p.add_argument("--eval-samples", type=int, default=256, help="valid samples per validation")
+    p.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints kept")
+    p.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
+    p.add_argument("--image-interval", type=int, default=1000,
+                   help="steps between images of the positional logits in TensorBoard")
+    p.add_argument("--resume", choices=["auto", "never"], default="auto",
+                   help="auto: continue from the latest complete checkpoint in --out")
+    p.add_argument("--check-only", action="store_true",
+                   help="check the command, data and DeepSpeed config for WORLD_SIZE processes, "
+                        "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
+    return p
+
+
+def fail(message: str):
+    """Stops tupe-pretrain with `message`, which says what to change."""
+    raise SystemExit(f"tupe-pretrain: error: {message}")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Counts are positive, and --data holds what tupe-prep writes."""
+    for name in ("steps", "seq_len", "tp", "pp", "eval_interval", "save_interval", "log_interval",
+                 "image_interval", "keep_checkpoints", "eval_samples"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prefetch < 0:
+        fail("--prefetch must be 0 (no thread) or more")
+    for name in ("train.idx", "valid.idx", "tokenizer.json"):
+        if not os.path.exists(os.path.join(args.data, name)):
+            fail(f"--data {args.data}: no {name}; run tupe-prep --output {args.data} first")
+    if args.objective == "electra" and args.model not in PAIRS:
+        fail(f"--objective electra needs --model {' or '.join(PAIRS)}, not {args.model!r}")
+    if args.objective == "mlm" and args.model not in PRESETS:
+        fail(f"--model {args.model!r} is an ELECTRA pair: add --objective electra")
+    if args.pp > 1 and args.objective != "mlm":
+        fail(f"--pp {args.pp}: pipeline parallelism is for BERT (--objective mlm); train "
+             f"--objective {args.objective} with --tp and data parallelism")
+
+
+def index_cache(args: argparse.Namespace) -> str:
+    """--index-cache, else --data where this process may write, else OUT/index-cache; created,
+    and checked writable."""
+    folder = args.index_cache or (args.data if os.access(args.data, os.W_OK)
+                                  else os.path.join(args.out, "index-cache"))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        fail(f"--index-cache {folder}: cannot create it ({error.strerror}); choose another "
+             "folder with --index-cache")
+    if not os.access(folder, os.W_OK):
+        fail(f"--index-cache {folder}: not writable; choose another folder with --index-cache")
+    return folder
