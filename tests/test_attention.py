@@ -234,9 +234,9 @@ def test_bert_large_tupe_a_heads_widen_to_136():
     """BERT-Large's head size 64: 2 * 64 + 1 ([CLS]) = 129 and + 1 (padding) = 130, both padded
     to 136 on CUDA, not to 192."""
     d = 64
-    for pieces in ([(torch.zeros(1, 1, 4, 65), torch.zeros(1, 1, 4, 65))],
-                   [(torch.zeros(1, 1, 4, 65), torch.zeros(1, 1, 4, 65)),
-                    kernel_layout.padding_columns(torch.zeros(2, 4, dtype=torch.bool), 1 / 128 ** .5)]):
+    untied = (torch.zeros(1, 1, 4, d + 1), torch.zeros(1, 1, 4, d + 1))  # [positional, CLS]
+    padding = kernel_layout.padding_columns(torch.zeros(2, 4, dtype=torch.bool), 1 / 128 ** .5)
+    for pieces in ([untied], [untied, padding]):
         widened = kernel_layout.join_columns(pieces, 16, d, torch.bfloat16, 8, None)
         assert d + widened.query_columns.shape[-1] == 136 == d + widened.key_columns.shape[-1]
 

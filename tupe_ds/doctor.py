@@ -12,18 +12,16 @@ code 1 when a finding would stop the run.
 """
 
 import argparse
-import glob
 import json
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 from importlib import metadata
 
 from tupe_ds.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
+from tupe_ds.extension_locks import STALE_LOCK_SECONDS, extension_locks, lock_text
 
-STALE_LOCK_SECONDS = 300  # an extension build takes a minute or two
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
 FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
 CPU_CONFIG = "ds_configs/cpu_zero2.json"
@@ -156,55 +154,6 @@ def environment_findings(environ, machine: Machine) -> list:
                                    "torch, or no driver): install the CUDA build of torch, or "
                                    "unset DS_ACCELERATOR to run on the CPU"))
     return found
-
-
-def extensions_root(environ=os.environ) -> str:
-    """Where torch builds DeepSpeed's extensions: TORCH_EXTENSIONS_DIR, else torch's cache."""
-    if environ.get("TORCH_EXTENSIONS_DIR"):
-        return environ["TORCH_EXTENSIONS_DIR"]
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return get_default_build_root()
-
-
-def lock_holders(path: str) -> list:
-    """PIDs of the processes on this machine with `path` open: torch's FileBaton keeps its lock
-    file open from the start of a build to its end."""
-    target, holders = os.path.realpath(path), []
-    for fd in glob.glob("/proc/[0-9]*/fd/*"):
-        try:
-            if os.readlink(fd) == target:
-                holders.append(int(fd.split("/")[2]))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return sorted(set(holders))
-
-
-def extension_locks(environ=os.environ) -> list:
-    """(path, age in seconds, PIDs holding it) of every extension build lock: ROOT/NAME/lock,
-    or ROOT/pyXY_ACCELERATOR/NAME/lock under torch's default root."""
-    root = extensions_root(environ)
-    found = []
-    for path in sorted(glob.glob(os.path.join(root, "*", "lock")) +
-                       glob.glob(os.path.join(root, "*", "*", "lock"))):
-        try:
-            age = time.time() - os.path.getmtime(path)
-        except FileNotFoundError:  # the build ended meanwhile
-            continue
-        found.append((path, age, lock_holders(path)))
-    return found
-
-
-def lock_text(path: str, age: float, holders: list) -> str:
-    if holders:
-        return (f"{path}: process {', '.join(map(str, holders))} is building this DeepSpeed "
-                "extension; runs that need it wait until it is done")
-    state = (f"{age / 60:.0f} minutes old and held by no process on this machine: the lock of a "
-             f"build that was killed" if age > STALE_LOCK_SECONDS else
-             f"held by no process on this machine ({age:.0f} s old): another machine sharing "
-             "this folder may be building")
-    return (f"{path}: {state}; every run that loads this extension waits on it forever. "
-            f"If no build is running, remove it: rm {path}")
 
 
 def extension_lock_findings(environ=os.environ) -> list:

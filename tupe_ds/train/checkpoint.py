@@ -155,8 +155,9 @@ def rng_state() -> dict:
     """This rank's random generators (dropout), so that a resumed run draws what it would have:
     the default ones (hidden dropout) and the tensor-parallel one (its heads' attention dropout)."""
     accelerator = get_accelerator()
+    on_device = accelerator.device_name() != "cpu"
     return {"cpu": torch.get_rng_state(),
-            "accelerator": accelerator.get_rng_state() if accelerator.device_name() != "cpu" else None,
+            "accelerator": accelerator.get_rng_state() if on_device else None,
             "tensor_parallel": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 

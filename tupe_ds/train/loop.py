@@ -11,16 +11,16 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
-from tupe_ds import doctor
+from tupe_ds.cuda_arch import fit_cuda_arch_list
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import made_ahead
+from tupe_ds.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.files import write_atomically
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device, seed_tensor_parallel_rng
 from tupe_ds.train import checkpoint, reshard
 from tupe_ds.train.config import RunConfig
-from tupe_ds.cuda_arch import fit_cuda_arch_list
 from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
@@ -99,8 +99,8 @@ def waiting_with_extensions(what: str):
     """A wait during which DeepSpeed may also build or load an extension: its text, with the
     state of every build lock at the time it is printed."""
     def text() -> str:
-        locks = [doctor.lock_text(*lock) for lock in doctor.extension_locks()]
-        return (f"{what} (DeepSpeed may be building an extension in {doctor.extensions_root()})"
+        locks = [lock_text(*lock) for lock in extension_locks()]
+        return (f"{what} (DeepSpeed may be building an extension in {extensions_root()})"
                 + "".join(f"; {lock}" for lock in locks))
     return text
 

@@ -1,0 +1,58 @@
+"""The locks of torch's extension builder, which DeepSpeed uses for its compiled ops: where they
+are, which live process holds each, and what to tell a user about one that nobody holds (a build
+killed midway leaves it, and every later run that loads the extension waits on it forever)."""
+
+import glob
+import os
+import time
+
+STALE_LOCK_SECONDS = 300  # an extension build takes a minute or two
+
+
+def extensions_root(environ=os.environ) -> str:
+    """Where torch builds DeepSpeed's extensions: TORCH_EXTENSIONS_DIR, else torch's cache."""
+    if environ.get("TORCH_EXTENSIONS_DIR"):
+        return environ["TORCH_EXTENSIONS_DIR"]
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return get_default_build_root()
+
+
+def lock_holders(path: str) -> list:
+    """PIDs of the processes on this machine with `path` open: torch's FileBaton keeps its lock
+    file open from the start of a build to its end."""
+    target, holders = os.path.realpath(path), []
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == target:
+                holders.append(int(fd.split("/")[2]))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return sorted(set(holders))
+
+
+def extension_locks(environ=os.environ) -> list:
+    """(path, age in seconds, PIDs holding it) of every extension build lock: ROOT/NAME/lock,
+    or ROOT/pyXY_ACCELERATOR/NAME/lock under torch's default root."""
+    root = extensions_root(environ)
+    found = []
+    for path in sorted(glob.glob(os.path.join(root, "*", "lock")) +
+                       glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            age = time.time() - os.path.getmtime(path)
+        except FileNotFoundError:  # the build ended meanwhile
+            continue
+        found.append((path, age, lock_holders(path)))
+    return found
+
+
+def lock_text(path: str, age: float, holders: list) -> str:
+    if holders:
+        return (f"{path}: process {', '.join(map(str, holders))} is building this DeepSpeed "
+                "extension; runs that need it wait until it is done")
+    state = (f"{age / 60:.0f} minutes old and held by no process on this machine: the lock of a "
+             f"build that was killed" if age > STALE_LOCK_SECONDS else
+             f"held by no process on this machine ({age:.0f} s old): another machine sharing "
+             "this folder may be building")
+    return (f"{path}: {state}; every run that loads this extension waits on it forever. "
+            f"If no build is running, remove it: rm {path}")
