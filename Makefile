@@ -15,7 +15,7 @@ DEMO_STEPS ?= 300
 COMPARE_STEPS ?= 200
 COMPARE_ENCODINGS ?= bert-a,tupe-r
 
-.PHONY: venv test demo compare smoke bench bench-gpu clean
+.PHONY: venv test demo compare smoke bench bench-gpu bench-gpu-all clean
 
 venv: $(VENV)/.installed
 
@@ -64,6 +64,15 @@ bench: venv
 # tiny size on a CPU). Flags after ARGS=, e.g. make bench-gpu ARGS="--json build/bench-gpu.json".
 bench-gpu: venv
 	$(BIN)/python bench/gpu.py $(ARGS)
+
+# Every GPU measurement in one go (bench/gpu_all.py: step time against HF at seq 128 and 512, padded
+# and unpadded, ELECTRA, the ZeRO sweep, the attention candidates, the data stream), written to
+# build/bench-gpu-all.json and .md. On the GPU machine, with ../shared/gpu/wheels.sh's .whl carried:
+# `source .whl/setup.sh && make bench-gpu-all` (its python3; under 10 minutes by its estimate,
+# not measured yet).
+# Without nvidia-smi: the tiny CPU plan in the venv (about 45 s).
+bench-gpu-all: $(if $(HAVE_GPU),,venv)
+	$(if $(HAVE_GPU),python3,$(BIN)/python) bench/gpu_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
