@@ -134,30 +134,33 @@ class AcceleratorRNGTracker(megatron_random.CudaRNGStatesTracker):
     def add(self, name: str, seed: int) -> None:
         if name in self.states_ or seed in self.seeds_:
             raise ValueError(f"generator state {name!r} or seed {seed} is already tracked")
-        accelerator = _accelerator()
-        outside = accelerator.get_rng_state()
-        accelerator.manual_seed(seed)
-        self.states_[name] = accelerator.get_rng_state()
-        accelerator.set_rng_state(outside)
+        generator = default_generator()
+        outside = generator.get_state()
+        generator.manual_seed(seed)
+        self.states_[name] = generator.get_state()
+        generator.set_state(outside)
         self.seeds_.add(seed)
         self._is_initialized = True
 
     @contextlib.contextmanager
     def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
-        accelerator = _accelerator()
-        outside = accelerator.get_rng_state()
-        accelerator.set_rng_state(self.states_[name])
+        generator = default_generator()
+        outside = generator.get_state()
+        generator.set_state(self.states_[name])
         try:
             yield
         finally:
-            self.states_[name] = accelerator.get_rng_state()
-            accelerator.set_rng_state(outside)
+            self.states_[name] = generator.get_state()
+            generator.set_state(outside)
 
 
-def _accelerator():
-    from deepspeed.accelerator import get_accelerator  # slow import: only when a model trains
-
-    return get_accelerator()
+def default_generator() -> torch.Generator:
+    """The generator dropout draws from on this process's device (torch.cuda.default_generators
+    on CUDA, torch.default_generator on a CPU), with or without DeepSpeed."""
+    device = accelerator_device()
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.get_device_module(device.type).default_generators[device.index or 0]
 
 
 TENSOR_PARALLEL_SEED_OFFSET = 2718  # megatron-core's model_parallel_cuda_manual_seed's
