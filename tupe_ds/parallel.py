@@ -127,8 +127,8 @@ class AcceleratorRNGTracker(megatron_random.CudaRNGStatesTracker):
     """megatron-core's tracker of named generator states, over the accelerator's default generator.
 
     Written here because megatron-core's CudaRNGStatesTracker saves and restores CUDA states only
-    (torch.cuda calls): this is the same bookkeeping through DeepSpeed's accelerator, so a CPU
-    runs the code a GPU runs.
+    (torch.cuda calls): this is the same bookkeeping on the device's default torch generator
+    (default_generator), so a CPU runs the code a GPU runs, with or without DeepSpeed.
     """
 
     def add(self, name: str, seed: int) -> None:
