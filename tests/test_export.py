@@ -1,6 +1,7 @@
 """tupe-export: the consolidated model of a ZeRO-2, a tp=2 and a pp=2 run gives the live engine's
 logits, and loads without DeepSpeed."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,9 +9,11 @@ import sys
 import pytest
 import torch
 
+from test_hf_export import assert_transformers_match, run_transformers
 from test_pretrain import CPU_CONFIG, ROOT, environment, free_port
 from tp_inputs import inputs
-from tupe_ds.export import ExportError, export, load_exported
+from tupe_ds.export import ExportError, export
+from tupe_ds.exported import load_exported
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"zero2": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--zero-stage", "1"]}
@@ -32,17 +35,19 @@ def train_and_record_logits(data, out, *flags):
 def test_exported_model_gives_the_live_engines_logits(data, tmp_path, layout):
     live = train_and_record_logits(data, tmp_path / "run", *LAYOUTS[layout])
     export(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "exported"))
-    assert sorted(os.listdir(tmp_path / "exported")) == ["config.json", "model.safetensors",
-                                                         "tokenizer.json"]
     model, config, kind = load_exported(str(tmp_path / "exported"))
     assert (kind, config.tensor_parallel_size, config.dtype) == ("bert-mlm", 1, "fp32")
     model.eval()
     ids, mask, _ = inputs(batch=3, n=40, vocab=1000)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, mask), live, rtol=1e-5, atol=1e-5)
+    torch.save({"ids": ids, "mask": mask, "logits": live}, tmp_path / "live.pt")
+    [result] = run_transformers([{"job": "logits", "folder": str(tmp_path / "exported"),
+                                  "inputs": str(tmp_path / "live.pt")}], tmp_path)
+    assert_transformers_match(result)  # transformers' model gives the live engine's logits
     if layout == "zero2":  # the same folder loads where DeepSpeed cannot be imported
         code = ("import sys; sys.modules['deepspeed'] = None\n"
-                "from tupe_ds.export import load_exported\n"
+                "from tupe_ds.exported import load_exported\n"
                 f"model, config, kind = load_exported({str(tmp_path / 'exported')!r})\n"
                 "import torch; print(tuple(model(torch.ones(1, 8, dtype=torch.long)).shape))")
         result = subprocess.run([sys.executable, "-c", code], env=environment(),
@@ -61,13 +66,45 @@ def test_export_errors_name_what_is_missing(tmp_path):
         export(str(step), str(tmp_path / "out"))
 
 
+def electra_logits(run, ids, mask):
+    """The discriminator's replaced-token logits [b, n] and the generator's masked-LM logits
+    [b, n, vocab] of an ELECTRA run's latest checkpoint, computed by tupe_ds at tp=1."""
+    from tupe_ds.model.config import ModelConfig
+    from tupe_ds.model.electra import build_electra
+    from tupe_ds.model.layers import embed
+
+    with open(run / "run.json") as f:
+        configs = [ModelConfig(**{**m, "tensor_parallel_size": 1}) for m in json.load(f)["models"]]
+    model = build_electra(tuple(configs)).eval()
+    saved = torch.load(run / "checkpoints" / "step2" / "mp_rank_00_model_states.pt",
+                       weights_only=False)["module"]
+    missing, _ = model.load_state_dict(saved, strict=False)
+    assert not [name for name in missing if not name.endswith("_extra_state")]
+    with torch.no_grad():
+        embedded = embed(model.embedding, ids, configs[0].max_position_embeddings)
+        scores = model.discriminator_head(model.discriminator(embedded, mask == 0)).squeeze(-1)
+        hidden = model.generator(model.generator_projection(embedded), mask == 0)
+        generated = model.generator_head(hidden, model.embedding.word_embeddings.weight)
+    return scores.t(), generated.transpose(0, 1)
+
+
 def test_electra_exports_its_discriminator(data, tmp_path):
-    """The discriminator and the shared embedding become the exported encoder; no generator."""
+    """The discriminator and the shared embedding become the exported encoder (for tupe_ds and
+    transformers, with the replaced-token head); the generator too for transformers."""
     from test_pretrain import train
 
     train("deepspeed", 2, data, tmp_path / "run", "--objective", "electra", "--steps", "2",
           "--eval-interval", "2")
     export(str(tmp_path / "run"), str(tmp_path / "exported"))
+    export(str(tmp_path / "run"), str(tmp_path / "generator"), network="generator")
+    ids, mask, _ = inputs(batch=3, n=40, vocab=1000)
+    jobs = []
+    for network, logits in zip(("exported", "generator"), electra_logits(tmp_path / "run", ids, mask)):
+        torch.save({"ids": ids, "mask": mask, "logits": logits}, tmp_path / f"{network}.pt")
+        jobs.append({"job": "logits", "folder": str(tmp_path / network),
+                     "inputs": str(tmp_path / f"{network}.pt")})
+    for result, heads in zip(run_transformers(jobs, tmp_path), (4, 2)):  # tiny, tiny-generator
+        assert_transformers_match(result, heads=heads)
     model, config, kind = load_exported(str(tmp_path / "exported"))
     assert kind == "electra-discriminator" and config.hidden_size == 64  # not the generator's 32
     saved = torch.load(tmp_path / "run" / "checkpoints" / "step2" / "mp_rank_00_model_states.pt",

@@ -61,11 +61,12 @@ def write_pairs(path, count, seed):
     return str(path)
 
 
-def untrained_export(directory, tokenizer, **overrides):
+def untrained_export(directory, tokenizer, format="hf", **overrides):
     torch.manual_seed(0)
     model = tupe_ds.build_model("tiny", **{"vocab_size": 1024, **overrides})
     state = {n: t for n, t in model.state_dict().items() if torch.is_tensor(t)}
-    save_exported(str(directory), state, model.model_config, "bert-mlm", tokenizer, source="test")
+    save_exported(str(directory), state, model.model_config, "bert-mlm", tokenizer, source="test",
+                  format=format)
     return str(directory)
 
 
@@ -134,8 +135,10 @@ def test_errors_name_the_file_line_and_what_to_change(sentiment, data, tmp_path,
     scores.write_text('{"sentence1": "a", "sentence2": "b", "score": "high"}\n')
     with pytest.raises(TaskDataError, match=r"scores.jsonl:1: score 'high' is not a number"):
         read_examples(str(scores), TASKS["stsb"])
+    with pytest.raises(ValueError, match="1000 tokens, more than the model's vocabulary of 512"):
+        untrained_export(tmp_path / "small", os.path.join(data, "tokenizer.json"), vocab_size=512)
     small = untrained_export(tmp_path / "small", os.path.join(data, "tokenizer.json"),
-                             vocab_size=512)  # fewer words than the tokenizer's 1000
+                             format="tupe", vocab_size=512)  # the old kind was not checked
     flags = finetune_flags({**sentiment, "model": small}, tmp_path / "out")
     assert finetune(flags) == 2
     assert "more than the model's vocabulary of 512" in capsys.readouterr().err

@@ -1,18 +1,19 @@
-"""tupe-export: a pretraining checkpoint as one fp32 model that loads without DeepSpeed.
+"""tupe-export: a pretraining checkpoint as one fp32 model that transformers and tupe_ds load.
 
     tupe-export runs/large/checkpoints --out exported/large           # its latest checkpoint
     tupe-export runs/large/checkpoints/step100000 --out exported/large-100k
+    tupe-export runs/electra --out exported/electra-gen --electra-network generator
 
 RUN_DIR/run.json (written by tupe-pretrain) says which model and layout the checkpoint holds.
 Each model-parallel slice (tensor-parallel rank x pipeline stage) becomes an fp32 state dict:
 through DeepSpeed's zero_to_fp32 where ZeRO optimizer shards hold the fp32 weights (any ZeRO
 stage, fp16/bf16 runs included), else from the saved module. Pipeline parameter names are mapped
 back to BertForMaskedLM's, and tensor-parallel shards are joined along the dimension they were
-split on. DIR gets model.safetensors, config.json (the ModelConfig at tp=1, fp32) and
-tokenizer.json (from the run's data). ELECTRA runs export the discriminator (embedding and
-encoder): the network to fine-tune.
+split on. DIR is written in one of FORMATS. ELECTRA runs export the discriminator (the network to
+fine-tune) or, for transformers, the generator.
 
-`load_exported(DIR)` builds the model from such a folder (tp=1; DeepSpeed need not be installed).
+`load_exported(DIR)` builds the model from a folder of either format (tp=1; DeepSpeed need not be
+installed).
 """
 
 import argparse
@@ -24,23 +25,28 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from tupe_ds.files import replacing_folder
-from tupe_ds.model.bert import BertForMaskedLM, build_model
+from tupe_ds.exported import ExportError
+from tupe_ds.hf.convert import write_folder
+from tupe_ds.model.bert import BertForMaskedLM
 from tupe_ds.model.config import ModelConfig
+from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
 from tupe_ds.parallel import end_distributed, ensure_model_parallel
 
-KINDS = {"mlm": "bert-mlm", "electra": "electra-discriminator"}
-
-
-class ExportError(Exception):
-    pass
+FORMATS = {
+    "hf": "a transformers model (AutoModel* with trust_remote_code=True, AutoTokenizer): "
+          "config.json, configuration_tupe.py, modeling_tupe.py, model.safetensors, tokenizer "
+          "files (tupe_ds/hf/)",
+    "tupe": "tupe_ds's own (the only one before --format): model.safetensors with tupe_ds's names, config.json "
+            "(the ModelConfig), tokenizer.json",
+}
 
 
 def find_checkpoint(path: str) -> tuple:
@@ -127,19 +133,38 @@ def join_tensor_parallel(shards: list, reference: Dict[str, Tensor]) -> Dict[str
     return joined
 
 
-def reference_model(config: ModelConfig):
+def reference_state(configs: list) -> Dict[str, Tensor]:
+    """The parameters of the run's model at tp=1: names and shapes to join the shards to."""
     ensure_model_parallel(1)
-    return BertForMaskedLM(config)
+    model = ElectraForPretraining(*configs) if len(configs) == 2 else BertForMaskedLM(configs[0])
+    return {n: t for n, t in model.state_dict().items() if torch.is_tensor(t)}
 
 
-def export(checkpoint: str, out: str) -> str:
+def network_state(state: Dict[str, Tensor], network: Optional[str]) -> Dict[str, Tensor]:
+    """An ELECTRA network's parameters named as a BertForMaskedLM's (its head kept), with the
+    shared embedding; `state` itself for a masked-LM run (network None)."""
+    if network is None:
+        return state
+    renames = {"embedding.": "embedding.", f"{network}.": "encoder.",
+               f"{network}_head.": "lm_head." if network == "generator" else f"{network}_head.",
+               **({"generator_projection.": "generator_projection."}
+                  if network == "generator" else {})}
+    return {renames[prefix] + name[len(prefix):]: tensor for name, tensor in state.items()
+            for prefix in renames if name.startswith(prefix)}
+
+
+def export(checkpoint: str, out: str, format: str = "hf", network: str = "discriminator") -> str:
+    """`out` in FORMATS[format] from a checkpoint; ELECTRA runs export `network`."""
     run_dir, step_dir = find_checkpoint(checkpoint)
     with open(os.path.join(run_dir, "run.json")) as f:
         run = json.load(f)
+    electra = run["objective"] == "electra"
+    if network != "discriminator" and not (electra and format == "hf"):
+        raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
+                          "--format hf, can be exported; leave the flag out")
     tp, pp = run["tp"], run["pp"]
-    config = dataclasses.replace(ModelConfig(**run["models"][0]), tensor_parallel_size=1,
-                                 dtype="fp32")
-    reference = {n: t for n, t in reference_model(config).state_dict().items() if torch.is_tensor(t)}
+    configs = [dataclasses.replace(ModelConfig(**model), tensor_parallel_size=1, dtype="fp32")
+               for model in run["models"]]
     slices = [slice_state(step_dir, rank, tp) for rank in range(tp * pp)]
     if pp > 1:
         layer_indices = sorted({int(name.split(".")[0]) for state in slices for name in state
@@ -148,20 +173,29 @@ def export(checkpoint: str, out: str) -> str:
         for rank, state in enumerate(slices):  # rank = stage * tp + tensor rank
             by_tp[rank % tp].update(model_names(state, layer_indices))
         slices = by_tp
-    if run["objective"] == "electra":  # the discriminator and the shared embedding
-        slices = [{"encoder." + n[len("discriminator."):] if n.startswith("discriminator.") else n: t
-                   for n, t in state.items()} for state in slices]
-        reference = {n: t for n, t in reference.items() if not n.startswith("lm_head.")}
-    state = join_tensor_parallel(slices, reference)
-    save_exported(out, state, config, KINDS[run["objective"]],
-                  os.path.join(run["data"], "tokenizer.json"), source=step_dir)
+    state = network_state(join_tensor_parallel(slices, reference_state(configs)),
+                          network if electra else None)
+    if format == "tupe":  # the folder load_exported reads: a BertForMaskedLM's parameters
+        state = {n: t for n, t in state.items() if not n.startswith("discriminator_head.")}
+    config = configs[1] if network == "generator" else configs[0]
+    save_exported(out, state, config, f"electra-{network}" if electra else "bert-mlm",
+                  os.path.join(run["data"], "tokenizer.json"), source=step_dir, format=format,
+                  embedding_size=configs[0].hidden_size)
     return step_dir
 
 
 def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind: str,
-                  tokenizer: str, source: str) -> None:
-    """model.safetensors, config.json and tokenizer.json in `out`, which appears when complete."""
+                  tokenizer: str, source: str, format: str = "hf",
+                  embedding_size: Optional[int] = None) -> None:
+    """`out` in FORMATS[format] from a state dict named as tupe_ds's models name it; the folder
+    appears when complete."""
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     with replacing_folder(out) as folder:
+        if format == "hf":
+            write_folder(folder, state, config, kind, tokenizer, source,
+                         embedding_size or config.hidden_size)
+            return
         save_file({n: t.contiguous() for n, t in state.items()},
                   os.path.join(folder, "model.safetensors"))
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -170,48 +204,21 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
         shutil.copy(tokenizer, folder)
 
 
-def read_export_description(directory: str) -> dict:
-    """config.json of a tupe-export folder; ExportError naming the fix for anything else."""
-    if not os.path.isdir(directory):
-        raise ExportError(f"{directory}: no such folder; give a folder written by tupe-export")
-    if not os.path.exists(os.path.join(directory, "config.json")):
-        if os.path.exists(os.path.join(directory, "run.json")) or os.path.isdir(
-                os.path.join(directory, "checkpoints")):
-            raise ExportError(f"{directory} is a tupe-pretrain run, not an exported model: run "
-                              f"tupe-export {directory} --out EXPORT_DIR, then give EXPORT_DIR")
-        raise ExportError(f"{directory}: not a tupe-export folder (no config.json); tupe-export "
-                          "RUN_DIR --out DIR writes one from a pretraining run")
-    with open(os.path.join(directory, "config.json")) as f:
-        return json.load(f)
-
-
-def load_exported(directory: str):
-    """(model, config, kind) from a tupe-export folder: a BertForMaskedLM on this process's
-    device, its masked-LM head absent (left at its initial values) for ELECTRA exports."""
-    description = read_export_description(directory)
-    config = ModelConfig(**description["model"])
-    model = build_model(config)
-    state = load_file(os.path.join(directory, "model.safetensors"), device=str(next(model.parameters()).device))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed = ("lm_head.",) if description["kind"] == "electra-discriminator" else ()
-    missing = [n for n in missing if not n.endswith("_extra_state") and not n.startswith(allowed)]
-    if missing or unexpected:
-        raise ExportError(f"{directory}: does not fit {config.pos_encoding} {config.num_layers} "
-                          f"layers: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model, config, description["kind"]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tupe-export", description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="RUN_DIR, RUN_DIR/checkpoints (its latest) or .../stepN")
     p.add_argument("--out", required=True, help="folder to write (replaced when complete)")
+    p.add_argument("--format", choices=FORMATS, default="hf",
+                   help="; ".join(f"{name}: {text}" for name, text in FORMATS.items()))
+    p.add_argument("--electra-network", choices=["discriminator", "generator"],
+                   default="discriminator", help="the ELECTRA network to export (generator: hf)")
     args = p.parse_args(argv)
     try:
-        step_dir = export(args.checkpoint, args.out)
+        step_dir = export(args.checkpoint, args.out, args.format, args.electra_network)
     except ExportError as error:
         print(f"tupe-export: error: {error}", file=sys.stderr)
         return 2
-    print(f"exported {step_dir} -> {args.out} (model.safetensors, config.json, tokenizer.json)")
+    print(f"exported {step_dir} -> {args.out} ({', '.join(sorted(os.listdir(args.out)))})")
     end_distributed()
     return 0
 

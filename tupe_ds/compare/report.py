@@ -22,14 +22,13 @@ def export_for(plan: Plan, run: Run) -> str:
     """OUT/exports/NAME: the run's latest checkpoint through tupe-export, redone only when the
     run has a newer checkpoint. The folder tupe-finetune --model takes."""
     from tupe_ds.export import export, find_checkpoint
+    from tupe_ds.exported import read_export_description
 
     exported = os.path.join(plan.out, "exports", run.name)
     _, step_dir = find_checkpoint(plan.run_dir(run))
-    config = os.path.join(exported, "config.json")
-    if os.path.exists(config):
-        with open(config) as f:
-            if json.load(f).get("source") == step_dir:
-                return exported
+    if os.path.exists(os.path.join(exported, "config.json")):
+        if read_export_description(exported).get("source") == step_dir:
+            return exported
     export(plan.run_dir(run), exported)
     return exported
 
@@ -37,7 +36,7 @@ def export_for(plan: Plan, run: Run) -> str:
 def positional_figures(plan: Plan, records: list) -> dict:
     """For each encoding with content-free positional logits: the first seed with a checkpoint,
     exported, its [heads, n, n] logits drawn to figures/positional-ENCODING.png."""
-    from tupe_ds.export import load_exported
+    from tupe_ds.exported import load_exported
 
     found = {}
     for encoding in plan.encodings:

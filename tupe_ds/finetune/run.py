@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tupe_ds import launch
-from tupe_ds.export import ExportError, load_exported, read_export_description
+from tupe_ds.exported import ExportError, exported_config, load_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
@@ -159,10 +159,10 @@ def main(argv=None) -> int:
     launch.discover()
     task = TASKS[args.task]
     try:  # everything about the inputs is checked before a model is built
-        model_config = read_export_description(args.model)["model"]
-        max_length = min(args.max_length, model_config["max_position_embeddings"])
+        model_config, _ = exported_config(args.model)
+        max_length = min(args.max_length, model_config.max_position_embeddings)
         tokenizer = ExampleTokenizer(os.path.join(args.model, "tokenizer.json"),
-                                     model_config["vocab_size"], max_length)
+                                     model_config.vocab_size, max_length)
         data = {"tokenizer": tokenizer, "valid": {}}
         examples = read_examples(args.train, task)
         data["train"] = (tokenizer(examples), [label for _, label in examples])
