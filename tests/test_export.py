@@ -99,7 +99,8 @@ def test_electra_exports_its_discriminator(data, tmp_path):
     export(str(tmp_path / "run"), str(tmp_path / "generator"), network="generator")
     ids, mask, _ = inputs(batch=3, n=40, vocab=1000)
     jobs = []
-    for network, logits in zip(("exported", "generator"), electra_logits(tmp_path / "run", ids, mask)):
+    live = electra_logits(tmp_path / "run", ids, mask)
+    for network, logits in zip(("exported", "generator"), live):
         torch.save({"ids": ids, "mask": mask, "logits": logits}, tmp_path / f"{network}.pt")
         jobs.append({"job": "logits", "folder": str(tmp_path / network),
                      "inputs": str(tmp_path / f"{network}.pt")})

@@ -87,11 +87,14 @@ def test_every_encoding_loads_in_transformers_with_the_same_logits(data, tmp_pat
                                        rtol=0, atol=1e-6)
         jobs.append({"job": "logits", "folder": str(tmp_path / encoding),
                      "inputs": f"{tmp_path / encoding}.pt"})
-    for encoding, result in zip(ENCODINGS, run_transformers(jobs, tmp_path)):
+    results = run_transformers(jobs, tmp_path)
+    assert len(results) == len(ENCODINGS)
+    for result in results:
         assert_transformers_match(result)
     files = sorted(os.listdir(tmp_path / "tupe-r"))
-    assert files == ["config.json", "configuration_tupe.py", "model.safetensors", "modeling_tupe.py",
-                     "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert files == ["config.json", "configuration_tupe.py", "model.safetensors",
+                     "modeling_tupe.py", "special_tokens_map.json", "tokenizer.json",
+                     "tokenizer_config.json"]
     config = json.loads((tmp_path / "tupe-r" / "config.json").read_text())
     assert config["model_type"] == "tupe" and config["encoding"]["untied"] is True
 
@@ -146,7 +149,8 @@ def one_line_error(main, argv, capsys):
 
 
 def test_bad_input_is_one_line_that_says_what_to_do(data, tmp_path, capsys):
-    finetune = ["--task", "sst2", "--train", "x.tsv", "--valid", "x.tsv", "--out", str(tmp_path / "out")]
+    finetune = ["--task", "sst2", "--train", "x.tsv", "--valid", "x.tsv", "--out",
+                str(tmp_path / "out")]
     (tmp_path / "notes").mkdir()
     assert "not a tupe-export folder (no config.json); tupe-export RUN_DIR --out DIR" in \
         one_line_error(finetune_main, ["--model", str(tmp_path / "notes"), *finetune], capsys)

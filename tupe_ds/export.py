@@ -44,8 +44,8 @@ FORMATS = {
     "hf": "a transformers model (AutoModel* with trust_remote_code=True, AutoTokenizer): "
           "config.json, configuration_tupe.py, modeling_tupe.py, model.safetensors, tokenizer "
           "files (tupe_ds/hf/)",
-    "tupe": "tupe_ds's own (the only one before --format): model.safetensors with tupe_ds's names, config.json "
-            "(the ModelConfig), tokenizer.json",
+    "tupe": "tupe_ds's own, as earlier versions wrote it: model.safetensors with tupe_ds's "
+            "names, config.json (the ModelConfig), tokenizer.json",
 }
 
 
@@ -175,7 +175,7 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
         slices = by_tp
     state = network_state(join_tensor_parallel(slices, reference_state(configs)),
                           network if electra else None)
-    if format == "tupe":  # the folder load_exported reads: a BertForMaskedLM's parameters
+    if format == "tupe":  # a BertForMaskedLM's parameters only, as earlier versions read
         state = {n: t for n, t in state.items() if not n.startswith("discriminator_head.")}
     config = configs[1] if network == "generator" else configs[0]
     save_exported(out, state, config, f"electra-{network}" if electra else "bert-mlm",

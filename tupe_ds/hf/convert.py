@@ -35,7 +35,8 @@ NAMES = [  # tupe_ds's BertForMaskedLM (or ELECTRA network) <-> modeling_tupe.py
     ("encoder.block.layers.{i}.input_layernorm.{p}", "tupe.layers.{i}.attention_norm.{p}"),
     ("encoder.block.layers.{i}.self_attention.linear_proj.{p}",
      "tupe.layers.{i}.attention.output.{p}"),
-    ("encoder.block.layers.{i}.self_attention.linear_qkv.{p}", "tupe.layers.{i}.attention.{qkv}.{p}"),
+    ("encoder.block.layers.{i}.self_attention.linear_qkv.{p}",
+     "tupe.layers.{i}.attention.{qkv}.{p}"),
     ("encoder.block.layers.{i}.pre_mlp_layernorm.{p}", "tupe.layers.{i}.mlp_norm.{p}"),
     ("encoder.block.layers.{i}.mlp.linear_fc1.{p}", "tupe.layers.{i}.fc1.{p}"),
     ("encoder.block.layers.{i}.mlp.linear_fc2.{p}", "tupe.layers.{i}.fc2.{p}"),
@@ -155,7 +156,8 @@ def tokenizer_files(tokenizer_path: str, folder: str, max_length: int,
                  {"SpecialToken": {"id": "[SEP]", "type_id": 0}},
                  {"Sequence": {"id": "B", "type_id": 1}},
                  {"SpecialToken": {"id": "[SEP]", "type_id": 1}}],
-        "special_tokens": {t: {"id": t, "ids": [ids[t]], "tokens": [t]} for t in ("[CLS]", "[SEP]")},
+        "special_tokens": {t: {"id": t, "ids": [ids[t]], "tokens": [t]}
+                           for t in ("[CLS]", "[SEP]")},
     }
     Tokenizer.from_str(json.dumps(tokenizer)).save(os.path.join(folder, "tokenizer.json"))
     special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
