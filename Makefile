@@ -14,6 +14,9 @@ CPU_TORCH := $(if $(HAVE_GPU),,torch==2.13.0)
 DEMO_STEPS ?= 300
 COMPARE_STEPS ?= 200
 COMPARE_ENCODINGS ?= bert-a,tupe-r
+COMPARE_FINETUNE ?=
+COMPARE_FINETUNE_FLAGS ?= --tasks rte,mrpc,stsb,cola --finetune-lr 1e-4,3e-4 \
+  --finetune-seeds 1,2,3 --finetune-epochs 3 --finetune-max-length 128
 
 .PHONY: venv test demo compare smoke bench bench-gpu bench-gpu-all clean
 
@@ -43,11 +46,14 @@ build/sample-prep/train.idx: | venv
 # The second demo: BERT-A against TUPE-R, one tiny run each on the same batches (2 CPU ranks, or
 # every GPU), then build/compare/report.md with its figures. Run again to resume or re-report;
 # COMPARE_STEPS=400 to go on, COMPARE_ENCODINGS=bert-a,tupe-r,rope for more.
+# COMPARE_FINETUNE=GLUE_DIR (README, "GLUE data") fine-tunes every run on GLUE's small tasks with
+# a grid for the tiny model (COMPARE_FINETUNE_FLAGS; "" for the paper's) and adds Table 1.
 compare: venv build/sample-prep/train.idx
 	$(BIN)/tupe-compare run --data build/sample-prep --encodings $(COMPARE_ENCODINGS) \
 	  --model tiny --steps $(COMPARE_STEPS) $(if $(HAVE_GPU),,--nproc 2) --out build/compare \
 	  --ds-config ds_configs/cpu_zero2.json --seq-len 128 --eval-interval 25 --save-interval 50 \
-	  --log-interval 10
+	  --log-interval 10 \
+	  $(if $(COMPARE_FINETUNE),--finetune $(COMPARE_FINETUNE) $(COMPARE_FINETUNE_FLAGS))
 
 # Every encoding, a few AdamW steps each, in one process (no launcher, no data).
 smoke: venv

@@ -1,9 +1,12 @@
 """tupe-compare: a real tiny comparison under the deepspeed launcher (killed midway, resumed,
-re-run), its report against the runs' own logs, a failing run among others, the plan's checks,
-and the report's arithmetic. The Slurm array is in test_slurm.py."""
+re-run), its report against the runs' own logs, one with fine-tunes on two GLUE-layout tasks made
+here (a fine-tune killed and redone, Table 1 against the fine-tunes' own results), a failing run
+among others, the plan's checks, and the report's arithmetic (Table 1's intervals:
+test_glue_table.py). The Slurm arrays are in test_slurm.py."""
 
 import json
 import os
+import random
 import signal
 import struct
 import subprocess
@@ -12,8 +15,9 @@ import time
 
 import pytest
 
+from test_finetune import FILLER, write_sentiment
 from test_pretrain import CPU_CONFIG, environment, log
-from tupe_ds.compare import cli, results, runner
+from tupe_ds.compare import cli, finetuning, results, runner
 from tupe_ds.compare.plan import Plan, Run, read_plan
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "2",
@@ -23,6 +27,32 @@ TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-
 def compare_command(data, out, *flags):
     return [sys.executable, "-m", "tupe_ds.compare.cli", "run", "--data", data, "--out", str(out),
             *TINY, *flags]
+
+
+def write_similarity(path, count, seed):
+    """An STS-B style TSV (GLUE's columns): pairs scored 0-5 by the share of words they have in
+    common."""
+    rng = random.Random(seed)
+    lines = ["index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\t"
+             "sentence2\tscore"]
+    for index in range(count):
+        first = rng.sample(FILLER, 4)
+        shared = rng.randrange(5)
+        second = first[:shared] + rng.sample([w for w in FILLER if w not in first], 4 - shared)
+        lines.append(f"{index}\tmain\tmade\t2026\t{index}\tnone\tnone\t{' '.join(first)}\t"
+                     f"{' '.join(second)}\t{5 * shared / 4:.3f}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_glue(root, sentiment=48, similarity=48) -> str:
+    """GLUE's layout with two tasks made here: SST-2 (classification) and STS-B (regression),
+    each with a dev set half the size of its training set."""
+    for folder, write, examples in (("SST-2", write_sentiment, sentiment),
+                                    ("STS-B", write_similarity, similarity)):
+        os.makedirs(root / folder)
+        write(root / folder / "train.tsv", examples, 1)
+        write(root / folder / "dev.tsv", examples // 2, 2)
+    return str(root)
 
 
 def png_size(path) -> tuple:
@@ -111,6 +141,71 @@ def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing
     assert json.loads((out / "report.json").read_text()) == made
 
 
+def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp_path):
+    out = tmp_path / "cmp"
+    command = compare_command(data, out, "--encodings", "bert-a,tupe-r", "--steps", "6",
+                              "--nproc", "2", "--eval-interval", "6", "--launcher", "torchrun",
+                              "--finetune", write_glue(tmp_path / "glue", sentiment=800),
+                              "--finetune-lr",
+                              "1e-3,3e-4", "--finetune-seeds", "1,2,3", "--finetune-epochs", "1",
+                              "--finetune-batch-size", "8", "--finetune-max-length", "32")
+    first = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    progress = out / "finetune" / "bert-a-seed1" / "sst2.progress.json"
+    deadline = time.time() + 300
+    while not progress.exists():
+        assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
+        time.sleep(0.02)
+    os.killpg(first.pid, signal.SIGKILL)  # mid-way through bert-a's first fine-tune
+    first.wait()
+    kept = json.loads(progress.read_text())["results"]
+    assert 1 <= len(kept) < 6 and not (progress.parent / "sst2.json").exists()
+
+    result = subprocess.run(command, env=environment(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "bert-a-seed1: done (6 steps), not started again" in result.stdout
+    redone = (out / "logs" / "bert-a-seed1.sst2.log").read_text().split("tupe_ds.finetune.run")
+    assert len(redone) == 3  # two attempts, each starting with its command line
+    assert redone[2].count("done before") == len(kept)
+    assert redone[2].count("train loss") == 6 - len(kept)
+    made = json.loads((out / "report.json").read_text())
+    finetune = made["finetune"]
+    assert finetune["tasks"] == ["sst2", "stsb"] and set(finetune["states"].values()) == {
+        "complete"}
+    table = finetune["table"]
+    assert table["columns"] == ["sst2", "stsb", "average"]
+    for encoding in ("bert-a", "tupe-r"):
+        written = {task: json.loads((out / "finetune" / f"{encoding}-seed1" / f"{task}.json")
+                                    .read_text()) for task in ("sst2", "stsb")}
+        assert set(written["sst2"]["configurations"]) == {"lr=0.001", "lr=0.0003"}
+        scores = {task: 100 * summary["best_median"]["dev"][summary["metric"]]
+                  for task, summary in written.items()}
+        row = table["scores"][encoding]
+        assert {task: row[task]["mean"] for task in scores} == scores
+        assert row["average"]["mean"] == pytest.approx((scores["sst2"] + scores["stsb"]) / 2)
+        if encoding == "bert-a":
+            assert written["sst2"]["configurations"]["lr=0.001"]["seeds"]["1"] == kept[
+                "lr=0.001 seed=1"]  # kept from the killed attempt
+            base = scores
+    difference = table["differences"]["tupe-r"]["stsb"]
+    assert difference["difference"] == pytest.approx(table["scores"]["tupe-r"]["stsb"]["mean"]
+                                                     - base["stsb"])
+    assert difference["low"] <= difference["difference"] <= difference["high"]
+    assert difference["method"] == "bootstrap over 3 fine-tuning seeds"
+    markdown = (out / "report.md").read_text()
+    assert "GLUE average minus bert-a's: tupe-r" in markdown and "| bert-a | " in markdown
+    assert "Pretraining: bert-a's final validation loss" in markdown
+
+    written = {path: path.stat().st_mtime_ns for path in (out / "finetune").glob("*/*.json")}
+    again = subprocess.run(command, env=environment(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("fine-tuned before, not started again") == 4
+    assert {path: path.stat().st_mtime_ns for path in written} == written
+    assert json.loads((out / "report.json").read_text()) == made
+
+
 def fake_launch(failing: str):
     """runner.launch_command for tests: the run of `failing` exits 3; any other run writes what a
     finished tupe-pretrain leaves (run.json, train_log.jsonl, checkpoints/latest)."""
@@ -142,7 +237,7 @@ def test_a_failed_run_is_reported_and_the_others_go_on(data, tmp_path, monkeypat
     assert cli.main(argv) == 1
     printed = capsys.readouterr()
     assert "bert-a-seed1: FAILED with exit code 3" in printed.out
-    assert "1 run(s) failed: bert-a-seed1" in printed.err
+    assert "1 run(s) or fine-tune(s) failed: bert-a-seed1;" in printed.err
     made = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert [r["state"] for r in made["runs"]] == ["failed (exit 3)", "complete"]
     assert made["runs"][1]["valid"] == {"step": [4], "seconds": [2.0], "flops": [4e9],
@@ -155,6 +250,34 @@ def test_a_failed_run_is_reported_and_the_others_go_on(data, tmp_path, monkeypat
     assert cli.main(argv) == 0  # the failed run is retried; the finished one is not started
     assert "rope-seed1: done (4 steps), not started again" in capsys.readouterr().out
     assert read_plan(str(tmp_path / "cmp")).runs == [Run("bert-a", 1), Run("rope", 1)]
+
+
+def test_a_failed_fine_tune_is_recorded_and_the_others_go_on(data, tmp_path, monkeypatch,
+                                                             capsys):
+    monkeypatch.setattr(runner, "launch_command", fake_launch(failing="none"))
+    monkeypatch.setattr(finetuning, "export_for", lambda plan, run: plan.export_dir(run))
+    monkeypatch.setattr(finetuning, "is_finished", lambda plan, run, task: False)
+    started = []
+
+    def fake_finetune(launcher, processes, module, argv):
+        task = argv[argv.index("--task") + 1]
+        started.append((argv[argv.index("--model") + 1].split(os.sep)[-1], task))
+        return [sys.executable, "-c", f"import sys; sys.exit({3 if task == 'stsb' else 0})"]
+
+    monkeypatch.setattr(finetuning, "launcher_command", fake_finetune)
+    out = tmp_path / "cmp"
+    argv = ["run", "--data", data, "--out", str(out), "--encodings", "bert-a,rope", "--steps",
+            "4", "--nproc", "1", "--finetune", write_glue(tmp_path / "glue"), *TINY]
+    assert cli.main(argv) == 1
+    printed = capsys.readouterr()
+    assert started == [("bert-a-seed1", "sst2"), ("bert-a-seed1", "stsb"),
+                       ("rope-seed1", "sst2"), ("rope-seed1", "stsb")]
+    assert "bert-a-seed1/stsb: FAILED with exit code 3" in printed.out
+    assert "2 run(s) or fine-tune(s) failed: bert-a-seed1/stsb, rope-seed1/stsb" in printed.err
+    states = json.loads((out / "report.json").read_text())["finetune"]["states"]
+    assert states == {"bert-a-seed1/sst2": "not done", "bert-a-seed1/stsb": "failed (exit 3)",
+                      "rope-seed1/sst2": "not done", "rope-seed1/stsb": "failed (exit 3)"}
+    assert "bert-a-seed1/stsb failed (exit 3)" in (out / "report.md").read_text()
 
 
 def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys):
@@ -183,6 +306,50 @@ def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys):
     assert flags[flags.index("--seed") + 1] == "2"
     assert flags[flags.index("--out") + 1] == str(tmp_path / "cmp" / "runs" / "bert-a-seed2")
 
+    glue = write_glue(tmp_path / "glue")
+    other = ["--encodings", "tupe-r,bert-a", "--seeds", "1,2"]
+    assert "--finetune-lr needs --finetune GLUE_DIR" in error(*other, "--finetune-lr", "1e-5")
+    assert f"--finetune {tmp_path / 'none'}: no such folder" in error(
+        *other, "--finetune", str(tmp_path / "none"))
+    assert "--tasks: wnli; choose from cola, sst2" in error(*other, "--finetune", glue,
+                                                            "--tasks", "wnli")
+    assert f"task rte: {glue}/RTE/train.tsv: no such file" in error(*other, "--finetune", glue,
+                                                                      "--tasks", "sst2,rte")
+    (tmp_path / "glue" / "STS-B" / "dev.tsv").write_text("sentence1\tsentence2\tscore\n"
+                                                         "a\tb\thigh\n")
+    assert f"task stsb: {glue}/STS-B/dev.tsv:2: score 'high' is not a number" in error(
+        *other, "--finetune", glue)
+    assert cli.main(["plan", "--data", data, "--out", str(tmp_path / "cmp"), "--steps", "4",
+                     *TINY, *other, "--finetune", glue, "--tasks", "sst2",
+                     "--finetune-seeds", "1,2"]) == 0
+    assert "4 fine-tunes planned: each run on sst2" in capsys.readouterr().out
+    assert "tupe-r-seed2 has 0 of 4 steps: not fine-tuned on sst2" in error_of(
+        ["finetune-flags", str(tmp_path / "cmp"), "1"], capsys)
+    assert "usage: tupe-compare finetune-flags OUT INDEX, INDEX below 4" in error_of(
+        ["finetune-flags", str(tmp_path / "cmp"), "4"], capsys)
+    assert cli.main(["finetune-ended", str(tmp_path / "cmp"), "1", "2", "/logs/1.out"]) == 0
+    status = json.loads((tmp_path / "cmp" / "status.json").read_text())
+    assert status == {"tupe-r-seed2/sst2": {"exit": 2, "log": "/logs/1.out"}}
+
+
+def error_of(argv, capsys) -> str:
+    assert cli.main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_make_compare_passes_the_glue_folder_and_the_grid():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    made = subprocess.run(["make", "-s", "-n", "-C", root, "compare", "COMPARE_FINETUNE=/glue",
+                           "COMPARE_FINETUNE_FLAGS=--tasks rte --finetune-seeds 1,2"],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    command = " ".join(made.stdout.replace("\\\n", " ").split())
+    assert "tupe-compare run --data build/sample-prep" in command
+    assert command.endswith("--log-interval 10 --finetune /glue --tasks rte --finetune-seeds 1,2")
+    plain = subprocess.run(["make", "-n", "-C", root, "compare"], capture_output=True, text=True,
+                           timeout=60)
+    assert "--finetune" not in plain.stdout
+
 
 def curve_record(encoding, seed, losses):
     steps = [10 * (i + 1) for i in range(len(losses))]
@@ -205,22 +372,6 @@ def test_curves_over_seeds_and_the_race_to_the_baseline():
     assert race["encodings"]["tupe-r"]["share_of_baseline_steps"] == 0.5
     assert race["encodings"]["tupe-r"]["seconds"] == 40.0
     assert race["encodings"]["bert-a"]["step"] == 40
-
-
-def test_finetune_results_become_one_row_per_encoding(tmp_path):
-    plan = Plan(out=str(tmp_path), data="d", encodings=("bert-a", "tupe-r"), seeds=(1, 2),
-                steps=10, baseline="bert-a", processes=1, pretrain_flags=())
-    scores = {"bert-a-seed1": 0.80, "bert-a-seed2": 0.84, "tupe-r-seed1": 0.86}
-    for name, score in scores.items():
-        os.makedirs(tmp_path / "finetune" / name)
-        written = {"tasks": {"sst2": {"best": "lr=2e-05", "dev": {"accuracy": score}},
-                             "mrpc": {"best": "lr=1e-05", "dev": {"f1": score - 0.1}}}}
-        (tmp_path / "finetune" / name / "results.json").write_text(json.dumps(written))
-    table = results.finetune_table(plan)
-    assert table["bert-a"]["sst2 dev (accuracy)"] == pytest.approx(0.82)
-    assert table["bert-a"]["average"] == pytest.approx((0.82 + 0.72) / 2)
-    assert table["tupe-r"] == pytest.approx({"sst2 dev (accuracy)": 0.86, "mrpc dev (f1)": 0.76,
-                                             "average": 0.81})
 
 
 @pytest.mark.parametrize("launcher, module_flag", [("deepspeed", "--module"), ("torchrun", "-m")])

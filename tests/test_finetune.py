@@ -4,8 +4,10 @@ run on a labeled set built here that learns it, in one process and under the dee
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +98,19 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
     table = (tmp_path / "out" / "sst2.md").read_text()
     assert "| seed 1 | seed 2 | median |" in table and "**(best)**" in table
     assert "epoch 4/4" in capsys.readouterr().out
+    written = (tmp_path / "out" / "sst2.json").stat().st_mtime_ns
+    assert finetune(finetune_flags(sentiment, tmp_path / "out")) == 0  # the same command again
+    assert "sst2: finished before with these settings" in capsys.readouterr().out
+    assert (tmp_path / "out" / "sst2.json").stat().st_mtime_ns == written
+    grid = finetune_flags(sentiment, tmp_path / "out")
+    grid[grid.index("--seeds") + 3:grid.index("--seeds") + 3] = ["3"]  # a seed more
+    assert finetune(grid) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("done before") == 4 and printed.count("epoch 4/4") == 2
+    grown = json.loads((tmp_path / "out" / "sst2.json").read_text())
+    assert grown["configurations"]["lr=0.001"]["seeds"]["1"] == \
+        summary["configurations"]["lr=0.001"]["seeds"]["1"]
+    assert set(grown["configurations"]["lr=0.003"]["seeds"]) == {"1", "2", "3"}
     # a second task into the same folder joins the table across tasks
     rte = {name: write_pairs(tmp_path / f"{name}.jsonl", count, seed)
            for name, count, seed in (("rte_train", 64, 3), ("rte_dev", 32, 4))}
@@ -121,6 +136,34 @@ def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "sst2.json").read_text())
     assert summary["best_median"]["dev"]["accuracy"] > 0.8
+
+
+def test_sigusr1_stops_keeping_the_finished_runs_and_the_same_command_goes_on(sentiment,
+                                                                               tmp_path):
+    """What Slurm's --signal=B:USR1 does to a fine-tune of slurm/compare_finetune.sbatch."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "tupe_ds.finetune.run",
+               *finetune_flags(sentiment, out, "--seeds", "1", "2", "3", "4")]
+    started = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    progress = out / "sst2.progress.json"
+    deadline = time.time() + 300
+    while not progress.exists():
+        assert started.poll() is None and time.time() < deadline, started.stdout.read()[-3000:]
+        time.sleep(0.02)
+    started.send_signal(signal.SIGUSR1)
+    printed = started.communicate(timeout=60)[0]
+    assert started.returncode == 0, printed[-3000:]
+    assert f"SIGUSR1: stopping; the finished runs are kept in {progress}" in printed
+    kept = json.loads(progress.read_text())["results"]
+    assert 1 <= len(kept) < 8 and not (out / "sst2.json").exists()
+    again = subprocess.run(command, env=environment(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("done before") == len(kept)
+    summary = json.loads((out / "sst2.json").read_text())
+    assert all(summary["configurations"][key.split()[0]]["seeds"][key.split("=")[-1]] == value
+               for key, value in kept.items())
 
 
 def test_errors_name_the_file_line_and_what_to_change(sentiment, data, tmp_path, capsys):

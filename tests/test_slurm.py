@@ -15,6 +15,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from slurm_cluster import SlurmCluster, install_packages
+from test_compare import write_glue
 from test_data_prep import run as prep, unique_document, write_txt
 from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log
 from tupe_ds import launch
@@ -74,27 +75,50 @@ def test_a_wrong_layout_fails_the_job_before_any_task_starts(cluster, data, tmp_
     assert "starting step" not in output and not (tmp_path / "run").exists()
 
 
-def test_compare_array_runs_every_encoding_then_the_dependent_report(cluster, data, tmp_path):
+def test_compare_arrays_run_every_encoding_its_fine_tunes_then_the_report(cluster, data,
+                                                                         tmp_path):
     out = tmp_path / "cmp"
     env = {**cluster.env, **job_environment(), "TUPE_DS_ROOT": ROOT,
            "SUBMIT_ARGS": f"--nodes=1 --ntasks-per-node=1 --gpus-per-node=0 --cpus-per-task=1 "
                           f"--time=30 --mem=1G --chdir={ROOT} --output={tmp_path}/run-%A_%a.log",
+           "FINETUNE_ARGS": f"--nodes=1 --ntasks-per-node=1 --gpus-per-node=0 "
+                            f"--cpus-per-task=1 --time=30 --mem=1G --chdir={ROOT} "
+                            f"--output={tmp_path}/finetune-%A_%a.log",
            "REPORT_ARGS": f"--cpus-per-task=1 --mem=1G --time=10 --chdir={ROOT}"}
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "submit_compare.sh"), str(out),
                              "--data", data, "--encodings", "bert-a,tupe-r", "--steps", "6",
-                             "--nproc", "1", "--eval-interval", "3", *TINY],
+                             "--nproc", "1", "--eval-interval", "3", *TINY, "--finetune",
+                             write_glue(tmp_path / "glue"), "--finetune-lr", "1e-3",
+                             "--finetune-seeds", "1,2", "--finetune-epochs", "1"],
                             env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 runs planned" in result.stdout
+    assert "2 runs planned" in result.stdout and "4 fine-tunes planned" in result.stdout
+    runs, finetunes = (result.stdout.split(f"{kind}: job ")[1].split()[0]
+                       for kind in ("runs", "fine-tunes"))
     report_job = result.stdout.split("report: job ")[1].split()[0]
-    job = cluster.wait_until_done(report_job, timeout=400)
+    job = cluster.wait_until_done(report_job, timeout=500)
     tasks = "".join(p.read_text() for p in sorted(tmp_path.glob("run-*.log")))
-    assert job["JobState"] == "COMPLETED", tasks[-3000:] + cluster.logs()
+    tuned = "".join(p.read_text() for p in sorted(tmp_path.glob("finetune-*.log")))
+    assert job["JobState"] == "COMPLETED", tasks[-3000:] + tuned[-3000:] + cluster.logs()
     made = json.loads((out / "report.json").read_text())
     assert [(r["name"], r["state"]) for r in made["runs"]] == [("bert-a-seed1", "complete"),
                                                               ("tupe-r-seed1", "complete")]
     assert "1 tasks on" in tasks and "from srun (tp 1, pp 1, dp 1)" in tasks
     assert list(made["positional"]) == ["tupe-r"] and (out / "report.md").exists()
+    ended = max(cluster.job(f"{runs}_{index}")["EndTime"] for index in range(2))
+    assert ended <= min(cluster.job(f"{finetunes}_{index}")["StartTime"] for index in range(4))
+    assert all(f"fine-tune {index}," in tuned for index in range(4))
+    status = json.loads((out / "status.json").read_text())
+    assert {name: (entry["exit"], os.path.dirname(entry["log"])) for name, entry in status.items()
+            } == {f"{run}/{task}": (0, str(tmp_path)) for run in ("bert-a-seed1", "tupe-r-seed1")
+                  for task in ("sst2", "stsb")}
+    finetune = made["finetune"]
+    assert set(finetune["states"].values()) == {"complete"}
+    for run in ("bert-a-seed1", "tupe-r-seed1"):
+        for task in ("sst2", "stsb"):
+            written = json.loads((out / "finetune" / run / f"{task}.json").read_text())
+            score = 100 * written["best_median"]["dev"][written["metric"]]
+            assert finetune["table"]["scores"][run.split("-seed")[0]][task]["mean"] == score
 
 
 def test_prep_array_job_and_merge_equal_one_tupe_prep_run(cluster, tmp_path):

@@ -2,6 +2,7 @@
 of a new one."""
 
 import contextlib
+import fcntl
 import os
 import shutil
 
@@ -37,3 +38,15 @@ def replacing_folder(path: str):
         yield temporary
     shutil.rmtree(path, ignore_errors=True)
     os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """An exclusive lock on the file `path` (created if missing) while the block runs, between
+    processes of this machine or, on a shared file system that supports locks, of a cluster."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

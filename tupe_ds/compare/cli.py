@@ -1,23 +1,29 @@
 """tupe-compare: pretrain one model per positional encoding (and seed) on the same data and
-batches, then report how they compare (validation curves, steps to the baseline's loss, positional
-correlations, fine-tuning).
+batches, fine-tune each on GLUE tasks, then report how they compare (validation curves, steps to
+the baseline's loss, positional correlations, the paper's Table 1 with 95% intervals).
 
     tupe-compare run --data prep/ --encodings tupe-r,bert-a --model bert-base --steps 10000 \\
-        --seeds 1,2,3 --nproc 8 --out cmp/ --ds-config ds_configs/bert_base_fp16.json [flags]
+        --seeds 1,2,3 --nproc 8 --out cmp/ --ds-config ds_configs/bert_base_fp16.json \\
+        [--finetune glue/ [--tasks rte,mrpc] [--finetune-lr 2e-5,3e-5 ...]] [flags]
     tupe-compare report cmp/          # report.md, report.json, figures/ from what the runs left
-    slurm/submit_compare.sh cmp/ [the run flags]     # one Slurm array task per run, then the report
+    slurm/submit_compare.sh cmp/ [the run flags]     # one Slurm array task per run (and one per
+                                                     # run and task), then the report
 
 Flags tupe-compare does not know go to every tupe-pretrain run. The same command again resumes
 what is unfinished and starts nothing that is done.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
+from tupe_ds.compare.finetuning import finetune_flags, status_name
+from tupe_ds.compare.launching import LAUNCHERS, record_status
 from tupe_ds.compare.plan import CompareError, Plan, read_plan
-from tupe_ds.compare.report import write_report
-from tupe_ds.compare.runner import LAUNCHERS, run_all
+from tupe_ds.compare.report import headline, write_report
+from tupe_ds.compare.runner import run_all
+from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.model.config import ENCODINGS
 
 
@@ -50,7 +56,50 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int,
                    help="processes (GPUs) per run (default: this machine's GPUs, else 1)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
+    glue = p.add_argument_group("fine-tuning (tupe-finetune on every complete run)")
+    glue.add_argument("--finetune", metavar="GLUE_DIR",
+                      help="GLUE's tasks in GLUE's layout (GLUE_DIR/RTE/train.tsv, dev.tsv, ...)")
+    glue.add_argument("--tasks", type=comma_list(str),
+                      help=f"comma-separated, from {', '.join(TASKS)} (default: those in GLUE_DIR)")
+    glue.add_argument("--finetune-lr", type=comma_list(float),
+                      help="learning rates (default: the paper's 2e-5,3e-5,4e-5,5e-5)")
+    glue.add_argument("--finetune-seeds", type=comma_list(int), help="default: 1,2,3,4,5")
+    glue.add_argument("--finetune-epochs", type=int,
+                      help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
+    glue.add_argument("--finetune-batch-size", type=int, help="default: 32")
+    glue.add_argument("--finetune-max-length", type=int, help="tokens per example (default 512)")
     return p
+
+
+FINETUNE_FLAGS = {"finetune_lr": "--lr", "finetune_seeds": "--seeds",
+                  "finetune_epochs": "--epochs", "finetune_batch_size": "--batch-size",
+                  "finetune_max_length": "--max-length"}
+
+
+def finetune_plan(args) -> dict:
+    """The Plan's fields for fine-tuning: the GLUE folder, its tasks, tupe-finetune's flags."""
+    given = [flag for flag in ("tasks", *FINETUNE_FLAGS) if getattr(args, flag) is not None]
+    if args.finetune is None:
+        if given:
+            raise CompareError(f"--{given[0].replace('_', '-')} needs --finetune GLUE_DIR")
+        return {}
+    directory = os.path.abspath(args.finetune)
+    if not os.path.isdir(directory):
+        raise CompareError(f"--finetune {directory}: no such folder")
+    found = [task for task in TASKS if os.path.isdir(os.path.join(directory,
+                                                                  TASKS[task].glue_folder))]
+    tasks = args.tasks if args.tasks is not None else tuple(found)
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown or not tasks:
+        raise CompareError(f"--tasks: {', '.join(unknown) or 'none given or found'}; choose from "
+                           f"{', '.join(TASKS)} (GLUE_DIR holds their folders: "
+                           f"{', '.join(t.glue_folder for t in TASKS.values())})")
+    flags = []
+    for field, flag in FINETUNE_FLAGS.items():
+        value = getattr(args, field)
+        if value is not None:
+            flags += [flag, *map(str, value if isinstance(value, tuple) else (value,))]
+    return {"finetune": directory, "tasks": tuple(tasks), "finetune_flags": tuple(flags)}
 
 
 def make_plan(args, pretrain_flags: list) -> Plan:
@@ -72,7 +121,8 @@ def make_plan(args, pretrain_flags: list) -> Plan:
     return Plan(out=os.path.abspath(args.out), data=os.path.abspath(args.data),
                 encodings=args.encodings, seeds=args.seeds, steps=args.steps, baseline=baseline,
                 processes=args.nproc, pretrain_flags=("--model", args.model, "--objective",
-                                                      args.objective, *pretrain_flags))
+                                                      args.objective, *pretrain_flags),
+                **finetune_plan(args))
 
 
 def planned(prog: str, argv: list) -> tuple:
@@ -96,9 +146,18 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plan_and_index(command: str, rest: list, count) -> tuple:
+    """(Plan, INDEX) of `tupe-compare COMMAND OUT INDEX`, INDEX below count(plan)."""
+    plan = read_plan(os.path.abspath(rest[0])) if rest else None
+    if plan is None or len(rest) != 2 or not rest[1].isdigit() or int(rest[1]) >= count(plan):
+        below = f", INDEX below {count(plan)}" if plan else ""
+        raise CompareError(f"usage: tupe-compare {command} OUT INDEX{below}")
+    return plan, int(rest[1])
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("run", "plan", "report", "run-flags")
+    commands = ("run", "plan", "report", "run-flags", "finetune-flags", "finetune-ended")
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         print(f"tupe-compare: error: the first argument is one of {', '.join(commands)}",
@@ -106,17 +165,29 @@ def main(argv=None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     try:
-        if command == "plan":  # what slurm/submit_compare.sh runs before submitting the array
+        if command == "plan":  # what slurm/submit_compare.sh runs before submitting the arrays
             plan, _ = planned("tupe-compare plan", rest)
             print(f"{len(plan.runs)} runs planned in {plan.out}: "
                   + ", ".join(run.name for run in plan.runs))
+            if plan.tasks:
+                print(f"{len(plan.finetunes)} fine-tunes planned: each run on "
+                      + ", ".join(plan.tasks))
             return 0
         if command == "run-flags":  # OUT INDEX: one Slurm array task's tupe-pretrain flags
-            plan = read_plan(os.path.abspath(rest[0]))
-            if not (len(rest) == 2 and rest[1].isdigit() and int(rest[1]) < len(plan.runs)):
-                raise CompareError(f"usage: tupe-compare run-flags OUT INDEX, INDEX below "
-                                   f"{len(plan.runs)}")
-            print("\n".join(plan.pretrain_argv(plan.runs[int(rest[1])])))
+            plan, index = plan_and_index(command, rest, lambda plan: len(plan.runs))
+            print("\n".join(plan.pretrain_argv(plan.runs[index])))
+            return 0
+        if command == "finetune-flags":  # OUT INDEX: a fine-tune array task's, after the export
+            plan, index = plan_and_index(command, rest, lambda plan: len(plan.finetunes))
+            with contextlib.redirect_stdout(sys.stderr):  # the export's messages: not flags
+                flags = finetune_flags(plan, index)
+            print("\n".join(flags))
+            return 0
+        if command == "finetune-ended":  # OUT INDEX EXIT LOG: a fine-tune array task's end
+            plan, index = plan_and_index(command, rest[:2], lambda plan: len(plan.finetunes))
+            if len(rest) != 4 or not rest[2].isdigit():
+                raise CompareError("usage: tupe-compare finetune-ended OUT INDEX EXIT LOG")
+            record_status(plan.out, status_name(*plan.finetunes[index]), int(rest[2]), rest[3])
             return 0
         if command == "report":
             if len(rest) != 1:
@@ -131,11 +202,12 @@ def main(argv=None) -> int:
         print(f"tupe-compare: error: {error}", file=sys.stderr)
         return 2
     print(summary(report))
+    print("\n".join(headline(report)))
     print(f"report: {os.path.join(plan.out, 'report.md')} (and report.json, figures/)")
     failed = [name for name, code in exits.items() if code]
     if failed:
-        print(f"tupe-compare: {len(failed)} run(s) failed: {', '.join(failed)}; run the same "
-              "command again to retry them", file=sys.stderr)
+        print(f"tupe-compare: {len(failed)} run(s) or fine-tune(s) failed: {', '.join(failed)}; "
+              "run the same command again to retry them", file=sys.stderr)
         return 1
     return 0
 

@@ -1,13 +1,17 @@
 """A comparison: one pretraining run per (encoding, seed), the same data, model and
-hyper-parameters otherwise, kept in OUT/compare.json so that every command (run, report, a Slurm
-array task) works from the same list."""
+hyper-parameters otherwise, and optionally a fine-tune of each on GLUE tasks, kept in
+OUT/compare.json so that every command (run, report, a Slurm array task) works from the same
+list."""
 
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from tupe_ds.doctor import probe
 from tupe_ds.files import write_atomically
+from tupe_ds.finetune.tasks import TASKS, TaskDataError, check_glue_task, glue_files
+from tupe_ds.train.checkpoint import latest_step
 from tupe_ds.train.config import load
 
 PLAN_FILE = "compare.json"
@@ -40,14 +44,39 @@ class Plan:
     baseline: str  # the encoding whose final validation loss the others race to
     processes: int  # per run
     pretrain_flags: tuple  # --model, --objective, --ds-config, ... shared by every run
+    finetune: Optional[str] = None  # a folder of GLUE tasks in GLUE's layout
+    tasks: tuple = ()  # fine-tuned on
+    finetune_flags: tuple = ()  # tupe-finetune's flags for every fine-tune (the grid, epochs)
 
     @property
     def runs(self) -> list:
         """Encoding-major: a Slurm array task's index is a position in this list."""
         return [Run(encoding, seed) for encoding in self.encodings for seed in self.seeds]
 
+    @property
+    def finetunes(self) -> list:
+        """(run, task), run-major: a fine-tune array task's index is a position in this list."""
+        return [(run, task) for run in self.runs for task in self.tasks]
+
     def run_dir(self, run: Run) -> str:
         return os.path.join(self.out, "runs", run.name)
+
+    def trained_steps(self, run: Run) -> int:
+        """The step of the run's latest complete checkpoint (0: none)."""
+        return latest_step(os.path.join(self.run_dir(run), "checkpoints"))
+
+    def export_dir(self, run: Run) -> str:
+        return os.path.join(self.out, "exports", run.name)
+
+    def finetune_dir(self, run: Run) -> str:
+        """tupe-finetune --out of every task of the run: TASK.json, results.md, ..."""
+        return os.path.join(self.out, "finetune", run.name)
+
+    def finetune_argv(self, run: Run, task: str) -> list:
+        train, dev = glue_files(self.finetune, TASKS[task])
+        return ["--model", self.export_dir(run), "--task", task, "--train", train, "--valid",
+                *(f"{name}={path}" for name, path in dev.items()), "--out",
+                self.finetune_dir(run), *self.finetune_flags]
 
     def pretrain_argv(self, run: Run) -> list:
         return ["--data", self.data, "--out", self.run_dir(run), "--pos-encoding", run.encoding,
@@ -62,6 +91,11 @@ class Plan:
         if self.baseline not in self.encodings:
             raise CompareError(f"--baseline {self.baseline} is not one of --encodings "
                                f"{','.join(self.encodings)}")
+        for task in self.tasks:
+            try:
+                check_glue_task(self.finetune, TASKS[task])
+            except TaskDataError as error:
+                raise CompareError(f"--finetune {self.finetune}, task {task}: {error}") from None
         machine = probe()
         for run in self.runs:
             try:
@@ -80,7 +114,8 @@ class Plan:
                     raise CompareError(
                         f"{path}: this comparison was started with {field} "
                         f"{getattr(before, field)!r}, not {getattr(self, field)!r}; use another "
-                        "--out, or the same flags (--encodings, --seeds and --steps may change)")
+                        "--out, or the same flags (--encodings, --seeds, --steps and the "
+                        "fine-tuning flags may change)")
         os.makedirs(self.out, exist_ok=True)
         write_atomically(path, json.dumps(asdict(self), indent=1))
 
@@ -94,5 +129,7 @@ def read_plan(out: str) -> Plan:
         raise CompareError(f"{path}: no such file; start the comparison with tupe-compare run "
                            f"(or plan) --out {out}") from None
     fields.update(out=out, encodings=tuple(fields["encodings"]), seeds=tuple(fields["seeds"]),
-                  pretrain_flags=tuple(fields["pretrain_flags"]))
+                  pretrain_flags=tuple(fields["pretrain_flags"]),
+                  tasks=tuple(fields.get("tasks", ())),
+                  finetune_flags=tuple(fields.get("finetune_flags", ())))
     return Plan(**fields)

@@ -1,36 +1,23 @@
-"""OUT/report.md, OUT/report.json and OUT/figures/*.png of a comparison: the numbers of
-`results.py`, the figures of `figures.py`, and the positional logits of each run's final
-checkpoint (exported to OUT/exports/NAME, also the folder tupe-finetune takes).
+"""OUT/report.md, OUT/report.json and OUT/figures/*.png of a comparison: the headline (one
+sentence per result), the numbers of `results.py`, the figures of `figures.py`, the positional
+logits of each run's final checkpoint (exported to OUT/exports/NAME, the folder tupe-finetune
+takes) and Table 1 of the finished fine-tunes (`glue.py`).
 
-Only reads the runs: a run still training, stopped or failed shows as such."""
+Only reads the runs: a run or fine-tune still going, stopped or failed shows as such."""
 
 import json
 import os
 
-from tupe_ds.compare import figures
+from tupe_ds.compare import figures, glue
+from tupe_ds.compare.finetuning import export_for, finetunes_of
+from tupe_ds.compare.launching import read_status
 from tupe_ds.compare.plan import Plan, Run
-from tupe_ds.compare.results import (encoding_curve, finetune_table, race_to_baseline,
-                                     read_description, run_record)
-from tupe_ds.compare.runner import read_status
+from tupe_ds.compare.results import (encoding_curve, race_to_baseline, read_description,
+                                     run_record)
 from tupe_ds.files import write_atomically
 from tupe_ds.model.config import ENCODINGS
 
 POSITIONS_SHOWN = 128  # the first positions of the positional-logit heatmaps
-
-
-def export_for(plan: Plan, run: Run) -> str:
-    """OUT/exports/NAME: the run's latest checkpoint through tupe-export, redone only when the
-    run has a newer checkpoint. The folder tupe-finetune --model takes."""
-    from tupe_ds.export import export, find_checkpoint
-    from tupe_ds.exported import read_export_description
-
-    exported = os.path.join(plan.out, "exports", run.name)
-    _, step_dir = find_checkpoint(plan.run_dir(run))
-    if os.path.exists(os.path.join(exported, "config.json")):
-        if read_export_description(exported).get("source") == step_dir:
-            return exported
-    export(plan.run_dir(run), exported)
-    return exported
 
 
 def positional_figures(plan: Plan, records: list) -> dict:
@@ -83,7 +70,38 @@ def build(plan: Plan) -> dict:
             "seq_len": description["seq_len"] if description else None,
             "runs": records, "curves": curves, "race": race,
             "figures": {"valid_loss": loss_figure if curves else None},
-            "positional": positional_figures(plan, records), "finetune": finetune_table(plan)}
+            "positional": positional_figures(plan, records), "finetune": finetune_report(plan)}
+
+
+def finetune_report(plan: Plan):
+    """Table 1 of the finished fine-tunes and the state of every fine-tune; None when the plan
+    fine-tunes nothing."""
+    if not plan.tasks:
+        return None
+    finetunes, states = finetunes_of(plan)
+    return {"tasks": list(plan.tasks), "flags": list(plan.finetune_flags), "states": states,
+            "table": glue.table(finetunes, plan.baseline, plan.tasks)}
+
+
+def race_sentence(race: dict, steps: int) -> str:
+    """The pretraining result in one sentence: steps to the baseline's final validation loss."""
+    baseline = race["baseline"]
+    if race["target"] is None:
+        return f"Pretraining: no validation loss of the baseline {baseline} yet."
+    parts = [f"{encoding} at step {reached['step']} ({reached['share_of_baseline_steps']:.0%} "
+             "of its steps)" if reached["step"] else f"{encoding} not within {steps} steps"
+             for encoding, reached in race["encodings"].items() if encoding != baseline]
+    return (f"Pretraining: {baseline}'s final validation loss ({race['target']:.4f} at step "
+            f"{race['baseline_step']}) was reached by " + ("; ".join(parts) or "no other encoding")
+            + ".")
+
+
+def headline(report: dict) -> list:
+    """The comparison's results, one sentence each."""
+    sentences = [race_sentence(report["race"], report["steps"])]
+    if report["finetune"]:
+        sentences.append(glue.headline(report["finetune"]["table"]))
+    return sentences
 
 
 def hours(seconds) -> str:
@@ -102,6 +120,7 @@ def markdown(report: dict) -> str:
              f"{report['steps']} steps, seeds {', '.join(map(str, report['seeds']))}, global batch "
              f"{report['global_batch']} x {report['seq_len']} tokens, data `{report['data']}`, "
              f"flags `{flags}`. Every run sees the same batches for the same seed.", "",
+             *(line for sentence in headline(report) for line in (sentence, "")),
              "## Runs", "", "| run | state | checkpoint step | final valid loss | training time |",
              "|---|---|---:|---:|---:|"]
     for r in report["runs"]:
@@ -136,19 +155,20 @@ def markdown(report: dict) -> str:
             lines += [f"### {encoding}", "", f"![{encoding}]({found['figure']})", ""]
     else:
         lines.append("No run with content-free positional logits has a checkpoint yet.")
-    lines += ["", "## Fine-tuning (the paper's Table 1)", ""]
-    table = report["finetune"]
-    if table:
-        columns = sorted({c for row in table.values() for c in row if c != "average"})
-        lines += ["| encoding | " + " | ".join(columns) + " | average |",
-                  "|---|" + "---:|" * (len(columns) + 1)]
-        for encoding, row in table.items():
-            lines.append(f"| {encoding} | " + " | ".join(number(row.get(c)) for c in columns)
-                         + f" | {row['average']:.4f} |")
-        lines += ["", "Each cell: the mean over seeds of tupe-finetune's best configuration."]
+    lines += ["", "## GLUE (the paper's Table 1)", ""]
+    finetune = report["finetune"]
+    if finetune:
+        states = finetune["states"]
+        unfinished = [f"{name} {state}" for name, state in states.items() if state != "complete"]
+        lines += [f"Fine-tuned on {', '.join(finetune['tasks'])} by tupe-finetune (flags "
+                  f"`{' '.join(finetune['flags']) or 'none: the paper grid'}`): "
+                  f"{len(states) - len(unfinished)} of {len(states)} fine-tunes complete"
+                  + "".join(f"; {text}" for text in unfinished) + " (logs: OUT/logs/NAME.TASK.log)"
+                  + ".", ""]
+        lines += glue.markdown(finetune["table"])
     else:
-        lines.append("No fine-tuning results: run `tupe-finetune --model OUT/exports/NAME --out "
-                     "OUT/finetune/NAME ...` for the runs, then the report again.")
+        lines.append("Not fine-tuned: run the comparison again with --finetune GLUE_DIR (the "
+                     "README's \"GLUE\" section).")
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,6 @@
 """The numbers of a comparison, from what its runs left in OUT/runs/NAME (train_log.jsonl,
-run.json, the checkpoints) and OUT/finetune/NAME/results.json: each run's state and validation
-curve against steps, seconds and FLOPs, the mean and band over seeds, the race to the baseline's
-final validation loss, and the fine-tuning table."""
+run.json, the checkpoints): each run's state and validation curve against steps, seconds and
+FLOPs, the mean and band over seeds, and the race to the baseline's final validation loss."""
 
 import json
 import os
@@ -10,7 +9,6 @@ import statistics
 import numpy as np
 
 from tupe_ds.compare.plan import Plan, Run
-from tupe_ds.compare.runner import trained_steps
 
 
 def read_log(run_dir: str) -> dict:
@@ -39,7 +37,7 @@ def run_record(plan: Plan, run: Run, status: dict) -> dict:
     run_dir = plan.run_dir(run)
     entries = read_log(run_dir)
     description = read_description(run_dir)
-    steps_done = trained_steps(plan, run)
+    steps_done = plan.trained_steps(run)
     attempt = status.get(run.name)
     if steps_done >= plan.steps:
         state = "complete"
@@ -112,28 +110,3 @@ def race_to_baseline(curves: dict, baseline: str) -> dict:
                           if step and base_seconds else None}
     return {"baseline": baseline, "target": target, "baseline_step": base_step,
             "encodings": race}
-
-
-def finetune_table(plan: Plan) -> dict:
-    """{encoding: {"TASK VALID (METRIC)": mean over seeds, ..., "average": ...}} from
-    OUT/finetune/NAME/results.json (tupe-finetune --out OUT/finetune/NAME)."""
-    scores = {}
-    for run in plan.runs:
-        path = os.path.join(plan.out, "finetune", run.name, "results.json")
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            tasks = json.load(f)["tasks"]
-        for task, result in tasks.items():
-            for valid, values in result.items():
-                if valid == "best":
-                    continue
-                for metric, value in values.items():
-                    column = f"{task} {valid} ({metric})"
-                    scores.setdefault(run.encoding, {}).setdefault(column, []).append(value)
-    table = {}
-    for encoding, columns in scores.items():
-        row = {column: statistics.fmean(values) for column, values in columns.items()}
-        row["average"] = statistics.fmean(row.values())
-        table[encoding] = row
-    return table

@@ -5,19 +5,21 @@ import json
 import os
 import statistics
 
-from tupe_ds.files import write_atomically
+from tupe_ds.files import locked, write_atomically
 from tupe_ds.finetune.tasks import TASKS, Task
 
 
-def write_reports(out: str, task: Task, runs: dict) -> dict:
-    """The task's summary (returned) and the combined table of every task in `out`."""
-    summary = summarize(task, runs)
+def write_reports(out: str, task: Task, runs: dict, settings: dict) -> dict:
+    """The task's summary (returned) and the combined table of every task in `out` (under a lock:
+    tupe-compare's Slurm array fine-tunes one model on several tasks at once)."""
+    summary = {**summarize(task, runs), "settings": settings}
     os.makedirs(out, exist_ok=True)
-    write_atomically(os.path.join(out, f"{task.name}.json"), json.dumps(summary, indent=1))
     write_atomically(os.path.join(out, f"{task.name}.md"), markdown(summary))
-    table, everything = combined_table(out)
-    write_atomically(os.path.join(out, "results.md"), table)
-    write_atomically(os.path.join(out, "results.json"), everything)
+    with locked(os.path.join(out, ".results.lock")):
+        write_atomically(os.path.join(out, f"{task.name}.json"), json.dumps(summary, indent=1))
+        table, everything = combined_table(out)
+        write_atomically(os.path.join(out, "results.md"), table)
+        write_atomically(os.path.join(out, "results.json"), everything)
     return summary
 
 
@@ -27,11 +29,13 @@ def summarize(task: Task, runs: dict) -> dict:
     configurations = {}
     for lr, seeds in runs.items():
         valid_sets = next(iter(seeds.values()))
-        median = {name: {m: statistics.median(seeds[s][name][m] for s in seeds) for m in task.metrics}
+        median = {name: {m: statistics.median(seeds[s][name][m] for s in seeds)
+                         for m in task.metrics}
                   for name in valid_sets}
         configurations[f"lr={lr:g}"] = {"lr": lr, "seeds": seeds, "median": median}
     first_set = next(iter(next(iter(configurations.values()))["median"]))
-    best = max(configurations, key=lambda c: configurations[c]["median"][first_set][task.metrics[0]])
+    best = max(configurations,
+               key=lambda c: configurations[c]["median"][first_set][task.metrics[0]])
     return {"task": task.name, "metric": task.metrics[0], "configurations": configurations,
             "best": best, "best_median": configurations[best]["median"]}
 
@@ -68,7 +72,9 @@ def combined_table(out: str) -> tuple:
     lines = ["# Fine-tuning: best configuration per task, median over seeds", "",
              f"| {header} |", "|" + "---:|" * len(columns),
              "| " + " | ".join(f"{value:.4f}" for *_, value, _ in columns) + " |", "",
-             "Best configurations: " + ", ".join(f"{task} {best}" for task, _, _, _, best in columns),
+             "Best configurations: "
+             + ", ".join(f"{task} {best}" for task, _, _, _, best in columns),
              "", "Every seed: the TASK.md files beside this one."]
-    table = {task: {"best": best, valid: {metric: value}} for task, valid, metric, value, best in columns}
+    table = {task: {"best": best, valid: {metric: value}}
+             for task, valid, metric, value, best in columns}
     return "\n".join(lines) + "\n", json.dumps({"tasks": table, "summaries": summaries}, indent=1)

@@ -16,6 +16,7 @@ seed, the medians) and results.md / results.json: the best of every task fine-tu
 import argparse
 import math
 import os
+import signal
 import sys
 
 import numpy as np
@@ -26,6 +27,7 @@ from torch import nn
 from tupe_ds import launch
 from tupe_ds.exported import ExportError, exported_config, load_exported
 from tupe_ds.finetune.metrics import METRICS
+from tupe_ds.finetune.progress import Progress, finetune_settings, finished
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
 from tupe_ds.model.layers import embed
@@ -45,13 +47,15 @@ class SequenceClassifier(nn.Module):
         self.embedding, self.encoder = pretrained.embedding, pretrained.encoder
         self.max_positions = config.max_position_embeddings
         h = config.hidden_size
-        self.head = nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Dropout(dropout), nn.Linear(h, outputs))
+        self.head = nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Dropout(dropout),
+                                  nn.Linear(h, outputs))
         for layer in (self.head[0], self.head[3]):
             nn.init.normal_(layer.weight, std=config.init_std)
             nn.init.zeros_(layer.bias)
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.encoder(embed(self.embedding, input_ids, self.max_positions), attention_mask == 0)
+        hidden = self.encoder(embed(self.embedding, input_ids, self.max_positions),
+                              attention_mask == 0)
         return self.head(hidden[0])  # [n, b, h]: position 0 is [CLS] -> [b, outputs]
 
 
@@ -123,7 +127,8 @@ def evaluate(model, task: Task, data: dict, device) -> dict:
         for start in range(0, len(mine), 64):
             input_ids, mask = data["tokenizer"].batch([ids[i] for i in mine[start:start + 64]])
             output = model(input_ids.to(device), mask.to(device)).float().cpu()
-            predictions += (output.squeeze(-1) if task.labels is None else output.argmax(-1)).tolist()
+            predicted = output.squeeze(-1) if task.labels is None else output.argmax(-1)
+            predictions += predicted.tolist()
         pairs = list(zip(mine, predictions))
         if world > 1:
             gathered = [None] * world
@@ -134,17 +139,27 @@ def evaluate(model, task: Task, data: dict, device) -> dict:
     return results
 
 
+def stop_for_requeue(progress: str) -> None:
+    """SIGUSR1 (Slurm, before the time limit): stop now with exit code 0, for the job to requeue
+    itself; the finished (learning rate, seed) results are in `progress` already."""
+    print(f"SIGUSR1: stopping; the finished runs are kept in {progress}, and the same command "
+          "goes on from there", flush=True)
+    os._exit(0)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tupe-finetune", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a folder written by tupe-export")
     p.add_argument("--task", required=True, choices=sorted(TASKS))
-    p.add_argument("--train", required=True, help="training file (.tsv in GLUE's layout, .csv, .jsonl)")
+    p.add_argument("--train", required=True,
+                   help="training file (.tsv in GLUE's layout, .csv, .jsonl)")
     p.add_argument("--valid", required=True, nargs="+", help="dev file(s), NAME=FILE to name them")
     p.add_argument("--out", required=True,
                    help="results folder, shared by tasks: TASK.md/.json, results.md/.json")
     p.add_argument("--lr", type=float, nargs="+", default=PAPER_LEARNING_RATES)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    p.add_argument("--epochs", type=int, help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
+    p.add_argument("--epochs", type=int,
+                   help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup-ratio", type=float, default=0.06)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -158,15 +173,21 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     launch.discover()
     task = TASKS[args.task]
+    valid = parse_valid(args.valid)
     try:  # everything about the inputs is checked before a model is built
-        model_config, _ = exported_config(args.model)
+        model_config, description = exported_config(args.model)
+        settings = finetune_settings(args, task, description.get("source"), valid)
+        if finished(args.out, task.name, settings, args.lr, args.seeds):
+            print(f"{task.name}: finished before with these settings ({args.out}/{task.name}.json)"
+                  "; nothing to do", flush=True)
+            return 0
         max_length = min(args.max_length, model_config.max_position_embeddings)
         tokenizer = ExampleTokenizer(os.path.join(args.model, "tokenizer.json"),
                                      model_config.vocab_size, max_length)
         data = {"tokenizer": tokenizer, "valid": {}}
         examples = read_examples(args.train, task)
         data["train"] = (tokenizer(examples), [label for _, label in examples])
-        for name, path in parse_valid(args.valid).items():
+        for name, path in valid.items():
             examples = read_examples(path, task)
             data["valid"][name] = (tokenizer(examples), [label for _, label in examples])
     except (TaskDataError, ExportError, FileNotFoundError) as error:
@@ -177,10 +198,21 @@ def main(argv=None) -> int:
     device = accelerator_device()  # before any process group: see end_distributed
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
-    runs = {lr: {seed: run_one(args, task, data, lr, seed, device) for seed in args.seeds}
-            for lr in args.lr}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        summary = write_reports(args.out, task, runs)
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    progress = Progress(args.out, task.name, settings, writer)
+    signal.signal(signal.SIGUSR1, lambda *_: stop_for_requeue(progress.path))
+    runs = {}
+    for lr in args.lr:
+        for seed in args.seeds:
+            results = progress.get(lr, seed)
+            if results is None:
+                results = progress.record(lr, seed, run_one(args, task, data, lr, seed, device))
+            elif writer:
+                print(f"{task.name} lr {lr:g} seed {seed}: done before ({progress.path}), "
+                      "not redone", flush=True)
+            runs.setdefault(lr, {})[seed] = results
+    if writer:
+        summary = write_reports(args.out, task, runs, settings)
         print(f"best {summary['best']}: " + ", ".join(
             f"{name} {summary['metric']} {values[summary['metric']]:.4f}"
             for name, values in summary["best_median"].items()))

@@ -5,6 +5,7 @@ with a header / `.jsonl` with one object per line using the same column names.
 """
 
 import csv
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ class Task:
     metrics: Tuple[str, ...]  # the first is the one the paper reports
     epochs: int  # the paper: 5 for the high-resource tasks, else 10
     headerless: Optional[Tuple[str, ...]] = None  # column names of a TSV without a header (CoLA)
+    glue_folder: str = ""  # the task's folder in GLUE's download
+    glue_dev: Tuple[Tuple[str, str], ...] = (("dev", "dev.tsv"),)  # (set name, file) in it
 
     @property
     def num_outputs(self) -> int:
@@ -33,17 +36,21 @@ class Task:
 
 TASKS = {task.name: task for task in [
     Task("cola", ("sentence",), "label", ("0", "1"), ("matthews", "accuracy"), 10,
-         headerless=("source", "label", "original_label", "sentence")),
-    Task("sst2", ("sentence",), "label", ("0", "1"), ("accuracy",), 10),
-    Task("mrpc", ("#1 String", "#2 String"), "Quality", ("0", "1"), ("accuracy", "f1"), 10),
-    Task("stsb", ("sentence1", "sentence2"), "score", None, ("pearson", "spearman"), 10),
-    Task("qqp", ("question1", "question2"), "is_duplicate", ("0", "1"), ("accuracy", "f1"), 5),
+         headerless=("source", "label", "original_label", "sentence"), glue_folder="CoLA"),
+    Task("sst2", ("sentence",), "label", ("0", "1"), ("accuracy",), 10, glue_folder="SST-2"),
+    Task("mrpc", ("#1 String", "#2 String"), "Quality", ("0", "1"), ("accuracy", "f1"), 10,
+         glue_folder="MRPC"),
+    Task("stsb", ("sentence1", "sentence2"), "score", None, ("pearson", "spearman"), 10,
+         glue_folder="STS-B"),
+    Task("qqp", ("question1", "question2"), "is_duplicate", ("0", "1"), ("accuracy", "f1"), 5,
+         glue_folder="QQP"),
     Task("mnli", ("sentence1", "sentence2"), "gold_label",
-         ("contradiction", "entailment", "neutral"), ("accuracy",), 5),
+         ("contradiction", "entailment", "neutral"), ("accuracy",), 5, glue_folder="MNLI",
+         glue_dev=(("m", "dev_matched.tsv"), ("mm", "dev_mismatched.tsv"))),
     Task("qnli", ("question", "sentence"), "label", ("entailment", "not_entailment"),
-         ("accuracy",), 5),
+         ("accuracy",), 5, glue_folder="QNLI"),
     Task("rte", ("sentence1", "sentence2"), "label", ("entailment", "not_entailment"),
-         ("accuracy",), 10),
+         ("accuracy",), 10, glue_folder="RTE"),
 ]}
 
 
@@ -54,11 +61,26 @@ class TaskDataError(ValueError):
 Example = Tuple[Tuple[str, ...], Union[int, float]]  # (texts, label index or score)
 
 
-def read_examples(path: str, task: Task) -> List[Example]:
-    """(texts, label) of every row; errors name the file, the line and what to change."""
+def glue_files(directory: str, task: Task) -> tuple:
+    """(train file, {dev set name: file}) of `task` in a folder laid out as GLUE's download."""
+    folder = os.path.join(directory, task.glue_folder)
+    return (os.path.join(folder, "train.tsv"),
+            {name: os.path.join(folder, file) for name, file in task.glue_dev})
+
+
+def check_glue_task(directory: str, task: Task) -> None:
+    """The task's files are there and their first rows read (a quick look, not every row)."""
+    train, dev = glue_files(directory, task)
+    for path in (train, *dev.values()):
+        read_examples(path, task, limit=10)
+
+
+def read_examples(path: str, task: Task, limit: Optional[int] = None) -> List[Example]:
+    """(texts, label) of every row (of the first `limit` rows); errors name the file, the line and
+    what to change."""
     if not os.path.exists(path):
         raise TaskDataError(f"{path}: no such file")
-    rows = list(_rows(path, task))
+    rows = list(itertools.islice(_rows(path, task), limit))
     if not rows:
         raise TaskDataError(f"{path}: no examples")
     examples = []
@@ -113,7 +135,8 @@ class ExampleTokenizer:
         size = self.tokenizer.get_vocab_size()
         if size > model_vocabulary:
             raise TaskDataError(f"{path}: {size} tokens, more than the model's vocabulary of "
-                                f"{model_vocabulary}: not the tokenizer this model was trained with")
+                                f"{model_vocabulary}: not the tokenizer this model was trained "
+                                "with")
         ids = {t: self.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")}
         if None in ids.values():
             raise TaskDataError(f"{path}: no {', '.join(t for t, i in ids.items() if i is None)} "
