@@ -135,15 +135,17 @@ def table(finetunes: dict, baseline: str, tasks, resamples: int = RESAMPLES) -> 
     for encoding, seeds in per_seed.items():
         if encoding == baseline:
             continue
-        found = {}
+        found, bootstrapped = {}, {}  # {pretraining seed: every column's bootstrap}
         for name in everything:
             common = [s for s in seeds if name in seeds[s] and name in base.get(s, {})]
             if len(common) >= 2:
                 found[name] = paired([seeds[s][name] - base[s][name] for s in common])
             elif len(common) == 1:
-                found[name] = bootstrap(finetunes[encoding][common[0]],
-                                        finetunes[baseline][common[0]], wanted,
-                                        resamples).get(name)
+                seed = common[0]
+                if seed not in bootstrapped:
+                    bootstrapped[seed] = bootstrap(finetunes[encoding][seed],
+                                                   finetunes[baseline][seed], wanted, resamples)
+                found[name] = bootstrapped[seed].get(name)
             else:
                 found[name] = None
         result["differences"][encoding] = found
