@@ -15,7 +15,7 @@ from tupe_ds import launch
 from tupe_ds.data.loader import TrainBatches, Vocabulary
 from tupe_ds.parallel import accelerator_device, end_distributed, gather_tensor_parallel
 from tupe_ds.train.loop import build_engine, datasets, saved_layout, write_run_description
-from tupe_ds.train import checkpoint
+from tupe_ds.train.checkpoint.save import save
 from tupe_ds.train.config import load
 from tupe_ds.train.objectives import OBJECTIVES
 
@@ -38,9 +38,10 @@ def main(argv):
                            parallel_state.get_data_parallel_rank(), run.dp_size)
     for _ in range(run.steps):
         steps.train(batches.next_step(), {})
-    checkpoint.save(engine, os.path.join(run.out, "checkpoints"), run.steps,
-                    {"step": run.steps, "consumed": batches.consumed}, keep=1,
-                    layout=saved_layout(run, engine))
+    save(engine, os.path.join(run.out, "checkpoints"), run.steps,
+         {"step": run.steps, "consumed": batches.consumed}, keep=1,
+         layout=saved_layout(run, engine), record={"lineage": "test", "identity": run.identity},
+         device=device)
 
     ids, mask, labels = inputs(batch=3, n=40, vocab=1000)
     engine.eval()

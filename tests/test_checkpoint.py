@@ -1,23 +1,113 @@
-"""Which checkpoint a run resumes from: only complete ones (`latest` is written after all ranks)."""
+"""The checkpoint folder's rules on made-up folders (the real runs: test_run_integrity.py):
+completeness is the manifest's, retention removes only this lineage's older checkpoints, what is
+in the way is set aside; and the non-finite guard's counting, fp16's scaler included."""
 
 import os
+from types import SimpleNamespace
 
-from tupe_ds.train import checkpoint
-
-
-def test_saves_newer_than_latest_are_incomplete_and_removed(tmp_path):
-    for step in (2, 4, 6):
-        (tmp_path / f"step{step}").mkdir()
-        (tmp_path / f"step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x")
-    (tmp_path / "latest").write_text("step4")  # the save of step 6 was cut short
-    checkpoint.remove_incomplete(str(tmp_path))
-    assert checkpoint.saved_steps(str(tmp_path)) == [2, 4]
-    assert checkpoint.latest_tag(str(tmp_path)) == "step4"
+from tupe_ds.train import nonfinite
+from tupe_ds.train.checkpoint import folder, identity, manifest
 
 
-def test_without_latest_nothing_is_complete(tmp_path):
-    (tmp_path / "step2").mkdir()  # the very first save was cut short
-    checkpoint.remove_incomplete(str(tmp_path))
-    assert checkpoint.saved_steps(str(tmp_path)) == []
-    assert checkpoint.latest_tag(str(tmp_path)) is None
-    assert not os.path.exists(tmp_path / "latest")
+def checkpoint(directory, step, lineage="mine"):
+    step_dir = directory / f"step{step}"
+    step_dir.mkdir(parents=True)
+    (step_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * step)
+    if lineage is not None:
+        files = manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"])
+        manifest.write(str(step_dir), {"step": step, "lineage": lineage, "files": files})
+
+
+def test_completeness_is_the_manifests_not_latest(tmp_path):
+    checkpoint(tmp_path, 4)
+    checkpoint(tmp_path, 6)
+    checkpoint(tmp_path, 8, lineage=None)  # a save cut short
+    assert folder.complete_steps(str(tmp_path)) == [4, 6]
+    assert folder.latest_step(str(tmp_path)) == 6  # no `latest` at all
+    (tmp_path / "latest").write_text("step4")
+    assert folder.latest_step(str(tmp_path)) == 6
+
+
+def test_a_checkpoint_of_an_earlier_version_is_found_through_latest(tmp_path):
+    checkpoint(tmp_path, 2, lineage=None)
+    checkpoint(tmp_path, 4, lineage=None)
+    assert folder.latest_step(str(tmp_path)) == 0
+    (tmp_path / "latest").write_text("step2")
+    assert folder.legacy_step(str(tmp_path)) == 2 and folder.latest_step(str(tmp_path)) == 2
+
+
+def test_retention_removes_only_this_lineages_older_checkpoints(tmp_path):
+    for step in (2, 4, 6, 8):
+        checkpoint(tmp_path, step)
+    checkpoint(tmp_path, 3, lineage="another run")
+    checkpoint(tmp_path, 10, lineage="another run")
+    checkpoint(tmp_path, 5, lineage=None)
+    (tmp_path / ".deleting-step1").mkdir()  # a deletion a kill cut short
+    assert folder.retire(str(tmp_path), 8, "mine", keep=2) == [2, 4]
+    assert folder.step_folders(str(tmp_path)) == [3, 5, 6, 8, 10]
+    assert not (tmp_path / ".deleting-step1").exists()
+    assert folder.retire(str(tmp_path), 8, "mine", keep=1) == [6]
+    assert folder.retire(str(tmp_path), 8, "mine", keep=1) == []  # never the one just written
+
+
+def test_folders_in_the_way_are_set_aside_not_deleted(tmp_path):
+    checkpoint(tmp_path, 2)
+    checkpoint(tmp_path, 4, lineage=None)
+    said = folder.set_aside(str(tmp_path), [4, 6], "in the way")
+    assert said.startswith("tupe-pretrain: step4 (in the way) moved to")
+    assert "nothing was deleted" in said
+    moved = [os.path.join(root, d) for root, dirs, _ in os.walk(tmp_path / "set-aside")
+             for d in dirs]
+    assert any(path.endswith("step4") for path in moved)
+    assert folder.step_folders(str(tmp_path)) == [2]
+    assert folder.set_aside(str(tmp_path), [6], "in the way") is None
+
+
+def test_differences_name_each_setting():
+    saved = {"seq_len": 128, "models": [{"hidden_dropout": 0.1}], "data": {"train": "a"}}
+    now = {"seq_len": 512, "models": [{"hidden_dropout": 0.1}], "data": {"train": "b"}}
+    assert identity.differences(saved, now) == [
+        "the data (--data): other content than the checkpoint's (data.train)",
+        "seq_len: 128 in the checkpoint, 512 now"]
+    assert identity.differences(saved, saved) == []
+
+
+def engine(fp16=False, scale=1.0, min_scale=1.0):
+    scaler = SimpleNamespace(dynamic=fp16, cur_scale=scale, min_scale=min_scale,
+                             raise_error_at_min_scale=True)
+    return SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scaler=scaler),
+                           fp16_enabled=lambda: fp16)
+
+
+def test_the_guard_counts_skipped_steps_in_a_row():
+    run = engine()
+    guard = nonfinite.NonFiniteGuard(run, limit=2)
+    assert run.optimizer.loss_scaler.raise_error_at_min_scale is False  # the guard stops instead
+    assert guard.after_step(1) is None
+    run.skipped_steps = 1
+    assert "step 2: loss or gradient not finite" in guard.after_step(2)
+    assert guard.after_step(3) is None and not guard.exhausted  # applied: the row is broken
+    run.skipped_steps = 2
+    guard.after_step(4)
+    run.skipped_steps = 3
+    guard.after_step(5)
+    assert guard.exhausted and guard.state() == {"in_a_row": 2, "total": 3}
+    assert "stopping at step 5: 2 steps in a row" in guard.stop_message(5, "step4")
+
+
+def test_fp16_skips_count_only_once_the_loss_scale_is_at_its_minimum():
+    run = engine(fp16=True, scale=2.0 ** 16, min_scale=1.0)
+    guard = nonfinite.NonFiniteGuard(run, limit=1)
+    run.skipped_steps = 1
+    assert guard.after_step(1) is None and not guard.exhausted  # the scaler finding its scale
+    run.optimizer.loss_scaler.cur_scale = 1.0
+    run.skipped_steps = 2
+    assert guard.after_step(2) is not None and guard.exhausted
+
+
+def test_configs_that_would_apply_a_step_that_is_not_finite_are_refused():
+    assert "ZeRO stage 0 in fp32" in nonfinite.config_problem({}, "fp32")
+    assert nonfinite.config_problem({"zero_optimization": {"stage": 1}}, "fp32") is None
+    assert nonfinite.config_problem({"bf16": {"enabled": True}}, "bf16") is None
+    assert "check_grad_overflow" in nonfinite.config_problem(
+        {"bf16": {"check_grad_overflow": False}}, "bf16")

@@ -208,7 +208,8 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
 
 def fake_launch(failing: str):
     """runner.launch_command for tests: the run of `failing` exits 3; any other run writes what a
-    finished tupe-pretrain leaves (run.json, train_log.jsonl, checkpoints/latest)."""
+    finished tupe-pretrain leaves (run.json, train_log.jsonl, a checkpoint as earlier versions
+    wrote it: a step folder and `latest`)."""
     def command(plan, run, launcher):
         if run.encoding == failing:
             return [sys.executable, "-c", "import sys; print('Traceback: boom'); sys.exit(3)"]
@@ -224,6 +225,7 @@ with open(os.path.join(d, "train_log.jsonl"), "w") as f:
         entry = {{"step": step, "train/loss": 1.0, "throughput/seconds_per_step": 0.5}}
         f.write(json.dumps(entry) + "\\n")
     f.write(json.dumps({{"step": {plan.steps}, "valid/loss": 2.5}}) + "\\n")
+os.makedirs(os.path.join(d, "checkpoints", "step{plan.steps}"), exist_ok=True)
 open(os.path.join(d, "checkpoints", "latest"), "w").write("step{plan.steps}")
 """
         return [sys.executable, "-c", script]

@@ -162,12 +162,14 @@ def test_node_killed_mid_save_resumes_from_the_previous_checkpoint(two_nodes, da
     job = two_nodes.wait_until_done(job_id)
     assert job["JobState"] == "FAILED"
     assert (checkpoints / "latest").read_text() == latest_before == f"step{saving[-1] - 2}"
+    assert not (checkpoints / f"step{saving[-1]}" / "manifest.json").exists()
     killed = open(f"{out}.log").read()
     assert (f"tupe-pretrain rank 0: waiting 1 s for every rank to write checkpoint "
             f"step{saving[-1]}") in killed, killed[-3000:]
     output = finished(two_nodes, submit(two_nodes, data, out, "--tp", "2", "--save-interval", "2"),
                       out)
     assert f"resumed at step {saving[-1] - 2} of {STEPS}" in output.split("stopping")[-1]
+    assert f"step{saving[-1]} (newer than step{saving[-1] - 2}" in output  # set aside, kept
     assert "4 processes from srun (tp 2, pp 1, dp 2)" in output
     assert_trains_like_one_process(out, one_process, tmp_path)
 

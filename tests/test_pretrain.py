@@ -148,27 +148,6 @@ def wait_for(condition, process, timeout=300):
         time.sleep(0.5)
 
 
-def test_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(data, tmp_path):
-    flags = ["--pos-encoding", "tupe-r", "--steps", "20", "--save-interval", "2",
-             "--eval-interval", "20", "--keep-checkpoints", "2"]
-    train("deepspeed", 2, data, tmp_path / "whole", *flags)
-    out = tmp_path / "killed"
-    process = subprocess.Popen(command("deepspeed", 2, data, out, *flags), env=environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    latest = out / "checkpoints" / "latest"
-    wait_for(lambda: latest.exists() and int(latest.read_text()[4:]) >= 4, process)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    resumed_from = int(latest.read_text()[4:])
-    stdout = train("deepspeed", 2, data, out, *flags)
-    assert resumed_from < 20 and f"resumed at step {resumed_from} of 20" in stdout
-    whole, killed = losses(tmp_path / "whole"), losses(out)
-    for step in range(resumed_from + 1, 21):
-        assert killed[step] == pytest.approx(whole[step], rel=1e-5, abs=1e-6), step
-    assert sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step")) == ["step18", "step20"]
-
-
 def test_sigusr1_saves_a_checkpoint_and_stops_cleanly(data, tmp_path):
     out = tmp_path / "preempted"
     process = subprocess.Popen(command("torchrun", 2, data, out, "--steps", "1000",

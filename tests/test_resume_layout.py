@@ -1,4 +1,4 @@
-"""Resuming on a different layout (tupe_ds/train/reshard.py): a checkpoint written at dp=2 (ZeRO-1
+"""Resuming on a different layout (tupe_ds/train/checkpoint/reshard.py): a checkpoint written at dp=2 (ZeRO-1
 and ZeRO-2) resumes at dp=1, at dp=4 and with another micro-batch x accumulation split, and a
 tp=2 checkpoint at tp=1; the losses after the change equal those of the uninterrupted run (fp32,
 dropout off: the data-parallel and tensor-parallel sizes do not change the losses, as
@@ -111,7 +111,7 @@ def test_ranks_of_a_new_layout_derive_distinct_reproducible_random_states():
     import torch
     from megatron.core import tensor_parallel
 
-    from tupe_ds.train.checkpoint import derive_rng_state
+    from tupe_ds.train.checkpoint.rng import derive_rng_state
 
     def draws(step, dp, pp, tp):
         derive_rng_state(1234, step, dp, pp, tp)

@@ -118,10 +118,12 @@ def test_a_checkpoint_of_another_layout_is_converted_or_refused_before_any_proce
     saved_checkpoint(tmp_path / "run", world_size=4, dp=4, vocab_size=1280)
     monkeypatch.setenv("WORLD_SIZE", "2")
     run = load(base(data, tmp_path, "--tp", "2"))
-    assert run.resharding.convert and run.resharding.saved.dp == 4
+    assert run.resume_plan.resharding.convert and run.resume_plan.resharding.saved.dp == 4
+    assert not run.resume_plan.verified  # no manifest: written by an earlier version
     assert run.ds_config["checkpoint"]["load_universal"]
     assert run.models[0].vocab_size == 1280  # the checkpoint's padding, not this tp's (1024)
-    assert load(base(data, tmp_path, "--resume", "never")).resharding is None
+    assert "--resume never, and it holds checkpoints of a run (step3)" in fails(
+        base(data, tmp_path, "--resume", "never"), monkeypatch)
 
     saved_checkpoint(tmp_path / "pp", world_size=2, pp=2, dp=1)
     message = fails(base(data, tmp_path, out=str(tmp_path / "pp")), monkeypatch, world=4)

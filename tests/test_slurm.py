@@ -121,6 +121,26 @@ def test_compare_arrays_run_every_encoding_its_fine_tunes_then_the_report(cluste
             assert finetune["table"]["scores"][run.split("-seed")[0]][task]["mean"] == score
 
 
+def test_two_phase_chain_starts_phase_2_from_phase_1_once_it_succeeded(cluster, data, tmp_path):
+    """slurm/submit_two_phase.sh: phase 1 (seq 32 here), then, after it, phase 2 (seq 64) from
+    its last checkpoint through --init-from (afterok)."""
+    env = {**cluster.env, **job_environment(), "TUPE_DS_ROOT": ROOT, "PHASE1_STEPS": "4",
+           "PHASE2_STEPS": "2", "PHASE1_SEQ_LEN": "32", "PHASE2_SEQ_LEN": "64",
+           "SUBMIT_ARGS": " ".join(SBATCH_ON_THIS_NODE) + f" --chdir={ROOT} "
+                          f"--output={tmp_path}/%x.log"}
+    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "submit_two_phase.sh"), data,
+                             str(tmp_path / "bert"), *TINY, "--eval-interval", "100"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    phase1, phase2 = (result.stdout.split(f"phase {n}: job ")[1].split()[0] for n in (1, 2))
+    job = cluster.wait_until_done(phase2, timeout=300)
+    first, second = ((tmp_path / f"tupe-phase{n}.log").read_text() for n in (1, 2))
+    assert job["JobState"] == "COMPLETED", first[-2000:] + second[-2000:] + cluster.logs()
+    assert "x 32 tokens" in first and "x 64 tokens" in second
+    assert f"initialised from {tmp_path}/bert/phase1/checkpoints/step4: its weights" in second
+    assert cluster.job(phase1)["EndTime"] <= job["StartTime"]
+
+
 def test_prep_array_job_and_merge_equal_one_tupe_prep_run(cluster, tmp_path):
     rng = random.Random(5)
     files = [write_txt(tmp_path / f"part{i}.txt", [unique_document(rng) for _ in range(6)])

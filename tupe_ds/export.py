@@ -1,10 +1,13 @@
 """tupe-export: a pretraining checkpoint as one fp32 model that transformers and tupe_ds load.
 
-    tupe-export runs/large/checkpoints --out exported/large           # its latest checkpoint
+    tupe-export runs/large/checkpoints --out exported/large           # its newest checkpoint
     tupe-export runs/large/checkpoints/step100000 --out exported/large-100k
     tupe-export runs/electra --out exported/electra-gen --electra-network generator
 
 RUN_DIR/run.json (written by tupe-pretrain) says which model and layout the checkpoint holds.
+The checkpoint's files are checked first (the manifest's sizes and checksums, every pickle read
+with weights_only: tupe_ds/train/checkpoint/safe_load.py), since DeepSpeed's zero_to_fp32
+unpickles them without that guard.
 Each model-parallel slice (tensor-parallel rank x pipeline stage) becomes an fp32 state dict:
 through DeepSpeed's zero_to_fp32 where ZeRO optimizer shards hold the fp32 weights (any ZeRO
 stage, fp16/bf16 runs included), else from the saved module. Pipeline parameter names are mapped
@@ -39,6 +42,8 @@ from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
 from tupe_ds.parallel import end_distributed, ensure_model_parallel
+from tupe_ds.train.checkpoint import manifest, safe_load
+from tupe_ds.train.checkpoint.folder import latest_step, tag_of
 
 FORMATS = {
     "hf": "a transformers model (AutoModel* with trust_remote_code=True, AutoTokenizer): "
@@ -50,20 +55,34 @@ FORMATS = {
 
 
 def find_checkpoint(path: str) -> tuple:
-    """(run folder, checkpoint folder) from RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/stepN."""
+    """(run folder, checkpoint folder) from RUN_DIR, RUN_DIR/checkpoints (its newest complete
+    checkpoint) or RUN_DIR/checkpoints/stepN."""
     path = os.path.abspath(path)
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
-    if os.path.exists(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as f:
-            path = os.path.join(path, f.read().strip())
+    newest = latest_step(path)
+    if newest and not os.path.basename(path).startswith("step"):
+        path = os.path.join(path, tag_of(newest))
     if not glob.glob(os.path.join(path, "*mp_rank_*_model_states.pt")):
         raise ExportError(f"{path}: not a complete DeepSpeed checkpoint (no mp_rank_*_model_states.pt);"
-                          " give RUN_DIR/checkpoints (its latest) or RUN_DIR/checkpoints/stepN")
+                          " give RUN_DIR/checkpoints (its newest) or RUN_DIR/checkpoints/stepN")
     run_dir = os.path.dirname(os.path.dirname(path))
     if not os.path.exists(os.path.join(run_dir, "run.json")):
         raise ExportError(f"{run_dir}/run.json: missing; tupe-pretrain writes it at the start of a run")
     return run_dir, path
+
+
+def check_files(step_dir: str) -> None:
+    """Before DeepSpeed's zero_to_fp32 unpickles anything: the manifest's sizes and checksums,
+    and every .pt read with weights_only (a checkpoint of an earlier version, without a
+    manifest, only the latter)."""
+    if manifest.exists(step_dir):
+        problems = manifest.check_files(step_dir, manifest.read(step_dir)["files"])
+    else:
+        files = sorted(glob.glob(os.path.join(step_dir, "*.pt")))
+        problems = [problem for problem in map(safe_load.scan, files) if problem]
+    if problems:
+        raise ExportError("; ".join(problems))
 
 
 def slice_state(step_dir: str, rank: int, tp: int) -> Dict[str, Tensor]:
@@ -78,15 +97,14 @@ def slice_state(step_dir: str, rank: int, tp: int) -> Dict[str, Tensor]:
             os.makedirs(os.path.join(tmp, "slice"))
             for path in glob.glob(os.path.join(step_dir, f"*{mark}_*states.pt")):
                 target = os.path.join(tmp, "slice", os.path.basename(path).replace(mark, "mp_rank_00"))
-                states = torch.load(path, map_location="cpu", weights_only=False)
+                states = safe_load.load(path)
                 if "module" in states and states["module"] is None:  # pipeline: layers saved apart
                     torch.save({**states, "module": {}}, target)
                 else:
                     os.symlink(path, target)
             state = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="slice")
         return {name: tensor.float() for name, tensor in state.items()}
-    states = torch.load(os.path.join(step_dir, f"{mark}_model_states.pt"), map_location="cpu",
-                        weights_only=False)
+    states = safe_load.load(os.path.join(step_dir, f"{mark}_model_states.pt"))
     if states["module"] is None:  # a pipeline stage without ZeRO: its layer files
         return pipeline_layer_files(step_dir, rank % tp, states)
     return {name: t.float() for name, t in states["module"].items() if torch.is_tensor(t)}
@@ -99,7 +117,7 @@ def pipeline_layer_files(step_dir: str, tensor_rank: int, states: dict) -> Dict[
     state = {}
     for path in glob.glob(os.path.join(step_dir, f"layer_*-model_{tensor_rank:02d}-model_states.pt")):
         index = int(re.match(r"layer_(\d+)", os.path.basename(path)).group(1))
-        for key, tensor in torch.load(path, map_location="cpu", weights_only=False).items():
+        for key, tensor in safe_load.load(path).items():
             for name in (f"{index}.{key}", f"tied_modules.word_embeddings.{key}",
                          f"tied_modules.positional.{key}"):
                 if name in names and torch.is_tensor(tensor):
@@ -162,6 +180,7 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
     if network != "discriminator" and not (electra and format == "hf"):
         raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
                           "--format hf, can be exported; leave the flag out")
+    check_files(step_dir)
     tp, pp = run["tp"], run["pp"]
     configs = [dataclasses.replace(ModelConfig(**model), tensor_parallel_size=1, dtype="fp32")
                for model in run["models"]]
@@ -206,7 +225,7 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tupe-export", description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="RUN_DIR, RUN_DIR/checkpoints (its latest) or .../stepN")
+    p.add_argument("checkpoint", help="RUN_DIR, RUN_DIR/checkpoints (its newest) or .../stepN")
     p.add_argument("--out", required=True, help="folder to write (replaced when complete)")
     p.add_argument("--format", choices=FORMATS, default="hf",
                    help="; ".join(f"{name}: {text}" for name, text in FORMATS.items()))

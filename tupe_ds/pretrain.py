@@ -7,8 +7,10 @@
     srun python -m tupe_ds.pretrain ...  /  mpirun -np 8 python -m tupe_ds.pretrain ...
     deepspeed --num_gpus 8 --module tupe_ds.pretrain ... --pp 4   (pipeline, BERT; ZeRO 0 or 1)
 
-Run again with the same --out (and a larger --steps to train on): it resumes from the latest
-complete checkpoint, data position included. SIGTERM or SIGUSR1 saves a checkpoint and stops.
+Run again with the same --out (and a larger --steps to train on): it resumes from the newest
+complete checkpoint, verified, data position included (tupe_ds/train/checkpoint/). SIGTERM or
+SIGUSR1 saves a checkpoint and stops. Exit code 3: the run stopped itself (steps whose loss or
+gradient was not finite), saying why.
 """
 
 import sys
@@ -17,7 +19,7 @@ import warnings
 from tupe_ds import doctor, launch
 from tupe_ds.parallel import end_distributed
 from tupe_ds.train.config import load
-from tupe_ds.train.loop import train
+from tupe_ds.train.loop import TrainingStopped, train
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
@@ -33,7 +35,12 @@ def main(argv=None) -> int:
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
               f"global batch {run.ds_config['train_batch_size']}")
         return 0
-    train(run, launcher)
+    try:
+        train(run, launcher)
+    except TrainingStopped as stopped:
+        print(f"tupe-pretrain: {stopped}", file=sys.stderr, flush=True)
+        end_distributed()
+        return 3
     end_distributed()  # after train() returned: its engine and model are garbage by now
     return 0
 

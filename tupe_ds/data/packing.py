@@ -84,6 +84,20 @@ def check_contiguous(dataset: IndexedDataset, prefix: str) -> None:
                              "the one before it in the .bin; rewrite the dataset with tupe-prep")
 
 
+def dataset_digest(prefix: str) -> str:
+    """The content digest of a dataset's sentence lengths and document boundaries: what the
+    packed samples are made from (the sample index's key; a checkpoint's data identity).
+    Computed once per process and version of PREFIX.idx."""
+    status = os.stat(prefix + ".idx")
+    return digest_of_version(prefix, status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def digest_of_version(prefix: str, *version) -> str:
+    dataset = IndexedDataset(prefix)
+    return content_digest(dataset.sequence_lengths, dataset.document_indices)
+
+
 def mapped_tokens(path: str, dtype) -> np.ndarray:
     """The whole .bin as an array, mapped, not read. Samples are read at random places: the
     kernel is told so, and reads the pages a sample needs rather than 128 kB ahead of each."""
@@ -102,7 +116,7 @@ class PackedSentences:
         self.seq_len, self.cls_id, self.sep_id = seq_len, cls_id, sep_id
         self.pointers = self.dataset.index.sequence_pointers
         self.tokens = mapped_tokens(prefix + ".bin", self.dataset.index.dtype)
-        dataset = content_digest(self.dataset.sequence_lengths, self.dataset.document_indices)
+        dataset = dataset_digest(prefix)
         name = os.path.basename(prefix)
         started = time.time()
         self.boundaries, self.index_path, built = cached_array(

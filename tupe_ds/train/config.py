@@ -1,6 +1,7 @@
 """A run's typed configuration: `load()` puts the command line (`flags.py`), the process layout,
-the DeepSpeed config (`ds_config.py`), the plan to resume a checkpoint of another layout and the
-model configs together in a `RunConfig`, all checked before any heavy work."""
+the DeepSpeed config (`ds_config.py`), the checkpoint to resume or start from (checked against
+this run: `checkpoint/`) and the model configs together in a `RunConfig`, all checked before any
+heavy work."""
 
 import argparse
 import os
@@ -12,10 +13,13 @@ from tokenizers import Tokenizer
 from tupe_ds import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
-from tupe_ds.train import reshard
-from tupe_ds.train.checkpoint import latest_tag
+from tupe_ds.train import nonfinite
+from tupe_ds.train.checkpoint import InitPlan, ResumePlan
+from tupe_ds.train.checkpoint.identity import run_identity
+from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
 from tupe_ds.train.ds_config import deepspeed_config
 from tupe_ds.train.flags import check_flags, fail, index_cache, parser
+from tupe_ds.train.objectives import OBJECTIVES
 
 CPU_CONFIG = doctor.CPU_CONFIG
 
@@ -56,7 +60,7 @@ class RunConfig:
     seed: int
     eval_samples: int
     keep_checkpoints: int
-    resume: bool
+    max_nonfinite_steps: int
     check_only: bool
     layout: Layout
     intervals: Intervals
@@ -66,7 +70,9 @@ class RunConfig:
     index_cache: str  # folder of the sample indexes
     prefetch: int  # steps of batches made ahead by a thread
     vectorised_stream: bool  # --data-stream vectorised
-    resharding: Optional[reshard.Reshard] = None  # resuming a checkpoint of another layout
+    identity: dict  # what defines the stream and the model (checkpoint/identity.py)
+    resume_plan: Optional[ResumePlan] = None  # the checkpoint of --out to resume
+    init_plan: Optional[InitPlan] = None  # --init-from, for a run with nothing to resume
 
     @property
     def world_size(self) -> int:
@@ -88,20 +94,42 @@ def load(argv=None, world_size: Optional[int] = None,
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = process_layout(args, world_size)
     ds_config, dtype = deepspeed_config(args, layout.dp, machine or doctor.probe())
-    resharding = plan_resume(args, layout, ds_config)
+    problem = nonfinite.config_problem(ds_config, dtype)
+    if problem:
+        fail(problem)
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    shape = (layout.world_size, layout.tp, layout.pp, zero_stage)
+    try:
+        resume_plan = plan_resume(args.out, args.resume, args.resume_from, *shape)
+    except ValueError as error:
+        fail(f"--out {args.out}: {error}")
+    resharding = resume_plan.resharding if resume_plan else None
     if resharding is not None and resharding.convert:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
     vocab_size = resharding.saved.vocab_size if resharding else padded_vocab(args.data, args.tp)
+    models = model_configs(args, dtype, vocab_size)
+    identity = run_identity(args.objective, args.model, models, args.data, args.seq_len,
+                            ds_config["train_batch_size"], OBJECTIVES[args.objective].masking,
+                            args.seed)
+    init_plan = None
+    try:
+        if resume_plan is not None:
+            refuse_another_run(resume_plan, identity)
+        elif args.init_from:
+            init_plan = plan_init(args.init_from, args.init_optimizer, identity, *shape)
+    except ValueError as error:
+        fail(str(error))
     return RunConfig(objective=args.objective, model=args.model, data=args.data, out=args.out,
                      steps=args.steps, seq_len=args.seq_len, seed=args.seed,
                      eval_samples=args.eval_samples, keep_checkpoints=args.keep_checkpoints,
-                     resume=args.resume == "auto", check_only=args.check_only, layout=layout,
+                     max_nonfinite_steps=args.max_nonfinite_steps, check_only=args.check_only,
+                     layout=layout,
                      intervals=Intervals(log=args.log_interval, eval=args.eval_interval,
                                          save=args.save_interval, image=args.image_interval),
-                     models=model_configs(args, dtype, vocab_size), ds_config=ds_config,
-                     ds_config_path=args.ds_config, index_cache=index_cache(args),
-                     prefetch=args.prefetch, vectorised_stream=args.data_stream == "vectorised",
-                     resharding=resharding)
+                     models=models, ds_config=ds_config, ds_config_path=args.ds_config,
+                     index_cache=index_cache(args), prefetch=args.prefetch,
+                     vectorised_stream=args.data_stream == "vectorised", identity=identity,
+                     resume_plan=resume_plan, init_plan=init_plan)
 
 
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
@@ -112,25 +140,6 @@ def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
             layout += f" x --pp {args.pp} = {model_parallel}"
         fail(f"{layout} does not divide the {world_size} processes")
     return Layout(world_size=world_size, tp=args.tp, pp=args.pp)
-
-
-def plan_resume(args: argparse.Namespace, layout: Layout,
-                ds_config: dict) -> Optional[reshard.Reshard]:
-    """How the latest checkpoint in --out resumes when it was written by another layout (None:
-    as it is); one that cannot be reshaped stops the run here, before any process starts."""
-    if args.resume != "auto":
-        return None
-    checkpoints = os.path.join(args.out, "checkpoints")
-    tag = latest_tag(checkpoints)
-    try:
-        saved = reshard.read_saved_layout(checkpoints, tag) if tag else None
-        if saved is None:
-            return None
-        return reshard.plan(tag, saved, layout.world_size, layout.tp, layout.pp,
-                            ds_config.get("zero_optimization", {}).get("stage", 0),
-                            reshard.has_zero_shards(os.path.join(checkpoints, tag)))
-    except ValueError as error:
-        fail(f"--out {args.out}: {error}")
 
 
 def model_configs(args: argparse.Namespace, dtype: str, vocab_size: int) -> tuple:

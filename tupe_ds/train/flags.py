@@ -53,12 +53,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=1000, help="steps between validations")
     p.add_argument("--eval-samples", type=int, default=256, help="valid samples per validation")
     p.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints kept")
+    p.add_argument("--keep-checkpoints", type=int, default=3,
+                   help="complete checkpoints of this run kept (older ones are removed after "
+                        "each save; nothing else is ever deleted)")
     p.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
     p.add_argument("--image-interval", type=int, default=1000,
                    help="steps between images of the positional logits in TensorBoard")
     p.add_argument("--resume", choices=["auto", "never"], default="auto",
-                   help="auto: continue from the latest complete checkpoint in --out")
+                   help="auto: continue from the newest complete checkpoint in --out (verified; "
+                        "the previous one if it does not verify); never: refuse to start when "
+                        "--out holds checkpoints")
+    p.add_argument("--resume-from", metavar="stepN",
+                   help="resume from this checkpoint of --out (newer ones are set aside)")
+    p.add_argument("--init-from", metavar="CHECKPOINT",
+                   help="start a new run from another run's weights (RUN_DIR, RUN_DIR/"
+                        "checkpoints or .../stepN) with this run's schedule and data stream: "
+                        "BERT's phase 2 at seq 512 from phase 1 at 128; ignored once --out "
+                        "holds a checkpoint of its own")
+    p.add_argument("--init-optimizer", action="store_true",
+                   help="with --init-from: also Adam's moments and step (same layout)")
+    p.add_argument("--max-nonfinite-steps", type=int, default=3,
+                   help="stop after this many steps in a row whose loss or gradient is not "
+                        "finite (none of them is applied)")
     p.add_argument("--check-only", action="store_true",
                    help="check the command, data and DeepSpeed config for WORLD_SIZE processes, "
                         "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
@@ -74,9 +90,13 @@ def fail(message: str):
 def check_flags(args: argparse.Namespace) -> None:
     """Counts are positive, and --data holds what tupe-prep writes."""
     for name in ("steps", "seq_len", "tp", "pp", "eval_interval", "save_interval", "log_interval",
-                 "image_interval", "keep_checkpoints", "eval_samples"):
+                 "image_interval", "keep_checkpoints", "eval_samples", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1")
+    if args.resume_from and args.resume == "never":
+        fail("--resume-from with --resume never: choose one")
+    if args.init_optimizer and not args.init_from:
+        fail("--init-optimizer needs --init-from CHECKPOINT")
     if args.prefetch < 0:
         fail("--prefetch must be 0 (no thread) or more")
     for name in ("train.idx", "valid.idx", "tokenizer.json"):

@@ -19,12 +19,16 @@ from tupe_ds.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.files import write_atomically
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.parallel import MegatronMPU, accelerator_device, seed_tensor_parallel_rng
-from tupe_ds.train import checkpoint, reshard
+from tupe_ds.train.checkpoint import folder as checkpoint_folder
+from tupe_ds.train.checkpoint import reshard, resume
+from tupe_ds.train.checkpoint.save import NonFiniteWeights, save
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.monitor import Monitor, run_flops_per_step
+from tupe_ds.train.nonfinite import NonFiniteGuard
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
+from tupe_ds.train.stop_signal import StopSignal
 from tupe_ds.train.waits import announced
 
 
@@ -119,6 +123,15 @@ def train(run: RunConfig, launcher: str) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.layout.tp,
                                                  pipeline_model_parallel_size=run.layout.pp)
     os.makedirs(run.out, exist_ok=True)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    plan = run.resume_plan
+    if plan is not None:  # verified by every rank before the engine is built for it
+        layout = run.layout
+        plan = resume.choose(plan, layout.world_size, layout.tp, layout.pp,
+                             run.ds_config.get("zero_optimization", {}).get("stage", 0),
+                             lambda line: say(line, flush=True))
+        convert = plan.resharding is not None and plan.resharding.convert
+        run.ds_config.setdefault("checkpoint", {})["load_universal"] = convert
     if rank == 0:
         write_run_description(run)
 
@@ -132,7 +145,9 @@ def train(run: RunConfig, launcher: str) -> None:
     with announced(f"the sample index of {run.data} (seq-len {run.seq_len})", rank):
         data = datasets(run, vocab, objective.masking)
     checkpoints = os.path.join(run.out, "checkpoints")
-    state = checkpoint.resume(engine, checkpoints, run.resharding, run.seed) if run.resume else None
+    state = resume.load(engine, plan, run.seed) if plan is not None else None
+    if state is None and run.init_plan is not None:
+        resume.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
     step = state["step"] if state else 0
     batches = TrainBatches(data["train"], engine.train_micro_batch_size_per_gpu(),
                            engine.gradient_accumulation_steps(),
@@ -141,22 +156,33 @@ def train(run: RunConfig, launcher: str) -> None:
                            prefetch=run.prefetch if reads_data(run) else 0,
                            pin=device.type != "cpu")
     layout = saved_layout(run, engine)
+    record = {"lineage": resume.lineage_of(plan), "identity": run.identity,
+              "parent": plan.tag if plan else None,
+              "init_from": run.init_plan.step_dir if run.init_plan and not state else None}
+    guard = NonFiniteGuard(engine, run.max_nonfinite_steps,
+                           state.get("nonfinite") if state else None)
+    last_checkpoint = plan.tag if plan else None
     monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank)
-    stop = checkpoint.StopSignal()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    stop = StopSignal()
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {run.world_size} processes from {launcher} "
         f"({run.layout}), global batch {batches.global_batch} x {run.seq_len} tokens, "
         f"{len(data['train'].packed)} train samples", flush=True)
 
-    metrics, totals = {}, {}
+    metrics, totals, failure = {}, {}, None
     while step < run.steps:
         steps.train(batches.next_step(), totals)
         step += 1
+        said = guard.after_step(step)
+        if said:
+            say(said, flush=True)
+        if guard.exhausted:
+            failure = guard.stop_message(step, last_checkpoint)
+            break
         if step % run.intervals.log == 0 or step == run.steps:
             scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
             say(monitor.train(step, steps.reduce(totals), engine.get_lr()[0],
-                              engine.get_global_grad_norm(), scale), flush=True)
+                              engine.get_global_grad_norm(), scale, guard.total), flush=True)
             totals = {}
         if step % run.intervals.eval == 0 or step == run.steps:
             metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
@@ -170,17 +196,30 @@ def train(run: RunConfig, launcher: str) -> None:
                 monitor.positional_images(step, tag, scores)
         stopping = stop.any_rank(device)
         if step % run.intervals.save == 0 or step == run.steps or stopping:
-            checkpoint.save(engine, checkpoints, step, {"step": step, "consumed": batches.consumed},
-                            run.keep_checkpoints, layout)
+            client_state = {"step": step, "consumed": batches.consumed,
+                            "nonfinite": guard.state()}
+            try:
+                save(engine, checkpoints, step, client_state, run.keep_checkpoints, layout,
+                     record, device)
+            except NonFiniteWeights as error:
+                failure = f"{error}; the last good checkpoint is {last_checkpoint or 'none'}"
+                break
+            last_checkpoint = checkpoint_folder.tag_of(step)
         if stopping:
             say(f"stopping at step {step} on {stop.received or 'a signal to another rank'}; "
                 "run the same command to continue", flush=True)
             break
-    if not metrics:  # nothing left to train: report where the run stands
+    if failure is None and not metrics:  # nothing left to train: report where the run stands
         metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
-                               device)
+                           device)
     monitor.close()
     batches.close()
     steps.close()
+    if failure is not None:
+        raise TrainingStopped(failure)
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(run.out, 'tensorboard')}")
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on by itself (non-finite steps or weights); its message says why."""

@@ -41,8 +41,10 @@ class Monitor:
         with open(self.log_path, "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
 
-    def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale) -> str:
-        """Log line and scalars of the steps since the last call; metrics: name -> value."""
+    def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale,
+              nonfinite_steps: int) -> str:
+        """Log line and scalars of the steps since the last call; metrics: name -> value;
+        `nonfinite_steps`: the steps not applied so far (their loss or gradient not finite)."""
         now = time.perf_counter()
         steps = step - self.last_step if self.last_step is not None else 1
         seconds = (now - self.last_time) / max(steps, 1)
@@ -54,6 +56,7 @@ class Monitor:
             "throughput/tokens_per_s": self.tokens / seconds,
             "throughput/tflops_per_rank": self.step_flops / seconds / self.world_size / 1e12,
             "throughput/seconds_per_step": seconds,
+            "train/nonfinite_steps": nonfinite_steps,
         })
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)

@@ -25,8 +25,13 @@ from argparse import Namespace
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import torch
+
+from tupe_ds.train.checkpoint import manifest, safe_load
+
 LAYOUT_FILE = "layout.json"
 UNIVERSAL_FOLDER = "universal"  # CHECKPOINTS/universal/stepN: converted checkpoints
+CONVERTED_FROM = "converted_from"  # in a conversion: the source checkpoint's manifest digest
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,8 @@ def read_saved_layout(checkpoints: str, tag: str) -> Optional[SavedLayout]:
         with open(path) as f:
             return SavedLayout(**json.load(f))
     except (json.JSONDecodeError, TypeError) as error:
-        raise ValueError(f"{path}: not a layout tupe-pretrain wrote ({error}); resume with "
-                         "--resume never to start over, or restore the file") from None
+        raise ValueError(f"{path}: not a layout tupe-pretrain wrote ({error}); restore the file, "
+                         f"or resume from an earlier checkpoint with --resume-from") from None
 
 
 def plan(tag: str, saved: SavedLayout, world_size: int, tp: int, pp: int, zero_stage: int,
@@ -76,9 +81,14 @@ def plan(tag: str, saved: SavedLayout, world_size: int, tp: int, pp: int, zero_s
     """None when the checkpoint resumes as it is; a Reshard when it resumes on this new layout;
     ValueError saying what to do when it cannot."""
     dp = world_size // (tp * pp)
+    written = f"checkpoint {tag} was written by {saved} with ZeRO stage {saved.zero_stage}"
+    if (saved.zero_stage == 0) != (zero_stage == 0):
+        held = "partitioned by ZeRO" if saved.zero_stage else "whole (no ZeRO)"
+        raise ValueError(f"{written}: its optimizer state is {held}, which ZeRO stage "
+                         f"{zero_stage} does not load (DeepSpeed would start Adam's moments "
+                         f"anew); resume with --zero-stage {saved.zero_stage}")
     if (saved.tp, saved.pp, saved.dp) == (tp, pp, dp):
         return None
-    written = f"checkpoint {tag} was written by {saved} with ZeRO stage {saved.zero_stage}"
     same = (f"resume on {saved.world_size} processes with --tp {saved.tp} --pp {saved.pp} "
             "(the layout that wrote it)")
     if pp > 1 or saved.pp > 1:
@@ -131,12 +141,14 @@ def universal_dir(checkpoints: str) -> str:
 
 def convert(checkpoints: str, tag: str) -> float:
     """Rank 0: CHECKPOINTS/TAG -> CHECKPOINTS/universal/TAG through DeepSpeed's ds_to_universal,
-    once (a complete conversion is reused); written in a temporary folder and renamed when
-    complete. Returns the seconds it took (0 when reused)."""
+    once: a conversion records the manifest digest of the checkpoint it came from
+    (CONVERTED_FROM) and is reused only for that checkpoint; written in a temporary folder and
+    renamed when complete. Returns the seconds it took (0 when reused)."""
     from deepspeed.checkpoint import ds_to_universal
 
+    source_digest = manifest_digest(os.path.join(checkpoints, tag))
     target = os.path.join(universal_dir(checkpoints), tag)
-    if os.path.isdir(target):
+    if converted_from(target) == source_digest:
         return 0.0
     work = os.path.join(universal_dir(checkpoints), f".tmp-{tag}")
     shutil.rmtree(work, ignore_errors=True)
@@ -153,23 +165,38 @@ def convert(checkpoints: str, tag: str) -> float:
         print(output.getvalue()[-4000:], flush=True)
         shutil.rmtree(work, ignore_errors=True)
         raise
+    with open(os.path.join(args.output_folder, CONVERTED_FROM), "w") as f:
+        f.write(source_digest)
+    shutil.rmtree(target, ignore_errors=True)  # a conversion of another checkpoint of this name
     os.rename(args.output_folder, target)
     shutil.rmtree(work)
     return time.monotonic() - start
+
+
+def manifest_digest(step_dir: str) -> str:
+    """The digest of the checkpoint's manifest ("" for a checkpoint of an earlier version)."""
+    return manifest.digest(step_dir) if manifest.exists(step_dir) else ""
+
+
+def converted_from(target: str):
+    """The manifest digest a conversion records; None when there is no complete conversion."""
+    path = os.path.join(target, CONVERTED_FROM)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
 
 
 def conversion_source(step_dir: str, work: str) -> str:
     """ds_to_universal's input: the checkpoint's DeepSpeed files, linked, except the model files,
     copied without their None entries: megatron-core's parallel layers save an `_extra_state` of
     None, which ds_to_universal (0.19) takes for a weight to convert."""
-    import torch
-
     source = os.path.join(work, "source")
     os.makedirs(source)
     for name in os.listdir(step_dir):
         path = os.path.join(step_dir, name)
         if re.match(r"^mp_rank_\d+_model_states\.pt$", name):
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = safe_load.load(path)
             state["module"] = {k: v for k, v in state["module"].items() if v is not None}
             torch.save(state, os.path.join(source, name))
         elif name.endswith("_optim_states.pt"):

@@ -1,0 +1,155 @@
+"""tests/exit_worker.py with faults injected, for test_run_integrity.py's fault matrix:
+
+    TUPE_DS_FAULT="kill-after-file:zero_pp_rank_1_*:4"   SIGKILL to the whole run (every rank
+        and the launcher: a node lost) once a checkpoint file matching the pattern is written in
+        the save of step 4
+    TUPE_DS_FAULT="kill-after-manifest:6" / "kill-after-latest:10" / "kill-during-deletion:8"
+        the same after the manifest is written, after `latest` moves, or midway through
+        retention's removal of an old checkpoint, in the save of that step
+    TUPE_DS_FAULT="nan-loss:1:3,7" / "nan-grad:0:5"   the loss of rank 1 at steps 3 and 7, or
+        one gradient element of rank 0 at step 5, made NaN
+    TUPE_DS_FAULT="nan-weight:1:4"   one weight of rank 1 made NaN just before the save of step 4
+
+Several faults are separated by ';'.
+"""
+
+import fnmatch
+import glob
+import os
+import signal
+import sys
+import weakref
+
+import torch
+
+import exit_worker
+from tupe_ds.train import loop
+from tupe_ds.train.checkpoint import folder, manifest
+from tupe_ds.train.steps import EngineSteps
+
+ENGINE = {}
+
+
+def kill_everything():
+    """SIGKILL to the launcher and every rank (its children), as a lost node would see it."""
+    sys.stdout.flush()
+    launcher = os.getppid()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        pid = int(stat.split("/")[2])
+        if parent == launcher and pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
+    os.kill(launcher, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def step_in_progress() -> int:
+    """The 1-based step being trained or saved (DeepSpeed counts finished optimizer steps)."""
+    return ENGINE["engine"]().global_steps + (0 if ENGINE.get("saving") else 1)
+
+
+def after(module, name, condition):
+    original = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if condition(*args):
+            kill_everything()
+        return result
+
+    setattr(module, name, wrapped)
+
+
+def install(fault: str) -> None:
+    kind, *rest = fault.split(":")
+    if kind == "kill-after-file":
+        pattern, step = rest[0], int(rest[1])
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import \
+            TorchCheckpointEngine
+        after(TorchCheckpointEngine, "save", lambda self, state, path, *a: fnmatch.fnmatch(
+            os.path.basename(path), pattern)
+            and os.path.basename(os.path.dirname(path)) == f"step{step}")
+    elif kind == "kill-after-manifest":
+        after(manifest, "write", lambda path, record: record["step"] == int(rest[0]))
+    elif kind == "kill-after-latest":
+        after(folder, "point_latest", lambda directory, tag: tag == f"step{rest[0]}")
+    elif kind == "kill-during-deletion":
+        original = folder.remove_tree
+
+        def remove_part_then_die(path):
+            if ENGINE["engine"]().global_steps == int(rest[0]):
+                os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+                kill_everything()
+            original(path)
+
+        folder.remove_tree = remove_part_then_die
+    elif kind == "nan-weight":
+        if int(os.environ.get("RANK", "0")) == int(rest[0]):
+            ENGINE["nan_weight_step"] = int(rest[1])
+    elif kind in ("nan-loss", "nan-grad"):
+        rank, steps = int(rest[0]), {int(s) for s in rest[1].split(",")}
+        if int(os.environ.get("RANK", "0")) != rank:
+            return
+        if kind == "nan-loss":
+            forward = EngineSteps._forward
+
+            def nan_loss(self, batch):
+                batch, loss, output = forward(self, batch)
+                if self.engine.training and step_in_progress() in steps:
+                    loss = loss * float("nan")
+                return batch, loss, output
+
+            EngineSteps._forward = nan_loss
+        else:
+            ENGINE["nan_grad_steps"] = steps
+    else:
+        raise SystemExit(f"unknown fault {fault!r}")
+
+
+def capture_engine():
+    """The engine the run builds, for the faults that need its step; NaN into one gradient
+    through a hook on the first parameter."""
+    build = loop.build_engine
+
+    def build_and_keep(*args, **kwargs):
+        model, engine, steps = build(*args, **kwargs)
+        ENGINE["engine"] = weakref.ref(engine)  # the run lets it go at its end
+        nan_steps = ENGINE.get("nan_grad_steps")
+        if not nan_steps:
+            return model, engine, steps
+
+        def poison(grad):
+            if step_in_progress() in nan_steps:
+                grad = grad.clone()
+                grad.view(-1)[0] = float("nan")
+            return grad
+
+        next(p for p in engine.module.parameters() if p.requires_grad).register_hook(poison)
+        return model, engine, steps
+
+    loop.build_engine = build_and_keep
+    save = loop.save
+
+    def saving(engine, *args, **kwargs):
+        if engine.global_steps == ENGINE.get("nan_weight_step"):
+            with torch.no_grad():
+                next(engine.module.parameters()).view(-1)[0] = float("nan")
+        ENGINE["saving"] = True
+        try:
+            return save(engine, *args, **kwargs)
+        finally:
+            ENGINE["saving"] = False
+
+    loop.save = saving
+
+
+if __name__ == "__main__":
+    for fault in filter(None, os.environ.get("TUPE_DS_FAULT", "").split(";")):
+        install(fault)
+    capture_engine()
+    torch.set_num_threads(1)
+    sys.exit(exit_worker.main())

@@ -1,0 +1,321 @@
+"""A run never loses its work (tupe_ds/train/checkpoint/, tupe_ds/train/nonfinite.py): the fault
+matrix of the README's "What a run survives", with real processes under torchrun (2 CPU ranks,
+ZeRO-2, fp32, dropout off) and faults injected by tests/fault_worker.py. Each test checks what is
+kept, what is resumed and what is said, and, where the fault allows, that the run ends with the
+losses and weights of an uninterrupted one."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log, losses
+from tupe_ds.train.checkpoint import manifest, safe_load
+
+FAULT_WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
+FLAGS = ["--steps", "12", "--save-interval", "2", "--eval-interval", "12", "--dropout", "0",
+         "--lr", "2e-3", "--warmup-steps", "2"]
+
+
+def command(data, out, *flags):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", free_port(), FAULT_WORKER, "pretrain", "--data", data, "--model",
+            "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
+            "--log-interval", "1", "--eval-samples", "32", *flags]
+
+
+def run(data, out, *flags, fault="", expect=0):
+    """The run's stdout and stderr together; `expect`: its exit code (None: killed)."""
+    result = subprocess.run(command(data, out, *flags), env={**environment(),
+                            "TUPE_DS_FAULT": fault}, capture_output=True, text=True,
+                            timeout=300, start_new_session=True)
+    output = result.stdout + result.stderr
+    if expect is None:
+        assert result.returncode == -9, output[-4000:]  # the fault's SIGKILL
+    else:
+        assert result.returncode == expect, output[-4000:]
+    return output
+
+
+def steps_in(out):
+    return sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step"))
+
+
+def set_aside(out):
+    """{stepN: folder} of everything set aside."""
+    root = out / "checkpoints" / "set-aside"
+    return {name: root / when / name for when in os.listdir(root)
+            for name in os.listdir(root / when)} if root.is_dir() else {}
+
+
+def weights(step_dir):
+    return safe_load.load(os.path.join(step_dir, "mp_rank_00_model_states.pt"))["module"]
+
+
+def assert_same_weights(step_dir, reference_dir):
+    mine, theirs = weights(step_dir), weights(reference_dir)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        if torch.is_tensor(tensor):
+            torch.testing.assert_close(mine[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def assert_same_losses(out, reference, steps=range(1, 13)):
+    mine, theirs = losses(out), losses(reference)
+    for step in steps:
+        assert mine[step] == pytest.approx(theirs[step], rel=1e-5, abs=1e-6), step
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The uninterrupted run: 12 steps, checkpoints step6..step12 kept."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    run(data, out, *FLAGS, "--keep-checkpoints", "4")
+    assert steps_in(out) == ["step10", "step12", "step6", "step8"]
+    return out
+
+
+def test_killed_at_every_phase_of_a_save_the_run_loses_nothing(data, reference, tmp_path):
+    """SIGKILL to every rank and the launcher: after rank 0's model file, after rank 1's
+    optimizer shard, after the manifest (before `latest` moved), during retention's deletion,
+    after `latest`. The same command each time; the run ends as the uninterrupted one."""
+    out, flags = tmp_path / "run", [*FLAGS, "--keep-checkpoints", "2"]
+    checkpoints = out / "checkpoints"
+    run(data, out, *flags, fault="kill-after-file:mp_rank_00_model_states.pt:2", expect=None)
+    assert steps_in(out) == ["step2"] and not manifest.exists(checkpoints / "step2")
+
+    said = run(data, out, *flags, fault="kill-after-file:zero_pp_rank_1_*:4", expect=None)
+    assert "starting step 0 of 12" in said  # nothing complete: a fresh start, nothing deleted
+    assert "step2 (an earlier save of this step, in the way) moved to" in said
+    assert set(set_aside(out)) == {"step2"}
+    assert (checkpoints / "latest").read_text() == "step2"
+    assert not manifest.exists(checkpoints / "step4")
+
+    said = run(data, out, *flags, fault="kill-after-manifest:6", expect=None)
+    assert "resumed at step 2 of 12" in said and "step4 (newer than step2" in said
+    assert manifest.exists(checkpoints / "step6")
+    assert (checkpoints / "latest").read_text() == "step4"  # the manifest decides, not latest
+
+    said = run(data, out, *flags, fault="kill-during-deletion:8", expect=None)
+    assert "resumed at step 6 of 12" in said
+    assert steps_in(out) == ["step4", "step6", "step8"]  # step2 half removed, out of sight
+    assert [n for n in os.listdir(checkpoints) if n.startswith(".deleting-")] == [
+        ".deleting-step2"]
+
+    said = run(data, out, *flags, fault="kill-after-latest:10", expect=None)
+    assert "resumed at step 8 of 12" in said
+    assert (checkpoints / "latest").read_text() == "step10"
+    assert steps_in(out) == ["step10", "step4", "step6", "step8"]  # retention never ran
+
+    said = run(data, out, *flags)
+    assert "resumed at step 10 of 12" in said
+    assert steps_in(out) == ["step10", "step12"]
+    assert not [n for n in os.listdir(checkpoints) if n.startswith(".deleting-")]
+    assert set(set_aside(out)) == {"step2", "step4"}  # the cut-short saves, kept
+    assert_same_losses(out, reference)
+    assert_same_weights(checkpoints / "step12", reference / "checkpoints" / "step12")
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_damaged_checkpoints_are_reported_and_the_run_falls_back(data, reference, tmp_path):
+    """`latest` missing, step12 without rank 1's random state, one flipped byte in step10, a
+    truncated optimizer shard in step8, and a stray checkpoint of another run: the run names each
+    problem, resumes from step6, sets the damaged ones aside, and never touches the stray."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    checkpoints = out / "checkpoints"
+    (checkpoints / "latest").unlink()
+    (checkpoints / "step12" / "rng_rank1.pt").unlink()
+    flip_byte(checkpoints / "step10" / "mp_rank_00_model_states.pt", 5000)
+    shard = checkpoints / "step8" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    stray = checkpoints / "step4"  # another run's checkpoint (its lineage), copied in
+    shutil.copytree(checkpoints / "step6", stray)
+    record = manifest.read(stray)
+    record.update(lineage="another run", step=4, tag="step4")
+    del record["format"]
+    manifest.write(stray, record)
+
+    said = run(data, out, *FLAGS, "--keep-checkpoints", "2")
+    assert f"{checkpoints}/step12/rng_rank1.pt: missing" in said
+    assert f"{checkpoints}/step10/mp_rank_00_model_states.pt: its checksum differs" in said
+    assert f"{shard}: 1000 bytes where the manifest says" in said
+    assert "resuming from step6, the previous complete checkpoint" in said
+    assert "resumed at step 6 of 12" in said
+    assert set(set_aside(out)) == {"step8", "step10", "step12"}
+    assert steps_in(out) == ["step10", "step12", "step4"]  # step6, step8 retired; stray kept
+    assert manifest.read(stray)["lineage"] == "another run"
+    assert_same_losses(out, reference, range(7, 13))
+    assert_same_weights(checkpoints / "step12", reference / "checkpoints" / "step12")
+
+
+def nan_config(tmp_path, precision):
+    with open(CPU_CONFIG) as f:
+        config = json.load(f)
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    path = tmp_path / f"{precision}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_steps_that_are_not_finite_are_not_applied_and_a_run_of_them_stops(data, tmp_path,
+                                                                           precision):
+    """NaN in rank 1's loss at step 3 and in one gradient element of rank 0 at step 5: both
+    steps are skipped on every rank (the schedule does not advance) and counted; NaN loss at
+    steps 7-9 stops the run at step 9 (--max-nonfinite-steps 3), naming the last good
+    checkpoint; every checkpoint holds finite weights."""
+    out = tmp_path / "run"
+    said = run(data, out, "--steps", "12", "--save-interval", "2", "--eval-interval", "12",
+               "--warmup-steps", "4", "--ds-config", nan_config(tmp_path, precision),
+               fault="nan-loss:1:3,7,8,9;nan-grad:0:5", expect=1)
+    entries = log(out)
+    lr = {step: entries[step]["train/lr"] for step in entries if "train/lr" in entries[step]}
+    assert lr[3] == lr[2] and lr[5] == lr[4] and lr[2] < lr[4] < lr[6], lr
+    assert [entries[s]["train/nonfinite_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 2, 2]
+    assert "step 3: loss or gradient not finite, the update was not applied (1 in a row, 1 in " \
+           "this run" in said
+    assert "step 5: loss or gradient not finite" in said
+    assert "stopping at step 9: 3 steps in a row had a loss or gradient that is not finite" in said
+    assert "Last good checkpoint: step8" in said
+    assert steps_in(out) == ["step4", "step6", "step8"]
+    for step in ("step6", "step8"):
+        for name, tensor in weights(out / "checkpoints" / step).items():
+            assert not torch.is_tensor(tensor) or torch.isfinite(tensor).all(), (step, name)
+
+
+def test_a_weight_that_is_not_finite_is_never_saved(data, tmp_path):
+    out = tmp_path / "run"
+    said = run(data, out, "--steps", "6", "--save-interval", "2", "--eval-interval", "6",
+               fault="nan-weight:1:4", expect=1)
+    assert "the weights at step 4 are not all finite: checkpoint step4 was not written; the " \
+           "last good checkpoint is step2" in said
+    assert steps_in(out) == ["step2"]
+
+
+def test_init_from_starts_a_new_run_at_a_longer_seq_len_from_a_checkpoint(data, tmp_path):
+    """BERT's two phases in small: phase 1 at seq 32, phase 2 at seq 64 from its last
+    checkpoint. At step 1 the learning rate is 0 (the new warm-up), so phase 2's step-1
+    checkpoint holds exactly phase 1's weights; the same command again resumes phase 2's own
+    checkpoint; phase 1's folder is untouched."""
+    phase1 = tmp_path / "phase1"
+    run(data, phase1, "--seq-len", "32", "--steps", "8", "--lr", "2e-3", "--warmup-steps", "2",
+        "--dropout", "0")
+    before = manifest.digest(phase1 / "checkpoints" / "step8")
+    out = tmp_path / "phase2"
+    flags = ["--save-interval", "1", "--eval-interval", "100", "--init-from", str(phase1),
+             "--warmup-steps", "2", "--dropout", "0"]
+    said = run(data, out, *flags, "--steps", "1")
+    assert f"initialised from {phase1}/checkpoints/step8: its weights;" in said
+    assert "starting step 0 of 1" in said and "x 64 tokens" in said
+    assert log(out)[1]["train/lr"] == 0
+    assert losses(out)[1] < losses(phase1)[1] - 0.05  # trained weights, not new ones
+    assert_same_weights(out / "checkpoints" / "step1", phase1 / "checkpoints" / "step8")
+    said = run(data, out, *flags, "--steps", "2")
+    assert "resumed at step 1 of 2" in said and "initialised" not in said
+    assert manifest.digest(phase1 / "checkpoints" / "step8") == before
+    assert steps_in(phase1) == ["step8"]
+
+
+def refusal(argv, monkeypatch, world=2):
+    from tupe_ds.train.config import load
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as error:
+        load(argv)
+    return str(error.value)
+
+
+def flags_of(data, out, *extra):
+    return ["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out),
+            "--seq-len", "64", *FLAGS, *extra]
+
+
+def test_another_run_is_refused_before_any_process_starts_naming_each_difference(
+        data, reference, tmp_path, monkeypatch):
+    """Other data, seq-len, global batch or dropout; --resume never; a ZeRO-2 checkpoint on ZeRO
+    stage 0 elsewhere; a newer stray checkpoint of another run; --init-from a model of another
+    shape. Nothing in the folder changes."""
+    before = {n: manifest.digest(reference / "checkpoints" / n) for n in steps_in(reference)}
+    other_data = tmp_path / "other-data"  # the same files, train and valid swapped
+    shutil.copytree(data, other_data)
+    for suffix in (".bin", ".idx"):
+        os.replace(other_data / f"train{suffix}", other_data / f"tmp{suffix}")
+        os.replace(other_data / f"valid{suffix}", other_data / f"train{suffix}")
+        os.replace(other_data / f"tmp{suffix}", other_data / f"valid{suffix}")
+    step12 = reference / "checkpoints" / "step12"
+    said = refusal(flags_of(str(other_data), reference), monkeypatch)
+    assert f"{step12} is another run than this command's: the data (--data): other content " \
+           "than the checkpoint's (data.train)" in said
+    assert f"--init-from {step12}" in said
+    said = refusal(flags_of(data, reference, "--seq-len", "32", "--global-batch", "32",
+                            "--dropout", "0.1"), monkeypatch)
+    for difference in ("global_batch: 16 in the checkpoint, 32 now",
+                       "seq_len: 64 in the checkpoint, 32 now",
+                       "models[0].hidden_dropout: 0.0 in the checkpoint, 0.1 now"):
+        assert difference in said
+    said = refusal(flags_of(data, reference, "--resume", "never"), monkeypatch)
+    assert "--resume never, and it holds checkpoints of a run (step6, step8, step10, step12)" \
+        in said and "nothing is overwritten" in said
+    bf16 = nan_config(tmp_path, "bf16")
+    said = refusal(flags_of(data, reference, "--ds-config", bf16, "--zero-stage", "0"),
+                   monkeypatch, world=1)
+    assert "its optimizer state is partitioned by ZeRO, which ZeRO stage 0 does not load" in said
+    said = refusal(flags_of(data, reference, "--zero-stage", "0"), monkeypatch)
+    assert "ZeRO stage 0 in fp32: DeepSpeed hands the gradients to torch's optimizer" in said
+    said = refusal(flags_of(data, tmp_path / "new", "--init-from", str(reference),
+                            "--pos-encoding", "bert-a"), monkeypatch)
+    assert "its model is not this run's: models[0].pos_encoding: 'tupe-r' in the checkpoint, " \
+           "'bert-a' now" in said
+    assert before == {n: manifest.digest(reference / "checkpoints" / n)
+                      for n in steps_in(reference)}
+
+    stray = tmp_path / "stray"  # a newer checkpoint of another run, copied in
+    shutil.copytree(reference, stray)
+    shutil.copytree(reference / "checkpoints" / "step12", stray / "checkpoints" / "step14")
+    record = manifest.read(stray / "checkpoints" / "step14")
+    record["identity"]["seed"] = 7
+    del record["format"]
+    manifest.write(stray / "checkpoints" / "step14", record)
+    said = refusal(flags_of(data, stray), monkeypatch)
+    assert "step14 is another run than this command's: seed: 7 in the checkpoint, 1234 now" in said
+    assert steps_in(stray) == ["step10", "step12", "step14", "step6", "step8"]
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused_before_deepspeed_reads_it(
+        reference, tmp_path):
+    """A model file replaced by a pickle that runs a command, with a manifest rewritten to match
+    (as its sender would): tupe-export names the file, and the command never runs."""
+    from tupe_ds.export import main as export_main
+
+    run_dir = tmp_path / "sent"
+    shutil.copytree(reference, run_dir)
+    step_dir = run_dir / "checkpoints" / "step12"
+    witness = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {witness}",)
+
+    path = step_dir / "mp_rank_00_model_states.pt"
+    torch.save({"module": Payload()}, path)
+    record = manifest.read(step_dir)
+    record["files"].update(manifest.describe(str(step_dir), [path.name]))
+    del record["format"]
+    manifest.write(step_dir, record)
+    assert export_main([str(run_dir), "--out", str(tmp_path / "exported")]) == 2
+    assert not witness.exists()
+    assert safe_load.scan(str(path)).startswith(f"{path}: holds more than tensors")
+    assert safe_load.scan(str(reference / "checkpoints" / "step12" / path.name)) is None

@@ -1,0 +1,119 @@
+"""The checkpoint folder on disk: which step folders are complete, the `latest` pointer, folders
+set aside, and retention.
+
+    CHECKPOINTS/stepN/                a checkpoint; complete when stepN/manifest.json exists
+    CHECKPOINTS/latest                the tag of the newest checkpoint this run committed
+                                      (DeepSpeed's and other tools' pointer; not the rule)
+    CHECKPOINTS/set-aside/UTC-TIME/   folders moved out of the way, never deleted by tupe_ds
+    CHECKPOINTS/.deleting-stepN       retention's deletion in progress (finished by the next)
+    CHECKPOINTS/universal/stepN       DeepSpeed universal conversions (reshard.py)
+"""
+
+import os
+import re
+import shutil
+import time
+from typing import List, Optional
+
+from tupe_ds.files import write_atomically
+from tupe_ds.train.checkpoint import manifest
+
+TAG = re.compile(r"^step(\d+)$")
+SET_ASIDE = "set-aside"
+DELETING = ".deleting-"
+
+
+def tag_of(step: int) -> str:
+    return f"step{step}"
+
+
+def step_of(tag: str) -> int:
+    match = TAG.match(tag)
+    if not match:
+        raise ValueError(f"{tag!r} is not a checkpoint name; checkpoints are named stepN")
+    return int(match.group(1))
+
+
+def step_folders(directory: str) -> List[int]:
+    """Steps of every stepN folder, complete or not, in ascending order."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(m.group(1)) for m in map(TAG.match, os.listdir(directory)) if m)
+
+
+def complete_steps(directory: str) -> List[int]:
+    """Steps of the folders that hold a manifest, in ascending order."""
+    return [s for s in step_folders(directory)
+            if manifest.exists(os.path.join(directory, tag_of(s)))]
+
+
+def latest_tag(directory: str) -> Optional[str]:
+    """What `latest` names (None without one): informative, since completeness is the
+    manifest's; a checkpoint of an earlier tupe_ds without a manifest is found through it."""
+    path = os.path.join(directory, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def legacy_step(directory: str) -> Optional[int]:
+    """The step of a checkpoint written before manifests existed: `latest` names a folder
+    without a manifest, which earlier versions wrote only when every rank's files were there."""
+    tag = latest_tag(directory)
+    if tag is None or not TAG.match(tag):
+        return None
+    folder = os.path.join(directory, tag)
+    if os.path.isdir(folder) and not manifest.exists(folder) and not complete_steps(directory):
+        return step_of(tag)
+    return None
+
+
+def latest_step(directory: str) -> int:
+    """The step of the newest complete checkpoint in `directory`; 0 when there is none."""
+    steps = complete_steps(directory)
+    return steps[-1] if steps else (legacy_step(directory) or 0)
+
+
+def point_latest(directory: str, tag: str) -> None:
+    write_atomically(os.path.join(directory, "latest"), tag)
+
+
+def set_aside(directory: str, steps: List[int], why: str) -> Optional[str]:
+    """Rank 0: moves stepN folders into CHECKPOINTS/set-aside/UTC-TIME/ (kept, never deleted
+    by tupe_ds) and returns the line that says so (None when there was nothing to move)."""
+    steps = [s for s in steps if os.path.isdir(os.path.join(directory, tag_of(s)))]
+    if not steps:
+        return None
+    target = os.path.join(directory, SET_ASIDE, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    os.makedirs(target, exist_ok=True)
+    for step in steps:
+        os.replace(os.path.join(directory, tag_of(step)), os.path.join(target, tag_of(step)))
+    names = ", ".join(tag_of(s) for s in steps)
+    return f"tupe-pretrain: {names} ({why}) moved to {target}; nothing was deleted"
+
+
+def retire(directory: str, step: int, lineage: str, keep: int) -> List[int]:
+    """Rank 0, after step `step` was committed: removes the complete checkpoints of `lineage`
+    older than `step` beyond the newest `keep` (the new one counts), and finishes deletions a
+    kill cut short. A folder is renamed before it is removed, so that a deletion cut short never
+    leaves a stepN folder that looks like a checkpoint. Returns the steps removed."""
+    finish_deletions(directory)
+    older = [s for s in complete_steps(directory) if s < step
+             and manifest.read(os.path.join(directory, tag_of(s))).get("lineage") == lineage]
+    removed = older[:max(len(older) - (keep - 1), 0)]
+    for old in removed:
+        doomed = os.path.join(directory, DELETING + tag_of(old))
+        os.replace(os.path.join(directory, tag_of(old)), doomed)
+        remove_tree(doomed)
+    return removed
+
+
+def finish_deletions(directory: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith(DELETING):
+            remove_tree(os.path.join(directory, name))
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,67 @@
+"""What makes a run the run it is: the stream it reads and the model it trains.
+
+A checkpoint's manifest records it; resuming with any of it changed would continue the saved
+step and data position in another stream or another model, so it is refused before any process
+starts, naming each difference. How the work is split (tp, pp, dp, micro-batch, ZeRO stage,
+the attention kernels' layout) is not part of it: reshard.py carries a run across layouts.
+"""
+
+import dataclasses
+import hashlib
+import os
+from typing import List
+
+from tupe_ds.data.packing import dataset_digest
+
+# ModelConfig fields that choose how the same model is computed or split, not what it is
+HOW_COMPUTED = ("tensor_parallel_size", "attention", "key_padding", "untied_as_columns",
+                "head_multiple", "fused_elementwise")
+
+
+def file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def run_identity(objective: str, model: str, models: tuple, data: str, seq_len: int,
+                 global_batch: int, masking, seed: int) -> dict:
+    """The identity of a run: data (the sentence lengths and document boundaries of each split,
+    which define the packed samples), vocabulary (tokenizer.json), the sample stream's settings,
+    the models and the objective."""
+    return {
+        "objective": objective, "model": model, "seed": seed, "seq_len": seq_len,
+        "global_batch": global_batch, "masking": dataclasses.asdict(masking),
+        "vocabulary": file_digest(os.path.join(data, "tokenizer.json")),
+        "data": {split: dataset_digest(os.path.join(data, split)) for split in ("train", "valid")},
+        "models": [{k: v for k, v in dataclasses.asdict(config).items() if k not in HOW_COMPUTED}
+                   for config in models],
+    }
+
+
+def flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items()
+                for k, v in flatten(item, f"{prefix}.{key}" if prefix else key).items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value)
+                for k, v in flatten(item, f"{prefix}[{i}]").items()}
+    return {prefix: value}
+
+
+DESCRIPTIONS = {"data": "the data (--data)", "vocabulary": "the vocabulary (tokenizer.json)"}
+
+
+def differences(saved: dict, current: dict) -> List[str]:
+    """One line per setting that differs: 'seq_len: 128 in the checkpoint, 512 now'."""
+    before, now = flatten(saved), flatten(current)
+    lines = []
+    for key in sorted(set(before) | set(now)):
+        if before.get(key) != now.get(key):
+            top = key.split(".")[0].split("[")[0]
+            if top in DESCRIPTIONS:
+                line = f"{DESCRIPTIONS[top]}: other content than the checkpoint's ({key})"
+            else:
+                line = f"{key}: {before.get(key)!r} in the checkpoint, {now.get(key)!r} now"
+            if line not in lines:
+                lines.append(line)
+    return lines

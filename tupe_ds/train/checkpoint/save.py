@@ -1,0 +1,119 @@
+"""Saving a checkpoint: every rank's files, their checksums, the manifest, `latest`, retention.
+
+The phases, in order (a kill in any of them leaves the previous complete checkpoint the newest
+one): a folder already at stepN is set aside; the weights are checked finite on every rank;
+DeepSpeed's files and each rank's random state are written; each rank checksums the files it
+wrote; rank 0 waits until every file is visible, writes the manifest, points `latest` at it and
+applies retention.
+"""
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from tupe_ds.files import write_atomically
+from tupe_ds.train.checkpoint import folder as folders
+from tupe_ds.train.checkpoint import manifest, reshard
+from tupe_ds.train.checkpoint.rng import file_name, rng_state
+from tupe_ds.train.waits import announced
+
+VISIBLE_WITHIN_SECONDS = 120  # a shared filesystem shows another node's new files within this
+
+
+class NonFiniteWeights(RuntimeError):
+    """The model holds a value that is not finite: nothing is saved."""
+
+
+@contextlib.contextmanager
+def recorded_writes(engine, written: List[str]):
+    """Appends to `written` the path of every file DeepSpeed's checkpoint engine saves in the
+    block (the engine's, ZeRO's and the pipeline's files all go through it)."""
+    checkpoint_engine = engine.checkpoint_engine
+    original = checkpoint_engine.save
+
+    def save(state_dict, path, *args, **kwargs):
+        result = original(state_dict, path, *args, **kwargs)
+        written.append(path)
+        return result
+
+    checkpoint_engine.save = save
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save  # the class's method again
+
+
+def weights_are_finite(engine, device) -> bool:
+    """Collective: whether every rank's parameters are all finite."""
+    checks = [torch.isfinite(p).all() for p in engine.module.parameters()]
+    flag = (torch.stack(checks).all() if checks else torch.tensor(True)).float().reshape(1)
+    flag = flag.to(device)  # one synchronisation, not one per parameter
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save(engine, directory: str, step: int, client_state: dict, keep: int,
+         layout: reshard.SavedLayout, record: dict, device) -> None:
+    """Collective: every rank calls it. `record` (lineage, identity) and `layout` go into the
+    manifest; NonFiniteWeights, with nothing written, when a weight is not finite."""
+    tag, rank = folders.tag_of(step), dist.get_rank()
+    folder = os.path.join(directory, tag)
+    with announced(f"every rank to check its weights before checkpoint {tag}", rank):
+        finite = weights_are_finite(engine, device)
+    if not finite:
+        raise NonFiniteWeights(f"the weights at step {step} are not all finite: checkpoint {tag} "
+                               "was not written")
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        said = folders.set_aside(directory, [step], "an earlier save of this step, in the way")
+        if said:
+            print(said, flush=True)
+    written = []
+    with announced(f"every rank to write checkpoint {tag}", rank):  # DeepSpeed's barriers too
+        dist.barrier()  # nothing is written before the old folder is out of the way
+        with recorded_writes(engine, written):
+            engine.save_checkpoint(directory, tag=tag, client_state=client_state,
+                                   save_latest=False)
+        rng_path = os.path.join(folder, file_name(rank))
+        torch.save(rng_state(), rng_path)
+        written.append(rng_path)
+        if rank == 0:
+            layout_path = os.path.join(folder, reshard.LAYOUT_FILE)
+            write_atomically(layout_path, layout.to_json())
+            written.append(layout_path)
+        files = manifest.describe(folder, sorted({os.path.basename(p) for p in written}))
+    every_rank = [None] * dist.get_world_size()
+    with announced(f"every rank to checksum its files of checkpoint {tag}", rank):
+        dist.all_gather_object(every_rank, files)
+    if rank == 0:
+        files = {name: entry for entries in every_rank for name, entry in entries.items()}
+        wait_until_visible(folder, list(files))
+        # a file written some other way than through DeepSpeed's checkpoint engine, by any rank
+        files.update(manifest.describe(folder, sorted(set(os.listdir(folder)) - set(files))))
+        manifest.write(folder, {"tag": tag, "step": step, "files": files,
+                                "layout": dataclasses.asdict(layout), **record})
+        folders.point_latest(directory, tag)
+        folders.retire(directory, step, record["lineage"], keep)
+        reshard.remove_conversions_before(directory, step)
+    with announced(f"rank 0 to commit checkpoint {tag} and remove older ones", rank):
+        dist.barrier()
+
+
+def wait_until_visible(folder: str, names: list) -> None:
+    """Every rank has written its files (the gather); on a shared filesystem another node's new
+    files may show here a little later. The manifest is written once all of them are seen."""
+    deadline = time.monotonic() + VISIBLE_WITHIN_SECONDS
+    while True:
+        missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{folder}: {', '.join(missing[:8])} not there "
+                               f"{VISIBLE_WITHIN_SECONDS} s after every rank wrote its files; "
+                               "is the checkpoint folder on a filesystem every node shares?")
+        time.sleep(0.5)
