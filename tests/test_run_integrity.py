@@ -225,6 +225,8 @@ def test_init_from_starts_a_new_run_at_a_longer_seq_len_from_a_checkpoint(data, 
     assert_same_weights(out / "checkpoints" / "step1", phase1 / "checkpoints" / "step8")
     said = run(data, out, *flags, "--steps", "2")
     assert "resumed at step 1 of 2" in said and "initialised" not in said
+    said = run(data, tmp_path / "with-moments", *flags, "--steps", "1", "--init-optimizer")
+    assert f"initialised from {phase1}/checkpoints/step8: its weights and optimizer state" in said
     assert manifest.digest(phase1 / "checkpoints" / "step8") == before
     assert steps_in(phase1) == ["step8"]
 
