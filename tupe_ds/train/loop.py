@@ -156,9 +156,9 @@ def train(run: RunConfig, launcher: str) -> None:
                            prefetch=run.prefetch if reads_data(run) else 0,
                            pin=device.type != "cpu")
     layout = saved_layout(run, engine)
-    record = {"lineage": resume.lineage_of(plan), "identity": run.identity,
-              "parent": plan.tag if plan else None,
-              "init_from": run.init_plan.step_dir if run.init_plan and not state else None}
+    record = {"lineage": resume.lineage_of(plan), "identity": run.identity,  # for the manifests
+              "resumed_from": plan.tag if plan else None,
+              "init_from": run.init_plan.step_dir if run.init_plan else None}
     guard = NonFiniteGuard(engine, run.max_nonfinite_steps,
                            state.get("nonfinite") if state else None)
     last_checkpoint = plan.tag if plan else None
