@@ -5,10 +5,10 @@
 
 Each rank checksums the files it wrote (the reads are spread over all ranks, as the writes
 are); rank 0 writes the manifest atomically once every rank's files are there. xxh3-128 (the
-xxhash package) checksums warm files at 4.6 GB/s on one core of the 2-core CPU machine, where
-sha256 does 1.1 and torch.save writes 0.85 (bench/checkpoint_checksum.py, 2026-11-25). It guards
-against truncation, torn writes and bit flips, not against someone who rewrites the manifest:
-for files from elsewhere, `safe_load.py` is the guard.
+xxhash package) checksums warm files at about 5 GB/s on one core of the 2-core CPU machine,
+where sha256 does 1.3 and torch.save writes 0.8 (bench/checkpoint_checksum.py, 2026-11-25). It
+guards against truncation, torn writes and bit flips, not against someone who rewrites the
+manifest: for files from elsewhere, `safe_load.py` is the guard.
 """
 
 import hashlib
