@@ -25,7 +25,7 @@ The rules, each kept by one file of this package:
 6. **Every wait says what it waits for** (`tupe_ds.train.waits.announced`).
 """
 
-from tupe_ds.train.checkpoint.folder import latest_step, latest_tag
+from tupe_ds.train.checkpoint.folder import latest_step
 from tupe_ds.train.checkpoint.resume import InitPlan, ResumePlan
 
-__all__ = ["latest_step", "latest_tag", "InitPlan", "ResumePlan"]
+__all__ = ["latest_step", "InitPlan", "ResumePlan"]
