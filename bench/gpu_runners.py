@@ -7,16 +7,19 @@ import os
 from typing import Optional
 
 import deepspeed
+import numpy as np
 import torch
 from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
 from real_lengths import padding_mask, real_lengths
+from tupe_ds.data.masking import generator_draws
 from tupe_ds.model import ModelConfig, build_model
 from tupe_ds.model.config import DTYPES
 from tupe_ds.model.layers import labelled_positions
 from tupe_ds.parallel import MegatronMPU
 from tupe_ds.train.monitor import flops_per_step
+from tupe_ds.train.normalization import PER_TOKEN, LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps
@@ -180,10 +183,17 @@ class TrainingStepRunner(OursRunner):
             for preset in presets]
         objective = OBJECTIVES[objective]
         self.engine = deepspeed_engine(objective.build(models), config)
-        self.steps = EngineSteps(self.engine, objective, settings.device)
+        normalization = LossNormalization(PER_TOKEN, objective, settings.device)
+        self.steps = EngineSteps(self.engine, objective, normalization, settings.device)
         self.batches = [{"input_ids": ids.cpu(), "labels": labels.cpu(), "attention_mask":
                          torch.ones_like(ids.cpu()) if mask is None else mask.cpu()}
                         for ids, mask, labels, _ in batches]
+        if objective.generator_draws:  # as the data stream draws them, sample i of batch b
+            for b, batch in enumerate(self.batches):
+                rows = len(batch["labels"])
+                batch["generator_draws"] = torch.from_numpy(generator_draws(
+                    settings.seed, np.zeros(rows, dtype=np.int64), b * rows + np.arange(rows),
+                    batch["labels"].numpy()))
         self.flops = sum(flops_per_step(m, settings.global_batch, seq) for m in models)
 
     def step(self) -> None:

@@ -33,6 +33,7 @@ from tupe_ds.model.positional import PositionalEncoding
 from tupe_ds.parallel import MegatronMPU, accelerator_device, end_distributed
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
+from tupe_ds.train.normalization import PER_TOKEN, LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 
@@ -73,6 +74,7 @@ config = ModelConfig.from_preset(args.model, pos_encoding=args.pos_encoding, voc
                                  seq_length=args.seq_len, dtype=dtype,
                                  max_position_embeddings=max(512, args.seq_len))
 objective = OBJECTIVES["mlm"]
+normalization = LossNormalization(PER_TOKEN, objective, device)
 
 generator = torch.Generator().manual_seed(1)
 ids = torch.randint(10, args.vocab, (args.micro_batch, args.seq_len), generator=generator)
@@ -98,7 +100,7 @@ def data_parallel_step() -> float:
         model=model, model_parameters=parameter_groups(model, 0.01),
         config={**ds_config, "gradient_accumulation_steps": args.micro_batches // 2},
         mpu=MegatronMPU())
-    seconds = statistics.median(timed_steps(EngineSteps(engine, objective, device),
+    seconds = statistics.median(timed_steps(EngineSteps(engine, objective, normalization, device),
                                             args.micro_batches // 2))
     parallel_state.destroy_model_parallel()
     return seconds
@@ -121,7 +123,7 @@ def pipeline_step():
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, 0.01),
         config={**ds_config, "gradient_accumulation_steps": args.micro_batches})
-    steps = PipelineSteps(engine, loss, device)
+    steps = PipelineSteps(engine, loss, normalization, device)
     timed_steps(steps, args.micro_batches)  # the first step also sends the tensors' shapes
     p2p.send = counting_send
     times = timed_steps(steps, args.micro_batches)

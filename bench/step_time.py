@@ -8,6 +8,11 @@ them: no mask when nothing is padded, the masked-LM head on the labelled tokens 
 dense` for the reference attention layout). The models take turns, one timed step each
 per round (the first model rotates), so that noise from the machine falls on all of them alike.
 Prints the median and min ms/step, the ratio to bert-a and the ratio HF / ours; informational only.
+
+tupe_ds's rows divide the loss per token as training does (tupe_ds/train/normalization.py: the
+step's count of masked tokens, all-reduced, as the denominator); `--normalization-pair ENCODING`
+adds a row "ENCODING micro-batch" that divides by each micro-batch's own count (the path
+before), so that the cost of per-token normalisation is measured in the same run.
 """
 
 import argparse
@@ -24,6 +29,8 @@ from transformers import BertForMaskedLM as HFBertForMaskedLM
 import tupe_ds
 from tupe_ds.model.config import ATTENTION, DTYPES
 from tupe_ds.model.layers import labelled_positions
+from tupe_ds.train.normalization import MICRO_BATCH, PER_TOKEN, LossNormalization
+from tupe_ds.train.objectives import OBJECTIVES
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--layers", type=int, default=4)
@@ -42,6 +49,8 @@ parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
 parser.add_argument("--attention", choices=list(ATTENTION), default="fast",
                     help="how tupe_ds models hand the positional term to the attention kernel")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--normalization-pair", default="tupe-r", metavar="ENCODING",
+                    help="also time ENCODING with --loss-normalization micro-batch ('' for none)")
 args = parser.parse_args()
 
 accelerator = get_accelerator()
@@ -82,7 +91,12 @@ def build_hf() -> torch.nn.Module:
     return HFBertForMaskedLM(config).to(device=device, dtype=dtype)  # built from config: no download
 
 
+MICRO_BATCH_ROW = f"{args.normalization_pair} {MICRO_BATCH}"
 models = {name: build_ours(name) for name in args.encodings.split(",")}
+if args.normalization_pair:
+    models[MICRO_BATCH_ROW] = build_ours(args.normalization_pair)
+normalizations = {name: LossNormalization(MICRO_BATCH if name == MICRO_BATCH_ROW else PER_TOKEN,
+                                          OBJECTIVES["mlm"], device) for name in models}
 models[HF] = build_hf()
 optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
 for m in models.values():
@@ -95,6 +109,7 @@ attention_mask = torch.ones(args.batch, args.seq, dtype=torch.long)
 labelled = torch.rand(args.batch, args.seq, generator=g) < 0.15
 labels = input_ids.masked_fill(~labelled, -100)
 positions = labelled_positions(labels)  # taken on the host, as tupe_ds's training step does
+host_batch = {"labels": labels}  # where the training step counts the masked tokens
 input_ids, attention_mask, labels, positions = (
     t.to(device) for t in (input_ids, attention_mask, labels, positions))
 
@@ -104,7 +119,9 @@ def train_step(name: str) -> None:
     if name == HF:
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
     else:  # as tupe_ds's training step: no mask without padding, the head on labelled tokens
-        loss, _ = model(input_ids, None, labels, positions)
+        denominators, _ = normalizations[name].divisors([host_batch], per_token=False)
+        loss, _ = model(input_ids, None, labels, positions,
+                        None if denominators is None else denominators[0])
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -137,13 +154,27 @@ print(f"size: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, FF
       f"{args.steps} timed steps after {args.warmup} warm-up, interleaved")
 median = {name: statistics.median(t) for name, t in times.items()}
 base = median.get("bert-a")
-print(f"\n{'model':<16}{'params':>9}{'median ms':>11}{'min ms':>9}{'x bert-a':>10}{'HF / this':>11}")
+print(f"\n{'model':<20}{'params':>9}{'median ms':>11}{'min ms':>9}{'x bert-a':>10}{'HF / this':>11}")
 for name in names:
     params = sum(p.numel() for p in models[name].parameters()) / 1e6
     ratio = f"{median[name] / base:.3f}" if base else "-"
-    print(f"{name:<16}{params:>8.2f}M{median[name]:>11.1f}{min(times[name]):>9.1f}"
+    print(f"{name:<20}{params:>8.2f}M{median[name]:>11.1f}{min(times[name]):>9.1f}"
           f"{ratio:>10}{median[HF] / median[name]:>11.3f}")
 if base and "tupe-r" in median:
     ratio = median["tupe-r"] / base
     print(f"\ntupe-r / bert-a = {ratio:.3f}")
     print(f"target: tupe-r <= 1.05x bert-a: {'PASS' if ratio <= 1.05 else 'FAIL'}")
+if args.normalization_pair:
+    per_token = normalizations[args.normalization_pair]
+    accelerator.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(1000):  # what per-token adds to a step: count, copy, all-reduce, divide
+        per_token.divisors([host_batch], per_token=False)
+    accelerator.synchronize()
+    added_ms = time.perf_counter() - t0  # 1000 calls: seconds = ms per call
+    print(f"\nper-token denominators alone: {added_ms * 1000:.0f} us per step, "
+          f"{added_ms / median[args.normalization_pair]:.3%} of {args.normalization_pair}'s median")
+    ratio = median[args.normalization_pair] / median[MICRO_BATCH_ROW]
+    print(f"{args.normalization_pair}: per-token / micro-batch = {ratio:.3f} by median, "
+          f"{min(times[args.normalization_pair]) / min(times[MICRO_BATCH_ROW]):.3f} by min")
+    print(f"target: per-token <= 1.01x micro-batch: {'PASS' if ratio <= 1.01 else 'FAIL'}")

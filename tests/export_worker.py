@@ -32,7 +32,7 @@ def main(argv):
     objective = OBJECTIVES[run.objective]
     device = accelerator_device()
     _, engine, steps = build_engine(run, objective, device)
-    data = datasets(run, Vocabulary.from_data_dir(run.data), objective.masking)
+    data = datasets(run, Vocabulary.from_data_dir(run.data), objective)
     batches = TrainBatches(data["train"], engine.train_micro_batch_size_per_gpu(),
                            engine.gradient_accumulation_steps(),
                            parallel_state.get_data_parallel_rank(), run.dp_size)

@@ -97,8 +97,8 @@ def install(fault: str) -> None:
         if kind == "nan-loss":
             forward = EngineSteps._forward
 
-            def nan_loss(self, batch):
-                batch, loss, output = forward(self, batch)
+            def nan_loss(self, batch, denominators):
+                batch, loss, output = forward(self, batch, denominators)
                 if self.engine.training and step_in_progress() in steps:
                     loss = loss * float("nan")
                 return batch, loss, output

@@ -68,8 +68,17 @@ def test_differences_name_each_setting():
     now = {"seq_len": 512, "models": [{"hidden_dropout": 0.1}], "data": {"train": "b"}}
     assert identity.differences(saved, now) == [
         "the data (--data): other content than the checkpoint's (data.train)",
-        "seq_len: 128 in the checkpoint, 512 now"]
+        "seq_len: 128 in the checkpoint, 512 now (--seq-len)"]
     assert identity.differences(saved, saved) == []
+
+
+def test_a_checkpoint_from_before_the_loss_normalization_was_recorded_counts_as_micro_batch():
+    earlier = {"seq_len": 128}  # an earlier version's identity: no loss_normalization
+    assert identity.differences(earlier, {"seq_len": 128, "loss_normalization": "per-token"}) == [
+        "loss_normalization: 'micro-batch' in the checkpoint, 'per-token' now "
+        "(--loss-normalization)"]
+    assert identity.differences(earlier, {"seq_len": 128, "loss_normalization": "micro-batch"}) \
+        == []
 
 
 def engine(fp16=False, scale=1.0, min_scale=1.0):

@@ -489,6 +489,26 @@ def test_vectorised_stream_is_the_per_sample_reference(open_samples, split):
                           reference.global_samples(count - 5, 10))
 
 
+def test_generator_draws_follow_the_sample_not_the_batch(data, vocab, index_cache):
+    """ELECTRA's stream: a draw in (0, 1] at every masked position and nowhere else, the same
+    whether the sample is read alone, in another micro-batch or by the reference path; uniform."""
+    packed = PackedSentences(os.path.join(data, "train"), SEQ_LEN, vocab.cls, vocab.sep,
+                             index_cache)
+    fast, reference = (MaskedSamples(packed, vocab, ELECTRA_MASKING, SEED, vectorised, draws=True)
+                       for vectorised in (True, False))
+    whole = fast.global_samples(0, 64)
+    draws, labelled = whole["generator_draws"], whole["labels"] != IGNORE_INDEX
+    assert draws.dtype == torch.float32 and torch.all(draws[~labelled] == 0)
+    assert torch.all((draws[labelled] > 0) & (draws[labelled] <= 1))
+    assert abs(draws[labelled].mean().item() - 0.5) < 0.03  # over about 600 draws
+    for first, count in ((0, 1), (5, 3), (8, 56)):
+        part = fast.global_samples(first, count)["generator_draws"]
+        assert torch.equal(part, draws[first:first + count])
+    assert_same_batch(reference.global_samples(0, 64), whole)
+    assert "generator_draws" not in MaskedSamples(packed, vocab, ELECTRA_MASKING,
+                                                  SEED).global_samples(0, 1)
+
+
 def test_single_rank_step_is_the_next_global_samples(train_samples, vocab):
     batches = TrainBatches(train_samples, micro_batch=4, grad_accum=2, dp_rank=0, dp_size=1)
     for step, micro_batches in enumerate(read_steps(batches, 3)):
@@ -614,7 +634,7 @@ def test_valid_batches_split_the_first_samples_among_ranks(valid_samples, vocab,
     for rank in range(dp_size):
         mine = list(range(rank, count, dp_size))
         batches = list(valid_batches(valid_samples, micro_batch, rank, dp_size, count))
-        assert len(batches) == -(-len(mine) // micro_batch)
+        assert len(batches) == -(-(-(-count // dp_size)) // micro_batch)  # alike on every rank
         rows = concatenated(batches)
         assert rows["input_ids"].shape == (len(batches) * micro_batch, SEQ_LEN)
         padding = rows["attention_mask"][len(mine):]

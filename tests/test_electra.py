@@ -1,4 +1,5 @@
-"""ELECTRA: shared embedding, sampling without gradient, labels, tp, and a tiny run that learns."""
+"""ELECTRA: shared embedding, sampling without gradient, labels, and a tiny run that learns
+(tp and every other layout: test_loss_normalization.py)."""
 
 import shutil
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from test_pretrain import assert_tp2_matches_tp1, log, shipped_config_in_fp32, train
+from test_pretrain import log, shipped_config_in_fp32, train
 from tupe_ds.model.electra import DISCRIMINATOR_WEIGHT, ElectraForPretraining, build_electra
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.model.layers import embed, labelled_positions, masked_lm_loss
@@ -55,7 +56,7 @@ def test_the_sample_carries_no_gradient_and_labels_follow_replacements(monkeypat
     faked[1::2] = (faked[1::2] + 1) % 512
     seen = {}
 
-    def fake_sample(local_logits):
+    def fake_sample(local_logits, draws):
         seen["requires_grad"] = local_logits.requires_grad
         return faked, faked
 
@@ -73,7 +74,8 @@ def test_the_sample_carries_no_gradient_and_labels_follow_replacements(monkeypat
     assert replaced == len(truth[1::2])  # only the samples that differ count as replaced
     assert tokens == mask.sum()
     assert seen["requires_grad"]  # the logits have a gradient ...
-    real_sample = ElectraForPretraining.sample(model, torch.randn(5, 512, requires_grad=True))
+    real_sample = ElectraForPretraining.sample(model, torch.randn(5, 512, requires_grad=True),
+                                               torch.rand(5))
     assert not real_sample[0].requires_grad  # ... the sample does not
     assert torch.isfinite(loss)
 
@@ -83,10 +85,21 @@ def test_sampling_follows_the_generator_distribution():
     logits = torch.full((2000, 512), -1e4)
     logits[:, 7] = 0.0
     logits[:1000, 9] = 0.0  # first half: 7 or 9 with equal odds
-    sample, argmax = model.sample(logits)
+    sample, argmax = model.sample(logits, 1 - torch.rand(2000))
     assert set(sample[1000:].tolist()) == {7}
     share = (sample[:1000] == 9).float().mean().item()
     assert 0.4 < share < 0.6
+
+
+def test_a_draw_picks_the_token_whose_share_of_the_distribution_holds_it():
+    """Inverse-CDF sampling from the stream's draws in (0, 1]: tokens 7 and 9 hold (0, 0.5] and
+    (0.5, 1]; the tokens of probability 0 around them are never drawn, at either end."""
+    model = tiny_electra()
+    draws = torch.tensor([2.0**-24, 0.5, 0.5 + 2.0**-23, 1.0])
+    logits = torch.full((4, 512), -1e4)
+    logits[:, 7] = logits[:, 9] = 0.0
+    sample, _ = model.sample(logits, draws)
+    assert sample.tolist() == [7, 7, 9, 9]
 
 
 def forward_before_the_speed_work(model, input_ids, attention_mask, labels):
@@ -100,7 +113,7 @@ def forward_before_the_speed_work(model, input_ids, attention_mask, labels):
     logits = model.generator_head(hidden, model.embedding.word_embeddings.weight)
     generator_loss = masked_lm_loss(logits, labels)
     masked = labels != IGNORE_INDEX
-    sampled, predicted_ids = model.sample(logits[masked])
+    sampled, predicted_ids = model.sample(logits[masked], 1 - torch.rand(int(masked.sum())))
     original = torch.where(masked, labels, input_ids.transpose(0, 1))
     corrupted = input_ids.transpose(0, 1).masked_scatter(masked, sampled)
     replaced = corrupted != original
@@ -115,7 +128,7 @@ def forward_before_the_speed_work(model, input_ids, attention_mask, labels):
         replaced_real = replaced & real
         tokens, n_masked = real.sum(), masked.sum()
         metrics = {
-            "loss": (loss.detach() * n_masked, n_masked),
+            "loss": (loss.detach(), 1),
             "generator_loss": (generator_loss.detach() * n_masked, n_masked),
             "discriminator_loss": (discriminator_loss.detach() * tokens, tokens),
             "generator_accuracy": ((predicted_ids == labels[masked]).sum(), n_masked),
@@ -149,7 +162,7 @@ def test_losses_and_metrics_as_before_the_speed_work():
         seed_dropout(step)
         expected_loss, expected = forward_before_the_speed_work(models[1], ids, mask, labels)
         torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
-        metrics = objective.metrics(batch, loss, output)
+        metrics = objective.metrics(batch, loss, output, share=1.0)
         assert set(metrics) == set(expected)
         for name, (value, count) in expected.items():
             torch.testing.assert_close(metrics[name][0].double(), value.double(), rtol=1e-6,
@@ -182,11 +195,6 @@ def test_tiny_electra_run_learns(data, tmp_path):
     for name in ("generator_loss", "discriminator_loss", "generator_accuracy", "replaced_fraction",
                  "discriminator_accuracy", "discriminator_precision", "discriminator_recall"):
         assert f"train/{name}" in events.Tags()["scalars"] and f"valid/{name}" in events.Tags()["scalars"]
-
-
-def test_electra_tensor_parallel_two_equals_one(data, tmp_path):
-    assert_tp2_matches_tp1(data, tmp_path, 3, ["train/generator_loss", "train/discriminator_loss"],
-                           "--objective", "electra")
 
 
 @pytest.mark.parametrize("config", [None, "electra_base_fp16.json"],

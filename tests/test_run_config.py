@@ -94,9 +94,15 @@ def test_the_configs_micro_batch_is_the_most_a_rank_runs(data, tmp_path, monkeyp
     """Global batch 16, the config's micro-batch 8: more ranks than two run smaller ones, so that
     one config serves every data-parallel size; an explicit --micro-batch is kept as given."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    config = load(base(data, tmp_path, "--global-batch", "16")).ds_config
+    run = load(base(data, tmp_path, "--global-batch", "16"))
+    config = run.ds_config
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (
         micro, accumulation)
+    said = f"global batch 16 = micro-batch {micro} x accumulation {accumulation} x dp {world}"
+    if micro < 8:  # what the config logic changed by itself is said in the start line
+        said += f" ({CPU_CONFIG}'s micro-batch 8 lowered to {micro}, each rank's share; " \
+                "--micro-batch sets it)"
+    assert str(run.batch_split) == said
     assert "not a multiple of micro-batch 8 x 4" in fails(
         base(data, tmp_path, "--global-batch", "16", "--micro-batch", "8"), monkeypatch, world=4)
 

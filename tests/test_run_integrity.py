@@ -219,7 +219,7 @@ def test_init_from_starts_a_new_run_at_a_longer_seq_len_from_a_checkpoint(data, 
              "--warmup-steps", "2", "--dropout", "0"]
     said = run(data, out, *flags, "--steps", "1")
     assert f"initialised from {phase1}/checkpoints/step8: its weights;" in said
-    assert "starting step 0 of 1" in said and "x 64 tokens" in said
+    assert "starting step 0 of 1" in said and "samples of 64 tokens" in said
     assert log(out)[1]["train/lr"] == 0
     assert losses(out)[1] < losses(phase1)[1] - 0.05  # trained weights, not new ones
     assert_same_weights(out / "checkpoints" / "step1", phase1 / "checkpoints" / "step8")
@@ -247,7 +247,7 @@ def flags_of(data, out, *extra):
 
 def test_another_run_is_refused_before_any_process_starts_naming_each_difference(
         data, reference, tmp_path, monkeypatch):
-    """Other data, seq-len, global batch or dropout; --resume never; a ZeRO-2 checkpoint on ZeRO
+    """Other data, seq-len, global batch, loss normalisation or dropout; --resume never; a ZeRO-2 checkpoint on ZeRO
     stage 0 elsewhere; a newer stray checkpoint of another run; --init-from a model of another
     shape. Nothing in the folder changes."""
     before = {n: manifest.digest(reference / "checkpoints" / n) for n in steps_in(reference)}
@@ -263,9 +263,12 @@ def test_another_run_is_refused_before_any_process_starts_naming_each_difference
            "than the checkpoint's (data.train)" in said
     assert f"--init-from {step12}" in said
     said = refusal(flags_of(data, reference, "--seq-len", "32", "--global-batch", "32",
-                            "--dropout", "0.1"), monkeypatch)
+                            "--dropout", "0.1", "--loss-normalization", "micro-batch"),
+                   monkeypatch)
     for difference in ("global_batch: 16 in the checkpoint, 32 now",
-                       "seq_len: 64 in the checkpoint, 32 now",
+                       "seq_len: 64 in the checkpoint, 32 now (--seq-len)",
+                       "loss_normalization: 'per-token' in the checkpoint, 'micro-batch' now "
+                       "(--loss-normalization)",
                        "models[0].hidden_dropout: 0.0 in the checkpoint, 0.1 now"):
         assert difference in said
     said = refusal(flags_of(data, reference, "--resume", "never"), monkeypatch)

@@ -136,7 +136,7 @@ def test_two_phase_chain_starts_phase_2_from_phase_1_once_it_succeeded(cluster, 
     job = cluster.wait_until_done(phase2, timeout=300)
     first, second = ((tmp_path / f"tupe-phase{n}.log").read_text() for n in (1, 2))
     assert job["JobState"] == "COMPLETED", first[-2000:] + second[-2000:] + cluster.logs()
-    assert "x 32 tokens" in first and "x 64 tokens" in second
+    assert "samples of 32 tokens" in first and "samples of 64 tokens" in second
     assert f"initialised from {tmp_path}/bert/phase1/checkpoints/step4: its weights" in second
     assert cluster.job(phase1)["EndTime"] <= job["StartTime"]
 

@@ -171,16 +171,10 @@ def network_state(state: Dict[str, Tensor], network: Optional[str]) -> Dict[str,
             for prefix in renames if name.startswith(prefix)}
 
 
-def export(checkpoint: str, out: str, format: str = "hf", network: str = "discriminator") -> str:
-    """`out` in FORMATS[format] from a checkpoint; ELECTRA runs export `network`."""
-    run_dir, step_dir = find_checkpoint(checkpoint)
-    with open(os.path.join(run_dir, "run.json")) as f:
-        run = json.load(f)
-    electra = run["objective"] == "electra"
-    if network != "discriminator" and not (electra and format == "hf"):
-        raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
-                          "--format hf, can be exported; leave the flag out")
-    check_files(step_dir)
+def consolidated_state(run: dict, step_dir: str) -> tuple:
+    """(the run's ModelConfigs at tp=1 in fp32, its fp32 parameters named as in
+    BertForMaskedLM or ElectraForPretraining) from a checkpoint of any layout; `run` is the
+    run's run.json."""
     tp, pp = run["tp"], run["pp"]
     configs = [dataclasses.replace(ModelConfig(**model), tensor_parallel_size=1, dtype="fp32")
                for model in run["models"]]
@@ -192,8 +186,21 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
         for rank, state in enumerate(slices):  # rank = stage * tp + tensor rank
             by_tp[rank % tp].update(model_names(state, layer_indices))
         slices = by_tp
-    state = network_state(join_tensor_parallel(slices, reference_state(configs)),
-                          network if electra else None)
+    return configs, join_tensor_parallel(slices, reference_state(configs))
+
+
+def export(checkpoint: str, out: str, format: str = "hf", network: str = "discriminator") -> str:
+    """`out` in FORMATS[format] from a checkpoint; ELECTRA runs export `network`."""
+    run_dir, step_dir = find_checkpoint(checkpoint)
+    with open(os.path.join(run_dir, "run.json")) as f:
+        run = json.load(f)
+    electra = run["objective"] == "electra"
+    if network != "discriminator" and not (electra and format == "hf"):
+        raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
+                          "--format hf, can be exported; leave the flag out")
+    check_files(step_dir)
+    configs, state = consolidated_state(run, step_dir)
+    state = network_state(state, network if electra else None)
     if format == "tupe":  # a BertForMaskedLM's parameters only, as earlier versions read
         state = {n: t for n, t in state.items() if not n.startswith("discriminator_head.")}
     config = configs[1] if network == "generator" else configs[0]

@@ -25,6 +25,14 @@ def accelerator_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the accelerator without waiting for it: a copy from pageable memory would
+    block the host until the device has caught up."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def ensure_model_parallel(tensor_parallel_size: int) -> None:
     """Make megatron-core's parallel state ready for `tensor_parallel_size`.
 

@@ -16,9 +16,9 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 _SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
 
-# The streams of one sample: which positions are chosen, what becomes of them, the random ids;
-# and the stream of an epoch's order.
-CHOICE, ACTION, REPLACEMENT, ORDER = 0, 1, 2, 3
+# The streams of one sample: which positions are chosen, what becomes of them, the random ids,
+# ELECTRA's generator's draws at them; and the stream of an epoch's order.
+CHOICE, ACTION, REPLACEMENT, ORDER, GENERATOR = 0, 1, 2, 3, 4
 
 
 def mix(x: np.ndarray) -> np.ndarray:

@@ -6,6 +6,9 @@ stream visits every packed sample once per epoch in an order drawn from (seed, e
 sample is masked anew from (seed, epoch, sample). So one seed gives the same global batches
 whatever the number of ranks, and a run resumed at step s sees exactly what it had not seen.
 
+For ELECTRA a batch also carries `generator_draws`, the numbers from which the generator
+samples its replacements (masking.generator_draws), so a sample is corrupted alike in any layout.
+
 A micro-batch is read and masked in whole-batch operations (`MaskedSamples.batch`; sample by
 sample, the reference, gives the same tensors), and a background thread makes the next steps'
 batches while the current one trains (`TrainBatches(prefetch=...)`).
@@ -20,7 +23,8 @@ import torch
 from tokenizers import Tokenizer
 
 from tupe_ds.data import counter_random
-from tupe_ds.data.masking import IGNORE_INDEX, MaskingIds, MaskingScheme, mask_batch, mask_tokens
+from tupe_ds.data.masking import (IGNORE_INDEX, MaskingIds, MaskingScheme, generator_draws,
+                                  mask_batch, mask_tokens)
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import Prefetched
 
@@ -66,14 +70,15 @@ def collate(samples: List[tuple], seq_len: int, pad: int) -> Batch:
 class MaskedSamples:
     """The endless stream over a PackedSentences dataset: global sample g is packed sample
     order_epoch[position], (epoch, position) = divmod(g, len(packed)), masked from (seed, epoch,
-    sample). `vectorised=False` makes batches sample by sample (the reference)."""
+    sample). `vectorised=False` makes batches sample by sample (the reference); `draws` adds
+    the ELECTRA generator's `generator_draws` to each batch."""
 
     def __init__(self, packed: PackedSentences, vocab: Vocabulary, scheme: MaskingScheme,
-                 seed: int, vectorised: bool = True):
+                 seed: int, vectorised: bool = True, draws: bool = False):
         if len(packed) == 0:
             raise ValueError(f"{packed.prefix}: the dataset holds no sample")
         self.packed, self.vocab, self.scheme, self.seed = packed, vocab, scheme, seed
-        self.vectorised = vectorised
+        self.vectorised, self.draws = vectorised, draws
         self.special = np.array(vocab.special)
         self.is_special = np.zeros(vocab.size, dtype=bool)
         self.is_special[self.special] = True
@@ -102,16 +107,21 @@ class MaskedSamples:
     def batch(self, epochs: np.ndarray, samples: np.ndarray) -> Batch:
         """Sample samples[i] of epoch epochs[i] in row i."""
         seq_len, pad = self.packed.seq_len, self.vocab.pad
-        if not self.vectorised:
-            return collate([self.masked(int(e), int(s)) for e, s in zip(epochs, samples)],
-                           seq_len, pad)
-        tokens, lengths = self.packed.rows(samples, pad)
-        inputs, labels = mask_batch(tokens, self.seed, epochs, samples, self.scheme, self.ids,
-                                    self.is_special)
-        attention_mask = (np.arange(seq_len) < lengths[:, None]).astype(np.int64)
-        return {"input_ids": torch.from_numpy(inputs),
-                "attention_mask": torch.from_numpy(attention_mask),
-                "labels": torch.from_numpy(labels)}
+        if self.vectorised:
+            tokens, lengths = self.packed.rows(samples, pad)
+            inputs, labels = mask_batch(tokens, self.seed, epochs, samples, self.scheme, self.ids,
+                                        self.is_special)
+            attention_mask = (np.arange(seq_len) < lengths[:, None]).astype(np.int64)
+            batch = {"input_ids": torch.from_numpy(inputs),
+                     "attention_mask": torch.from_numpy(attention_mask),
+                     "labels": torch.from_numpy(labels)}
+        else:
+            batch = collate([self.masked(int(e), int(s)) for e, s in zip(epochs, samples)],
+                            seq_len, pad)
+        if self.draws:
+            batch["generator_draws"] = torch.from_numpy(
+                generator_draws(self.seed, epochs, samples, batch["labels"].numpy()))
+        return batch
 
     def global_samples(self, first: int, count: int) -> Batch:
         """Global samples [first, first + count), one per row."""
@@ -165,17 +175,20 @@ def with_empty_rows(batch: Batch, rows: int, pad: int) -> Batch:
     missing = rows - len(batch["input_ids"])
     if missing == 0:
         return batch
-    fill = {"input_ids": pad, "attention_mask": 0, "labels": IGNORE_INDEX}
+    fill = {"input_ids": pad, "attention_mask": 0, "labels": IGNORE_INDEX, "generator_draws": 0}
     return {key: torch.cat([value, value.new_full((missing, value.shape[1]), fill[key])])
             for key, value in batch.items()}
 
 
 def valid_batches(samples: MaskedSamples, micro_batch: int, dp_rank: int, dp_size: int,
                   count: int) -> Iterator[Batch]:
-    """The first `count` samples (masked as in epoch 0), this rank's share, in micro-batches
-    (the last one filled up with empty rows)."""
-    mine = np.arange(dp_rank, min(count, len(samples.packed)), dp_size)
-    for first in range(0, len(mine), micro_batch):
+    """The first `count` samples (masked as in epoch 0), whatever the layout: this rank's share
+    (samples dp_rank, dp_rank + dp_size, ...) in micro-batches. Every rank makes the same number
+    of micro-batches, the last ones filled up with empty rows (ZeRO-3 gathers parameters in
+    every forward, with every rank)."""
+    count = min(count, len(samples.packed))
+    mine = np.arange(dp_rank, count, dp_size)
+    for first in range(0, -(-count // dp_size), micro_batch):
         rows = mine[first:first + micro_batch]
         yield with_empty_rows(samples.batch(np.zeros_like(rows), rows), micro_batch,
                               samples.vocab.pad)

@@ -2,7 +2,9 @@
 
 The random numbers of sample s in epoch e come from tupe_ds.data.counter_random at coordinates
 (seed, e, s, position), so a sample is masked the same way alone (`mask_tokens`, the reference)
-or in a micro-batch (`mask_batch`, what training runs), on any rank.
+or in a micro-batch (`mask_batch`, what training runs), on any rank; and ELECTRA's generator
+samples its replacement at a masked position from a draw at the same coordinates
+(`generator_draws`), so a sample is corrupted alike in every layout.
 """
 
 from dataclasses import dataclass
@@ -106,3 +108,17 @@ def mask_batch(tokens: np.ndarray, seed: int, epochs: np.ndarray, samples: np.nd
     inputs[row[to_random], column[to_random]] = replacements(
         replacement_keys[row[to_random]], column[to_random], ids)
     return inputs, labels
+
+
+def generator_draws(seed: int, epochs: np.ndarray, samples: np.ndarray,
+                    labels: np.ndarray) -> np.ndarray:
+    """float32 [rows, seq_len]: at each labelled position of labels (row i is sample samples[i] of
+    epoch epochs[i]) a number in (0, 1] on the float32 grid of 2**-24 (so that it stays in (0, 1]
+    on the device), from which ELECTRA's generator draws its replacement token (inverse CDF:
+    ElectraForPretraining.sample); 0 elsewhere."""
+    row, column = np.nonzero(labels != IGNORE_INDEX)
+    keys = counter_random.sample_keys(seed, epochs, samples, counter_random.GENERATOR)
+    grid = (counter_random.bits(keys[row], column) >> np.uint64(40)).astype(np.float64) + 1
+    draws = np.zeros(labels.shape, dtype=np.float32)
+    draws[row, column] = grid * 2.0**-24
+    return draws

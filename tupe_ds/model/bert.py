@@ -30,13 +30,16 @@ class BertForMaskedLM(MegatronModule):
     def forward(
         self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
         labels: Optional[Tensor] = None, labelled: Optional[Tensor] = None,
+        loss_denominator: Optional[Tensor] = None,
     ) -> Union[Tensor, tuple[Tensor, Tensor]]:
         """input_ids, attention_mask (1 = real token, 0 = padding; None when nothing is padded,
         which spares the attention kernels any mask), labels: [batch, seq].
 
-        Returns logits [batch, seq, vocab], or (mean loss over labels != -100, logits). With
-        `labelled` (see labelled_positions) the masked-LM head runs on the labelled tokens only:
-        the same loss and gradients for about 15% of the head's cost, and logits [m, vocab].
+        Returns logits [batch, seq, vocab], or (loss, logits): the loss summed over labels !=
+        -100 and divided by `loss_denominator` (default: their count, the mean; training divides
+        by the step's global count, train/normalization.py). With `labelled` (see
+        labelled_positions) the masked-LM head runs on the labelled tokens only: the same loss
+        and gradients for about 15% of the head's cost, and logits [m, vocab].
         """
         hidden = embed(self.embedding, input_ids, self.model_config.max_position_embeddings)
         padding = None if attention_mask is None else attention_mask == 0
@@ -50,7 +53,7 @@ class BertForMaskedLM(MegatronModule):
             full_logits = full_logits.squeeze(0)
         if labels is None:
             return full_logits
-        return masked_lm_loss(logits, labels.transpose(0, 1)), full_logits
+        return masked_lm_loss(logits, labels.transpose(0, 1), loss_denominator), full_logits
 
     def positional_scores(self, n: int) -> Tensor:
         """[heads, n, n]: see Encoder.positional_scores."""

@@ -97,9 +97,12 @@ def at_labelled(tensor: Tensor, labelled: Tensor) -> Tensor:
     return tensor.t().reshape(-1)[labelled]
 
 
-def masked_lm_loss(local_logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross-entropy over labels != -100; local_logits [n, b, vocab / tp], labels [n, b]."""
+def masked_lm_loss(local_logits: Tensor, labels: Tensor, denominator=None) -> Tensor:
+    """Cross-entropy summed over labels != -100 and divided by `denominator` (default: their
+    count, the mean); local_logits [n, b, vocab / tp], labels [n, b]."""
     counted = labels != IGNORE_INDEX
     losses = tensor_parallel.vocab_parallel_cross_entropy(  # works in place on its input
         local_logits.to(torch.float32, copy=True), labels.masked_fill(~counted, 0))
-    return (losses * counted).sum() / counted.sum().clamp(min=1)
+    if denominator is None:
+        denominator = counted.sum().clamp(min=1)
+    return torch.where(counted, losses, 0.0).sum() / denominator

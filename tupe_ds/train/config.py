@@ -17,7 +17,7 @@ from tupe_ds.train import nonfinite
 from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
-from tupe_ds.train.ds_config import deepspeed_config
+from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
 from tupe_ds.train.flags import check_flags, fail, index_cache, parser
 from tupe_ds.train.objectives import OBJECTIVES
 
@@ -70,6 +70,8 @@ class RunConfig:
     index_cache: str  # folder of the sample indexes
     prefetch: int  # steps of batches made ahead by a thread
     vectorised_stream: bool  # --data-stream vectorised
+    loss_normalization: str  # a mode of tupe_ds.train.normalization
+    batch_split: BatchSplit  # micro-batch x accumulation x dp, and what set it
     identity: dict  # what defines the stream and the model (checkpoint/identity.py)
     resume_plan: Optional[ResumePlan] = None  # the checkpoint of --out to resume
     init_plan: Optional[InitPlan] = None  # --init-from, for a run with nothing to resume
@@ -93,7 +95,7 @@ def load(argv=None, world_size: Optional[int] = None,
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = process_layout(args, world_size)
-    ds_config, dtype = deepspeed_config(args, layout.dp, machine or doctor.probe())
+    ds_config, dtype, batch_split = deepspeed_config(args, layout.dp, machine or doctor.probe())
     problem = nonfinite.config_problem(ds_config, dtype)
     if problem:
         fail(problem)
@@ -110,7 +112,7 @@ def load(argv=None, world_size: Optional[int] = None,
     models = model_configs(args, dtype, vocab_size)
     identity = run_identity(args.objective, args.model, models, args.data, args.seq_len,
                             ds_config["train_batch_size"], OBJECTIVES[args.objective].masking,
-                            args.seed)
+                            args.seed, args.loss_normalization)
     init_plan = None
     try:
         if resume_plan is not None:
@@ -128,7 +130,9 @@ def load(argv=None, world_size: Optional[int] = None,
                                          save=args.save_interval, image=args.image_interval),
                      models=models, ds_config=ds_config, ds_config_path=args.ds_config,
                      index_cache=index_cache(args), prefetch=args.prefetch,
-                     vectorised_stream=args.data_stream == "vectorised", identity=identity,
+                     vectorised_stream=args.data_stream == "vectorised",
+                     loss_normalization=args.loss_normalization, batch_split=batch_split,
+                     identity=identity,
                      resume_plan=resume_plan, init_plan=init_plan)
 
 

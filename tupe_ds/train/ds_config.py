@@ -4,6 +4,7 @@ DeepSpeed's pipeline engine, with the command line's ZeRO stage, batch and sched
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from typing import Tuple
 
 from tupe_ds import doctor
@@ -11,10 +12,26 @@ from tupe_ds.launch import processes_on_this_node
 from tupe_ds.train.flags import fail
 
 
+@dataclass(frozen=True)
+class BatchSplit:
+    """How a step's global batch is split: micro-batch x accumulation steps x data-parallel
+    ranks; `note` says what the config logic changed by itself ("" if nothing)."""
+    global_batch: int
+    micro_batch: int
+    accumulation: int
+    dp: int
+    note: str = ""
+
+    def __str__(self) -> str:
+        return (f"global batch {self.global_batch} = micro-batch {self.micro_batch} x "
+                f"accumulation {self.accumulation} x dp {self.dp}"
+                + (f" ({self.note})" if self.note else ""))
+
+
 def deepspeed_config(args: argparse.Namespace, dp: int,
-                     machine: doctor.Machine) -> Tuple[dict, str]:
-    """The config the DeepSpeed engine gets for `dp` data-parallel ranks, and its precision
-    (fp32, fp16 or bf16); tupe-doctor's fatal findings on `machine` stop the run."""
+                     machine: doctor.Machine) -> Tuple[dict, str, BatchSplit]:
+    """The config the DeepSpeed engine gets for `dp` data-parallel ranks, its precision (fp32,
+    fp16 or bf16) and its batch split; tupe-doctor's fatal findings on `machine` stop the run."""
     ds_config = read_ds_config(args.ds_config)
     dtype = doctor.precision(ds_config)
     for finding in doctor.all_findings(machine, args.ds_config, processes_on_this_node(),
@@ -24,12 +41,12 @@ def deepspeed_config(args: argparse.Namespace, dp: int,
     if args.zero_stage is not None:
         ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     check_pipeline(args, ds_config, dtype)
-    set_batch(args, ds_config, dp)
+    split = set_batch(args, ds_config, dp)
     set_schedule(args, ds_config)
     ds_config["tensorboard"] = {"enabled": True, "job_name": "deepspeed",
                                 "output_path": os.path.join(args.out, "tensorboard")}
     ds_config.setdefault("steps_per_print", 10**9)
-    return ds_config, dtype
+    return ds_config, dtype, split
 
 
 def read_ds_config(path: str) -> dict:
@@ -58,7 +75,7 @@ def check_pipeline(args: argparse.Namespace, ds_config: dict, dtype: str) -> Non
              "--zero-stage 1 (or fp16/bf16, or gradient_clipping 0)")
 
 
-def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> None:
+def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
     """Global batch, micro-batch and the gradient accumulation that joins them over dp ranks."""
     if args.micro_batch is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
@@ -69,14 +86,18 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> None:
     if micro is None or batch is None:
         fail(f"{args.ds_config}: set train_batch_size and train_micro_batch_size_per_gpu "
              "(or --global-batch and --micro-batch)")
+    note = ""
     if args.micro_batch is None and batch % dp == 0 and batch // dp < micro:
         # A config's micro-batch is the most one rank runs at once: with more data-parallel ranks
         # than that many fill the global batch, each runs its share in one micro-batch.
+        note = (f"{args.ds_config}'s micro-batch {micro} lowered to {batch // dp}, each rank's "
+                "share; --micro-batch sets it")
         micro = ds_config["train_micro_batch_size_per_gpu"] = batch // dp
     if batch % (micro * dp):
         fail(f"global batch {batch} is not a multiple of micro-batch {micro} x {dp} data-parallel "
              "ranks; change --global-batch or --micro-batch")
     ds_config["gradient_accumulation_steps"] = batch // (micro * dp)
+    return BatchSplit(batch, micro, batch // (micro * dp), dp, note)
 
 
 def set_schedule(args: argparse.Namespace, ds_config: dict) -> None:

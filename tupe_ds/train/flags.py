@@ -6,6 +6,7 @@ import os
 
 from tupe_ds.model.config import ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
+from tupe_ds.train import normalization
 
 DATA_STREAMS = {
     "vectorised": "each micro-batch read and masked in whole-batch operations",
@@ -45,6 +46,12 @@ def parser() -> argparse.ArgumentParser:
                         "in the step)")
     p.add_argument("--data-stream", choices=list(DATA_STREAMS), default="vectorised",
                    help="; ".join(f"{name}: {text}" for name, text in DATA_STREAMS.items()))
+    p.add_argument("--loss-normalization", choices=list(normalization.MODES),
+                   default=normalization.PER_TOKEN,
+                   help="per-token: a step's loss is its summed token losses over the global "
+                        "count of counted tokens, whatever the split into micro-batches and "
+                        "ranks; micro-batch: the mean of each micro-batch's mean, as BERT's and "
+                        "ELECTRA's original code (tupe_ds/train/normalization.py)")
     p.add_argument("--micro-batch", type=int, help="overrides train_micro_batch_size_per_gpu")
     p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")

@@ -25,6 +25,7 @@ from tupe_ds.train.checkpoint.save import NonFiniteWeights, save
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.nonfinite import NonFiniteGuard
+from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
@@ -32,11 +33,12 @@ from tupe_ds.train.stop_signal import StopSignal
 from tupe_ds.train.waits import announced
 
 
-def datasets(run: RunConfig, vocab: Vocabulary, masking):
+def datasets(run: RunConfig, vocab: Vocabulary, objective):
     packed = {split: PackedSentences(os.path.join(run.data, split), run.seq_len, vocab.cls,
                                      vocab.sep, run.index_cache)
               for split in ("train", "valid")}
-    return {split: MaskedSamples(p, vocab, masking, run.seed, run.vectorised_stream)
+    return {split: MaskedSamples(p, vocab, objective.masking, run.seed, run.vectorised_stream,
+                                 objective.generator_draws)
             for split, p in packed.items()}
 
 
@@ -47,11 +49,11 @@ def reads_data(run: RunConfig) -> bool:
 
 
 def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int, device) -> dict:
-    """The objective's metrics over the first --eval-samples valid samples, as valid/NAME."""
+    """The objective's metrics over the first --eval-samples valid samples (the same ones in
+    every layout), as valid/NAME."""
     dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
-    count = min(run.eval_samples, len(samples.packed)) // dp * dp  # the same on every rank
     totals = {}
-    with made_ahead(valid_batches(samples, micro_batch, rank, dp, max(count, dp)),
+    with made_ahead(valid_batches(samples, micro_batch, rank, dp, run.eval_samples),
                     run.prefetch if reads_data(run) else 0, pin=device.type != "cpu") as batches:
         steps.evaluate(batches, totals)
     return {f"valid/{name}": value for name, value in steps.reduce(totals).items()}
@@ -70,6 +72,7 @@ def write_run_description(run: RunConfig) -> None:
 
 def build_engine(run: RunConfig, objective, device):
     """The model (a pipeline of stages when --pp > 1), its DeepSpeed engine and its steps."""
+    normalization = LossNormalization(run.loss_normalization, objective, device)
     torch.manual_seed(run.seed)  # weights, and dropout alike on every tensor-parallel rank
     seed_tensor_parallel_rng(run.seed)  # each tensor-parallel rank's heads: its own dropout
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
@@ -80,13 +83,13 @@ def build_engine(run: RunConfig, objective, device):
         model = BertPipeline(run.models[0], topology, loss)
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config)
-        return model, engine, PipelineSteps(engine, loss, device)
+        return model, engine, PipelineSteps(engine, loss, normalization, device)
     model = objective.build(run.models)
     model.universal_checkpoint_info = reshard.universal_info(model)  # saved by DeepSpeed
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config,
         mpu=MegatronMPU())
-    return model, engine, EngineSteps(engine, objective, device)
+    return model, engine, EngineSteps(engine, objective, normalization, device)
 
 
 def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
@@ -143,7 +146,7 @@ def train(run: RunConfig, launcher: str) -> None:
         model, engine, steps = build_engine(run, objective, device)
     vocab = Vocabulary.from_data_dir(run.data)
     with announced(f"the sample index of {run.data} (seq-len {run.seq_len})", rank):
-        data = datasets(run, vocab, objective.masking)
+        data = datasets(run, vocab, objective)
     checkpoints = os.path.join(run.out, "checkpoints")
     state = resume.load(engine, plan, run.seed) if plan is not None else None
     if state is None and run.init_plan is not None:
@@ -166,8 +169,8 @@ def train(run: RunConfig, launcher: str) -> None:
     stop = StopSignal()
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {run.world_size} processes from {launcher} "
-        f"({run.layout}), global batch {batches.global_batch} x {run.seq_len} tokens, "
-        f"{len(data['train'].packed)} train samples", flush=True)
+        f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
+        f"{run.loss_normalization}, {len(data['train'].packed)} train samples", flush=True)
 
     metrics, totals, failure = {}, {}, None
     while step < run.steps:

@@ -1,7 +1,11 @@
-"""What is trained: the model a run builds, its masking, and the metrics of its outputs.
+"""What is trained: the model a run builds, its masking, the tokens its loss terms count, and
+the metrics of its outputs.
 
 Metrics are (sum, count) pairs per micro-batch, added up over micro-batches and data-parallel
-ranks before dividing, so that train and valid figures do not depend on the layout.
+ranks before dividing, so that train and valid figures do not depend on the layout. `loss` is
+the optimised objective: each micro-batch adds (its loss, 1) x its share of the step (1 /
+(micro-batches x dp), normalization.py), so a logged step's loss is exactly what DeepSpeed
+differentiated, and an interval's the mean of its steps'.
 """
 
 import torch
@@ -12,23 +16,36 @@ from tupe_ds.model.electra import build_electra
 from tupe_ds.model.layers import at_labelled
 
 
+def masked_count(batch) -> int:
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
 class MaskedLM:
     """BERT: masked-LM loss and masked-token accuracy."""
 
     masking = BERT_MASKING
+    generator_draws = False
 
     def build(self, configs):
         return build_model(configs[0])
 
-    def metrics(self, batch, loss, logits) -> dict:
+    def token_counts(self, batch) -> list:
+        """The tokens the loss is over, in a host batch: the masked ones."""
+        return [masked_count(batch)]
+
+    def forward(self, model, batch, mask, denominators):
+        """(loss, logits [m, vocab]): the masked-LM head runs on the labelled tokens only."""
+        return model(batch["input_ids"], mask, batch["labels"], batch["labelled"],
+                     None if denominators is None else denominators[0])
+
+    def metrics(self, batch, loss, logits, share: float) -> dict:
         """logits: [m, vocab] at the batch's labelled positions, or [batch, seq, vocab]."""
         labels = batch["labels"]
         if logits.dim() == 2:
             labels = at_labelled(labels, batch["labelled"])
         counted = labels != IGNORE_INDEX
-        tokens = counted.sum()
         correct = ((logits.argmax(-1) == labels) & counted).sum()
-        return {"loss": (loss.detach() * tokens, tokens), "accuracy": (correct, tokens)}
+        return {"loss": (loss.detach() * share, share), "accuracy": (correct, counted.sum())}
 
     def encoders(self, model) -> dict:
         """Networks whose positional logits go to TensorBoard, by tag prefix."""
@@ -39,12 +56,21 @@ class Electra:
     """ELECTRA: generator + 50 x discriminator loss; both networks' metrics."""
 
     masking = ELECTRA_MASKING
+    generator_draws = True  # the stream draws the generator's samples: masking.generator_draws
 
     def build(self, configs):
         return build_electra(configs)  # (discriminator, generator)
 
-    def metrics(self, batch, loss, output) -> dict:
-        return output.metrics
+    def token_counts(self, batch) -> list:
+        """The generator's term is over the masked tokens, the discriminator's over the real."""
+        return [masked_count(batch), int(batch["attention_mask"].sum())]
+
+    def forward(self, model, batch, mask, denominators):
+        return model(batch["input_ids"], mask, batch["labels"], batch["labelled"],
+                     batch["generator_draws"], denominators)
+
+    def metrics(self, batch, loss, output, share: float) -> dict:
+        return {"loss": (loss.detach() * share, share), **output.metrics}
 
     def encoders(self, model) -> dict:
         return {"positional_logits/discriminator": model.discriminator,
@@ -55,8 +81,10 @@ OBJECTIVES = {"mlm": MaskedLM(), "electra": Electra()}
 
 
 def add(totals: dict, metrics: dict) -> None:
-    """totals[name] += [sum, count] (float64 tensors)."""
+    """totals[name] += [sum, count] (float64 tensors on the device of the sum); a count given as
+    a number is filled in on the device (a copy from the host would wait for it)."""
     for name, (value, count) in metrics.items():
-        pair = torch.stack([torch.as_tensor(value, dtype=torch.float64),
-                            torch.as_tensor(count, dtype=torch.float64)])
+        value = torch.as_tensor(value, dtype=torch.float64)
+        count = count.to(torch.float64) if torch.is_tensor(count) else value.new_full((), count)
+        pair = torch.stack([value, count])
         totals[name] = totals[name] + pair.to(totals[name].device) if name in totals else pair

@@ -1,8 +1,9 @@
 """One optimizer step, and one evaluation, on DeepSpeed's engine or on its pipeline engine.
 
-`train` and `evaluate` take this rank's micro-batches and add the objective's metrics to
-`totals` as (sum, count) pairs (see objectives.py); `reduce` sums them over data-parallel ranks
-and returns name -> sum / count on every rank.
+`train` and `evaluate` take this rank's micro-batches, divide their losses as the run's
+LossNormalization says (normalization.py), and add the objective's metrics to `totals` as
+(sum, count) pairs (see objectives.py); `reduce` sums them over data-parallel ranks and returns
+name -> sum / count on every rank.
 """
 
 import torch
@@ -11,16 +12,9 @@ from megatron.core import parallel_state
 from torch.profiler import record_function
 
 from tupe_ds.model.layers import labelled_positions, masked_lm_loss
-from tupe_ds.parallel import gather_tensor_parallel
+from tupe_ds.parallel import gather_tensor_parallel, to_device
+from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import add
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the accelerator without waiting for it: a copy from pageable memory would
-    block the host until the device has caught up."""
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def reduce_metrics(totals: dict, device) -> dict:
@@ -30,42 +24,47 @@ def reduce_metrics(totals: dict, device) -> dict:
     names = sorted(totals)
     stacked = torch.stack([totals[name].to(device) for name in names])
     dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
-    return {name: (pair[0] / pair[1].clamp(min=1)).item() for name, pair in zip(names, stacked)}
+    return {name: (pair[0] / pair[1].clamp(min=1e-30)).item() for name, pair in zip(names, stacked)}
 
 
 class EngineSteps:
     """The whole model on every rank (tensor and data parallelism, any ZeRO stage)."""
 
-    def __init__(self, engine, objective, device):
+    def __init__(self, engine, objective, normalization: LossNormalization, device):
         self.engine, self.objective, self.device = engine, objective, device
+        self.normalization = normalization
 
-    def _forward(self, batch):
+    def _forward(self, batch, denominators):
         # What depends on the data is read on the host copy: no device synchronisation.
         padded = not batch["attention_mask"].all()
         batch = {**batch, "labelled": labelled_positions(batch["labels"])}
         batch = {k: to_device(v, self.device) for k, v in batch.items()}
         mask = batch["attention_mask"] if padded else None  # None: no mask for the kernels at all
-        # Both objectives' models run their masked-LM head on the labelled tokens only.
-        loss, output = self.engine(batch["input_ids"], mask, batch["labels"], batch["labelled"])
+        loss, output = self.objective.forward(self.engine, batch, mask, denominators)
         return batch, loss, output
 
     def train(self, micro_batches, totals: dict) -> None:
         """The phases are named for torch.profiler (`step/...`): bench/gpu.py times them."""
+        micro_batches = list(micro_batches)
+        denominators, share = self.normalization.divisors(micro_batches, per_token=False)
         for batch in micro_batches:
             with record_function("step/forward"):
-                batch, loss, output = self._forward(batch)
+                batch, loss, output = self._forward(batch, denominators)
             with record_function("step/backward"):  # with ZeRO's gradient reduction
                 self.engine.backward(loss)
             with record_function("step/optimizer"):  # at the accumulation boundary
                 self.engine.step()
             with record_function("step/metrics"):
-                add(totals, self.objective.metrics(batch, loss, output))
+                add(totals, self.objective.metrics(batch, loss, output, share))
 
     def evaluate(self, micro_batches, totals: dict) -> None:
+        micro_batches = list(micro_batches)
+        denominators, share = self.normalization.divisors(micro_batches, per_token=True)
         self.engine.eval()
         with torch.no_grad():
             for batch in micro_batches:
-                add(totals, self.objective.metrics(*self._forward(batch)))
+                batch, loss, output = self._forward(batch, denominators)
+                add(totals, self.objective.metrics(batch, loss, output, share))
         self.engine.train()
 
     def reduce(self, totals: dict) -> dict:
@@ -77,18 +76,20 @@ class EngineSteps:
 
 
 class PipelineLoss:
-    """The last stage's loss_fn: masked-LM loss on this rank's vocabulary shard; it adds the
-    objective's metrics of each micro-batch to `totals`."""
+    """The last stage's loss_fn: masked-LM loss on this rank's vocabulary shard, divided by
+    `denominators` (set for each step; None: the micro-batch's own count); it adds the
+    objective's metrics of each micro-batch to `totals`, each loss weighing `share` of the step."""
 
     def __init__(self, objective):
         self.objective = objective
-        self.totals = {}
+        self.totals, self.denominators, self.share = {}, None, 1.0
 
     def __call__(self, logits, labels):
         """logits [n, b, vocab / tp], labels [b, n]."""
-        loss = masked_lm_loss(logits, labels.t())
+        denominator = None if self.denominators is None else self.denominators[0]
+        loss = masked_lm_loss(logits, labels.t(), denominator)
         full_logits = gather_tensor_parallel(logits.detach(), dim=-1).transpose(0, 1)
-        add(self.totals, self.objective.metrics({"labels": labels}, loss, full_logits))
+        add(self.totals, self.objective.metrics({"labels": labels}, loss, full_logits, self.share))
         return loss
 
 
@@ -96,21 +97,32 @@ class PipelineSteps:
     """DeepSpeed's pipeline engine: stage 0 reads the inputs, the last stage the labels, and the
     engine schedules the micro-batches through the stages."""
 
-    def __init__(self, engine, loss: PipelineLoss, device):
+    def __init__(self, engine, loss: PipelineLoss, normalization: LossNormalization, device):
         self.engine, self.loss, self.device = engine, loss, device
+        self.normalization = normalization
 
     @staticmethod
     def _pipeline_batches(micro_batches):
         for batch in micro_batches:
             yield (batch["input_ids"], batch["attention_mask"]), batch["labels"]
 
-    def train(self, micro_batches, totals: dict) -> None:
+    def _prepare_loss(self, micro_batches, totals: dict, per_token: bool):
+        """The last stage's loss_fn for these micro-batches (only that stage reads the labels);
+        the micro-batches, as a list where they were read."""
         self.loss.totals = totals
+        if not self.engine.is_last_stage():
+            return micro_batches
+        micro_batches = list(micro_batches)
+        self.loss.denominators, self.loss.share = self.normalization.divisors(micro_batches,
+                                                                              per_token)
+        return micro_batches
+
+    def train(self, micro_batches, totals: dict) -> None:
+        micro_batches = self._prepare_loss(micro_batches, totals, per_token=False)
         self.engine.train_batch(self._pipeline_batches(micro_batches))
 
     def evaluate(self, micro_batches, totals: dict) -> None:
-        self.loss.totals = totals
-        micro_batches = list(micro_batches)
+        micro_batches = self._prepare_loss(list(micro_batches), totals, per_token=True)
         self.engine.eval_batch(self._pipeline_batches(micro_batches),
                                num_micro_batches=len(micro_batches))
 

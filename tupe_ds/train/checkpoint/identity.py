@@ -23,13 +23,18 @@ def file_digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+# What a checkpoint written before a setting existed was made with
+BEFORE_RECORDED = {"loss_normalization": "micro-batch"}
+
+
 def run_identity(objective: str, model: str, models: tuple, data: str, seq_len: int,
-                 global_batch: int, masking, seed: int) -> dict:
+                 global_batch: int, masking, seed: int, loss_normalization: str) -> dict:
     """The identity of a run: data (the sentence lengths and document boundaries of each split,
     which define the packed samples), vocabulary (tokenizer.json), the sample stream's settings,
-    the models and the objective."""
+    the models and the objective, with its loss normalisation."""
     return {
         "objective": objective, "model": model, "seed": seed, "seq_len": seq_len,
+        "loss_normalization": loss_normalization,
         "global_batch": global_batch, "masking": dataclasses.asdict(masking),
         "vocabulary": file_digest(os.path.join(data, "tokenizer.json")),
         "data": {split: dataset_digest(os.path.join(data, split)) for split in ("train", "valid")},
@@ -49,11 +54,15 @@ def flatten(value, prefix: str = "") -> dict:
 
 
 DESCRIPTIONS = {"data": "the data (--data)", "vocabulary": "the vocabulary (tokenizer.json)"}
+FLAGS = {"objective": "--objective", "model": "--model", "seed": "--seed", "seq_len": "--seq-len",
+         "global_batch": "--global-batch", "loss_normalization": "--loss-normalization"}
 
 
 def differences(saved: dict, current: dict) -> List[str]:
-    """One line per setting that differs: 'seq_len: 128 in the checkpoint, 512 now'."""
-    before, now = flatten(saved), flatten(current)
+    """One line per setting that differs: 'seq_len: 128 in the checkpoint, 512 now'. A setting
+    the checkpoint does not record has the value of BEFORE_RECORDED."""
+    now = flatten(current)
+    before = {**{k: v for k, v in BEFORE_RECORDED.items() if k in now}, **flatten(saved)}
     lines = []
     for key in sorted(set(before) | set(now)):
         if before.get(key) != now.get(key):
@@ -62,6 +71,8 @@ def differences(saved: dict, current: dict) -> List[str]:
                 line = f"{DESCRIPTIONS[top]}: other content than the checkpoint's ({key})"
             else:
                 line = f"{key}: {before.get(key)!r} in the checkpoint, {now.get(key)!r} now"
+                if key in FLAGS:
+                    line += f" ({FLAGS[key]})"
             if line not in lines:
                 lines.append(line)
     return lines

@@ -1,0 +1,115 @@
+"""One objective whatever the layout (tupe_ds/train/normalization.py).
+
+Gradient invariance: the same global batches of 8 samples, whose micro-batches hold different
+numbers of masked tokens, trained for 3 optimizer steps from the same weights under several
+(micro-batch, accumulation, dp, tp, pp, ZeRO stage) layouts give the same parameters, for BERT's masked LM
+and for ELECTRA (both terms, and the generator's samples drawn from the data stream), and
+the same logged losses, gradient norms and validation metrics. The same
+comparison on the mean-of-means path (--loss-normalization micro-batch) gives other parameters:
+the negative control that shows the comparison can fail.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from test_pretrain import ROOT, log, train
+from tupe_ds.data.loader import MaskedSamples, Vocabulary
+from tupe_ds.data.packing import PackedSentences
+from tupe_ds.export import consolidated_state
+from tupe_ds.train.objectives import OBJECTIVES
+
+SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 3
+SEED = 155  # of the first 300 seeds, the one whose micro-batches differ most (the premise below)
+# name: (micro-batch, accumulation, dp, tp, pp, ZeRO stage); the first is the reference
+LAYOUTS = {
+    "8x1": (8, 1, 1, 1, 1, 2),
+    "4x2": (4, 2, 1, 1, 1, 2),
+    "2x2-dp2": (2, 2, 2, 1, 1, 2),
+    "1x4-dp2": (1, 4, 2, 1, 1, 2),
+    "4x1-dp2-tp2": (4, 1, 2, 2, 1, 2),
+    "4x2-pp2": (4, 2, 1, 1, 2, 1),  # the pipeline engine takes ZeRO stage 0 or 1
+}
+ELECTRA_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout[4] == 1]  # no pipeline
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # measured: at most 2e-6 apart; the control 1e-2
+
+
+def constant_lr_config(tmp_path) -> str:
+    """cpu_zero2.json without its schedule: every one of the 3 steps moves the weights."""
+    with open(os.path.join(ROOT, "ds_configs", "cpu_zero2.json")) as f:
+        config = json.load(f)
+    del config["scheduler"]
+    path = tmp_path / "constant_lr.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def run_layout(data, out, objective, layout, config, *flags):
+    micro, _, dp, tp, pp, zero_stage = layout
+    train("torchrun", dp * tp * pp, data, out, "--objective", objective, "--steps", str(STEPS),
+          "--ds-config", config, "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro),
+          "--tp", str(tp), "--pp", str(pp), "--zero-stage", str(zero_stage),
+          "--dropout", "0", "--lr", "2e-3", "--seq-len", str(SEQ_LEN), "--seed", str(SEED),
+          "--eval-interval",
+          str(STEPS), "--save-interval", str(STEPS), *flags)
+    with open(out / "run.json") as f:
+        run = json.load(f)
+    return consolidated_state(run, str(out / "checkpoints" / f"step{STEPS}"))[1]
+
+
+def largest_difference(state, reference) -> float:
+    return max((state[name] - tensor).abs().max().item() for name, tensor in reference.items())
+
+
+def assert_micro_batches_differ(data, objective, layouts):
+    """The test's premise: in every step, each layout's micro-batches hold numbers of the tokens
+    its loss terms count that differ by 20% or more (a mean of means weighs their tokens
+    differently)."""
+    vocab = Vocabulary.from_data_dir(data)
+    packed = PackedSentences(os.path.join(data, "train"), SEQ_LEN, vocab.cls, vocab.sep, data)
+    samples = MaskedSamples(packed, vocab, OBJECTIVES[objective].masking, SEED)
+    for step in range(STEPS):
+        batch = samples.global_samples(step * GLOBAL_BATCH, GLOBAL_BATCH)
+        rows = [OBJECTIVES[objective].token_counts({k: v[i:i + 1] for k, v in batch.items()})
+                for i in range(GLOBAL_BATCH)]
+        for name in layouts:
+            micro = LAYOUTS[name][0]
+            if micro < GLOBAL_BATCH:
+                counts = np.add.reduceat(np.array(rows), np.arange(0, GLOBAL_BATCH, micro))
+                assert np.all(counts.max(0) >= 1.2 * counts.min(0)), (step, name, counts)
+
+
+@pytest.fixture(scope="module")
+def constant_lr(tmp_path_factory):
+    return constant_lr_config(tmp_path_factory.mktemp("config"))
+
+
+@pytest.mark.parametrize("objective,layouts", [("mlm", list(LAYOUTS)),
+                                               ("electra", ELECTRA_LAYOUTS)])
+def test_every_layout_trains_the_same_parameters(data, tmp_path, constant_lr, objective, layouts):
+    assert_micro_batches_differ(data, objective, layouts)
+    reference = run_layout(data, tmp_path / layouts[0], objective, LAYOUTS[layouts[0]],
+                           constant_lr)
+    logged = log(tmp_path / layouts[0])
+    for name in layouts[1:]:
+        state = run_layout(data, tmp_path / name, objective, LAYOUTS[name], constant_lr)
+        print(objective, name, largest_difference(state, reference))
+        for parameter, expected in reference.items():
+            torch.testing.assert_close(state[parameter], expected, **TOLERANCE,
+                                       msg=f"{name}: {parameter}")
+        for step, entry in log(tmp_path / name).items():  # what is logged too
+            for metric, value in entry.items():
+                if metric.startswith(("train/", "valid/")):
+                    assert value == pytest.approx(logged[step][metric], rel=1e-5, abs=1e-6), (
+                        name, step, metric)
+    # The negative control: the mean of micro-batch means, at the layout furthest from one
+    # micro-batch per step, moves the parameters by far more than the tolerance.
+    control = run_layout(data, tmp_path / "control", objective, LAYOUTS["1x4-dp2"], constant_lr,
+                         "--loss-normalization", "micro-batch")
+    print(objective, "control", largest_difference(control, reference))
+    with pytest.raises(AssertionError):
+        for parameter, expected in reference.items():
+            torch.testing.assert_close(control[parameter], expected, **TOLERANCE)
