@@ -4,8 +4,14 @@
 # --signal=B:USR1@600 before the time limit, or `scancel --batch --signal=USR1`), the tasks get
 # it too: tupe-pretrain saves a checkpoint and stops, and then the job requeues itself, to resume
 # from that checkpoint. Returns the step's exit status.
+# Since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: without it, task/affinity
+# and task/cgroup give each task one core for the training loop, the batch-making thread and
+# torch's threads. SRUN_CPUS_PER_TASK (srun's variable) passes the job's on, unless already set.
 srun_requeue() {
   local requeue= step status=0
+  if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
+  fi
   trap 'requeue=1
         echo "$(date -Is) SIGUSR1: the tasks save a checkpoint and stop; then the job is requeued"
         kill -USR1 "$step" 2>/dev/null || true' USR1  # srun passes it on to every task

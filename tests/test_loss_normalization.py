@@ -2,8 +2,8 @@
 
 Gradient invariance: the same global batches of 8 samples, whose micro-batches hold different
 numbers of masked tokens, trained for 3 optimizer steps from the same weights under several
-(micro-batch, accumulation, dp, tp, pp, ZeRO stage) layouts give the same parameters, for BERT's masked LM
-and for ELECTRA (both terms, and the generator's samples drawn from the data stream), and
+(micro-batch, accumulation, dp, tp, pp, ZeRO stage) layouts give the same parameters, for BERT's
+masked LM and for ELECTRA (both terms, and the generator's samples drawn from the data stream), and
 the same logged losses, gradient norms and validation metrics. The same
 comparison on the mean-of-means path (--loss-normalization micro-batch) gives other parameters:
 the negative control that shows the comparison can fail.

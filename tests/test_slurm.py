@@ -194,15 +194,25 @@ def test_launcher_variables_are_kept():
     assert env["RANK"] == "3"
 
 
-def test_srun_tasks_take_their_rank_from_slurm(monkeypatch):
-    monkeypatch.setattr(launch, "first_host", lambda nodelist: {"gpu[03-04]": "gpu03"}[nodelist])
+def test_srun_tasks_take_their_rank_from_slurm(monkeypatch, tmp_path):
+    """Without scontrol on PATH (as in many containers); the port below Linux's ephemeral range."""
+    monkeypatch.setenv("PATH", str(tmp_path))
     env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
            "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "123456"}
     assert launch.discover(env) == "srun"
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"],
-            env["MASTER_PORT"]) == ("13", "16", "5", "gpu03", str(20000 + 123456 % 20000))
+            env["MASTER_PORT"]) == ("13", "16", "5", "gpu03", str(20000 + 123456 % 12768))
+    assert {launch.srun_port(job) for job in range(100000)} == set(range(20000, 32768))
     batch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_JOB_ID": "1"}  # no step
     assert launch.discover(batch_script) == "single process" and "RANK" not in batch_script
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("n1", "n1"), ("n1,n2", "n1"), ("gpu[03-05,07]", "gpu03"), ("gpu[07,03-05]", "gpu07"),
+    ("gpu[003-009],cpu1", "gpu003"), ("rack[2-3]-n[01-04],x9", "rack2-n01"),
+    ("a-b[10-11].c", "a-b10.c")])
+def test_the_first_host_of_a_node_list_is_read_without_scontrol(nodelist, first):
+    assert launch.first_host(nodelist) == first
 
 
 def test_mpirun_ranks_take_the_master_address_given(monkeypatch):
@@ -217,6 +227,23 @@ def test_interface_address_of_the_loopback_and_a_clear_error():
     assert launch.interface_address({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
     with pytest.raises(RuntimeError, match="'nosuch0' .* has no IPv4 address"):
         launch.interface_address({"NCCL_SOCKET_IFNAME": "nosuch0"})
+
+
+@pytest.mark.parametrize("job, given, expected", [("8", None, "8"), ("8", "4", "4"),
+                                                    (None, None, "unset")])
+def test_the_step_gets_the_jobs_cpus_per_task(tmp_path, job, given, expected):
+    """srun_requeue hands the job's --cpus-per-task to its step (srun no longer inherits it since
+    Slurm 22.05); an SRUN_CPUS_PER_TASK of the user's wins. A stand-in srun reports it."""
+    (tmp_path / "srun").write_text('#!/bin/sh\necho "cpus ${SRUN_CPUS_PER_TASK:-unset} $*"\n')
+    (tmp_path / "srun").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "1"}
+    env.update({"SLURM_CPUS_PER_TASK": job} if job else {})
+    env.update({"SRUN_CPUS_PER_TASK": given} if given else {})
+    script = f'source {ROOT}/slurm/srun_requeue.sh; srun_requeue python -m tupe_ds.pretrain'
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["cpus", expected, "--kill-on-bad-exit=1", "python", "-m",
+                                     "tupe_ds.pretrain"]
 
 
 def test_pretrain_script_explains_its_usage():

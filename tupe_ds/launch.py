@@ -3,7 +3,10 @@
 - the deepspeed launcher and torchrun set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT:
   kept as they are;
 - srun (a task of a Slurm job step): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is the
-  first node of the step, port 20000 + job id mod 20000 unless MASTER_ADDR / MASTER_PORT are set;
+  first node of the step (read from SLURM_STEP_NODELIST in Python: no scontrol, which container
+  runtimes such as pyxis/enroot and Apptainer often lack), port 20000 + job id mod 12768 (below
+  Linux's ephemeral ports, 32768 and up, which any process may hold) unless MASTER_ADDR /
+  MASTER_PORT are set;
 - mpirun (OpenMPI's OMPI_COMM_WORLD_*, or PMI_* of MPICH and Intel MPI): the master is rank 0,
   its address sent to every rank through mpi4py: 127.0.0.1 when all ranks share one host, else
   the address of the interface named by GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME, else the first
@@ -15,12 +18,14 @@ the first address of `hostname -I`, whichever interface that is.
 
 import fcntl
 import os
+import re
 import socket
 import struct
 import subprocess
 from typing import MutableMapping
 
 DEFAULT_PORT = 29500
+SRUN_PORTS = (20000, 32768)  # [first, end): a port per job, below the ephemeral range
 
 
 def discover(environ: MutableMapping[str, str] = os.environ) -> str:
@@ -32,7 +37,7 @@ def discover(environ: MutableMapping[str, str] = os.environ) -> str:
         environ.update(RANK=environ["SLURM_PROCID"], WORLD_SIZE=environ["SLURM_NTASKS"],
                        LOCAL_RANK=environ["SLURM_LOCALID"])
         environ.setdefault("MASTER_ADDR", first_host(environ["SLURM_STEP_NODELIST"]))
-        environ.setdefault("MASTER_PORT", str(20000 + int(environ["SLURM_JOB_ID"]) % 20000))
+        environ.setdefault("MASTER_PORT", str(srun_port(int(environ["SLURM_JOB_ID"]))))
         return "srun"
     for rank, size, local in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                                "OMPI_COMM_WORLD_LOCAL_RANK"),
@@ -58,11 +63,20 @@ def processes_on_this_node(environ: MutableMapping[str, str] = os.environ) -> in
     return 1
 
 
+def srun_port(job_id: int) -> int:
+    first, end = SRUN_PORTS
+    return first + job_id % (end - first)
+
+
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list such as "gpu[03-05,07]"."""
-    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                           text=True, check=True).stdout.split()
-    return hosts[0]
+    """The first host of a Slurm node list ("gpu[03-05,07],cpu1", "rack[1-2]-n[01-04]"): its
+    first entry, each bracket group replaced by its first value (zero padding kept), as
+    `scontrol show hostnames` would list it first."""
+    entry = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist)
+    if entry is None:
+        raise ValueError(f"SLURM_STEP_NODELIST {nodelist!r}: not a Slurm node list")
+    return re.sub(r"\[([^\]]*)\]", lambda group: re.split(r"[,-]", group.group(1))[0],
+                  entry.group(0))
 
 
 def mpi_master_address(environ) -> str:
