@@ -4,6 +4,12 @@
 # --signal=B:USR1@600 before the time limit, or `scancel --batch --signal=USR1`), the tasks get
 # it too: tupe-pretrain saves a checkpoint and stops, and then the job requeues itself, to resume
 # from that checkpoint. Returns the step's exit status.
+# torch builds DeepSpeed's extensions in TORCH_EXTENSIONS_DIR, by default under the home folder,
+# which the nodes share: a build on one node then holds a lock the others cannot see. Unless it is
+# set, each node builds its own copy on its local disk (sourcing this file sets it).
+node_local=${TMPDIR:-/tmp}/tupe_ds-torch-extensions-$(id -u)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$node_local}
+
 # Since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: without it, task/affinity
 # and task/cgroup give each task one core for the training loop, the batch-making thread and
 # torch's threads. SRUN_CPUS_PER_TASK (srun's variable) passes the job's on, unless already set.

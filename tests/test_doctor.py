@@ -162,3 +162,36 @@ def test_check_only_prints_the_machine_report_then_the_layout(data, tmp_path, mo
     assert "warning: TORCH_CUDA_ARCH_LIST='9.0a'" in out
     assert "configuration OK for 2 processes (tp 1, pp 1, dp 2)" in out
     assert not (tmp_path / "run").exists()
+
+
+def test_doctor_for_a_slurm_job_names_each_problem_with_its_fix(tmp_path):
+    """One problem planted per check: a port in the ephemeral range, the extension builds on a
+    shared filesystem, --out and --data on a node's own disk; and no allocation at all."""
+    from tupe_ds.cluster_check import slurm_report
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/home {tmp_path}/home nfs4 rw 0 0\n")
+    allocation = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "16",
+                  "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
+                  "SLURM_CPUS_PER_TASK": "8", "NCCL_SOCKET_IFNAME": "ib0",
+                  "TORCH_EXTENSIONS_DIR": f"{tmp_path}/local/ext"}
+    lines, found = slurm_report(allocation, "nccl", f"{tmp_path}/home/data",
+                                f"{tmp_path}/home/run", mounts=str(mounts))
+    assert found == []
+    assert "rendezvous: gpu07:20077; backend nccl" in lines
+    assert "network: NCCL_SOCKET_IFNAME=ib0" in lines
+    assert "CPUs per task: 8 (the step gets 8 through slurm/srun_requeue.sh)" in lines
+    planted = {**allocation, "MASTER_PORT": "40000", "TORCH_EXTENSIONS_DIR": f"{tmp_path}/home/x"}
+    del planted["SLURM_CPUS_PER_TASK"]
+    _, found = slurm_report(planted, "nccl", f"{tmp_path}/data", f"{tmp_path}/run",
+                            mounts=str(mounts))
+    texts = [f.text for f in found]
+    assert texts[0].startswith("no --cpus-per-task in this job: ")
+    assert "MASTER_PORT=40000 is in Linux's ephemeral range" in texts[1]
+    assert "on a nfs4 filesystem every node shares" in texts[2]
+    assert texts[3].startswith(f"--out {tmp_path}/run is on a filesystem of this node (ext4), "
+                               "which other nodes do not see: every rank writes its checkpoint")
+    assert texts[4].startswith(f"--data {tmp_path}/data is on a filesystem of this node (ext4)")
+    assert [f.fatal for f in found] == [False, False, False, True, False]
+    lines, found = slurm_report({}, "gloo", None, None)
+    assert lines == [] and found[0].fatal and "no Slurm allocation here" in found[0].text

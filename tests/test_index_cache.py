@@ -179,3 +179,63 @@ def test_sentences_not_back_to_back_are_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(_IndexReader, "__init__", gap_after_sentence_4)
     with pytest.raises(ValueError, match=r"corpus.idx: sentence 5 does not follow"):
         PackedSentences(prefix, 32, CLS, SEP, str(tmp_path / "cache"))
+
+
+def test_the_dataset_digest_is_kept_and_a_rewritten_corpus_is_hashed_anew(tmp_path, monkeypatch):
+    """The digest goes to the cache folder under the .idx file's version; another process (its
+    in-memory cache cleared) reads it without hashing; a corpus written anew at the same place
+    gets its own digest."""
+    from tupe_ds.data import packing
+
+    prefix = str(tmp_path / "train")
+    write_corpus(prefix, seed=0)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    digest = packing.dataset_digest(prefix, str(cache))
+    dataset = packing.IndexedDataset(prefix)
+    assert digest == packing.content_digest(dataset.sequence_lengths, dataset.document_indices)
+    kept = [name for name in os.listdir(cache) if name.startswith("train.digest-")]
+    assert len(kept) == 1 and (cache / kept[0]).read_text() == digest
+    assert not [name for name in os.listdir(cache) if ".tmp" in name]
+
+    packing.digest_of_version.cache_clear()  # as another rank or a later start
+    monkeypatch.setattr(packing, "content_digest", lambda *arrays: pytest.fail("hashed again"))
+    assert packing.dataset_digest(prefix, str(cache)) == digest
+    monkeypatch.undo()
+
+    time.sleep(0.01)  # another modification time, whatever the file system's resolution
+    write_corpus(prefix, seed=1)
+    packing.digest_of_version.cache_clear()
+    rewritten = packing.dataset_digest(prefix, str(cache))
+    dataset = packing.IndexedDataset(prefix)
+    assert rewritten != digest
+    assert rewritten == packing.content_digest(dataset.sequence_lengths, dataset.document_indices)
+
+
+def test_a_builder_removes_only_its_hosts_dead_builders_remains(tmp_path):
+    from tupe_ds.data.index_cache import remove_remains, temporary_name
+
+    path = str(tmp_path / "train.samples-64.0123.npy")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    mine_dead, mine_alive = temporary_name(path, int(dead)), temporary_name(path)
+    other_host = f"{path}.tmp-othernode-{dead}"
+    for name in (mine_dead, mine_alive, other_host):
+        open(name, "w").close()
+    remove_remains(path)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(n)
+                                                  for n in (mine_alive, other_host))
+
+
+def test_one_index_per_run_where_file_locks_hold_per_node_only(data, tmp_path):
+    """Two ranks under torchrun with the cache's lock made a no-op (as two nodes see a node-local
+    lock): rank 0 builds each index once while the other waits, and both map the same file."""
+    from test_run_integrity import run
+
+    cache = tmp_path / "cache"
+    output = run(data, tmp_path / "run", "--steps", "1", "--index-cache", str(cache),
+                 "--eval-interval", "1", fault="node-local-locks")
+    built = [line for line in output.splitlines() if "built the sample index of" in line]
+    assert len(built) == 2 and {line.split(" of ")[1].split()[0] for line in built} == {
+        os.path.join(data, "train"), os.path.join(data, "valid")}, built
+    assert len(index_files(str(cache))) == 2 and not [n for n in os.listdir(cache) if ".tmp" in n]

@@ -231,19 +231,26 @@ def test_interface_address_of_the_loopback_and_a_clear_error():
 
 @pytest.mark.parametrize("job, given, expected", [("8", None, "8"), ("8", "4", "4"),
                                                     (None, None, "unset")])
-def test_the_step_gets_the_jobs_cpus_per_task(tmp_path, job, given, expected):
+def test_the_step_gets_the_jobs_cpus_per_task_and_a_node_local_extension_folder(
+        tmp_path, job, given, expected):
     """srun_requeue hands the job's --cpus-per-task to its step (srun no longer inherits it since
-    Slurm 22.05); an SRUN_CPUS_PER_TASK of the user's wins. A stand-in srun reports it."""
-    (tmp_path / "srun").write_text('#!/bin/sh\necho "cpus ${SRUN_CPUS_PER_TASK:-unset} $*"\n')
+    Slurm 22.05), and, unless set, a TORCH_EXTENSIONS_DIR under the node's TMPDIR; the user's
+    SRUN_CPUS_PER_TASK and TORCH_EXTENSIONS_DIR win. A stand-in srun reports them."""
+    (tmp_path / "srun").write_text('#!/bin/sh\necho "${SRUN_CPUS_PER_TASK:-unset} '
+                                   '$TORCH_EXTENSIONS_DIR $*"\n')
     (tmp_path / "srun").chmod(0o755)
-    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "1"}
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "1",
+           "TMPDIR": str(tmp_path / "local")}
     env.update({"SLURM_CPUS_PER_TASK": job} if job else {})
-    env.update({"SRUN_CPUS_PER_TASK": given} if given else {})
+    env.update({"SRUN_CPUS_PER_TASK": given, "TORCH_EXTENSIONS_DIR": "/shared/ext"}
+               if given else {})
     script = f'source {ROOT}/slurm/srun_requeue.sh; srun_requeue python -m tupe_ds.pretrain'
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["cpus", expected, "--kill-on-bad-exit=1", "python", "-m",
-                                     "tupe_ds.pretrain"]
+    extensions = ("/shared/ext" if given
+                  else f"{tmp_path}/local/tupe_ds-torch-extensions-{os.getuid()}")
+    assert result.stdout.split() == [expected, extensions, "--kill-on-bad-exit=1", "python",
+                                     "-m", "tupe_ds.pretrain"]
 
 
 def test_pretrain_script_explains_its_usage():
@@ -256,3 +263,21 @@ def test_shard_script_explains_its_usage():
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "prep_shard.sbatch")],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "usage: sbatch --array" in result.stderr
+
+
+def test_doctor_in_the_test_clusters_allocation_says_what_the_ranks_will_use(cluster, data,
+                                                                            tmp_path):
+    """tupe-doctor --slurm inside a job: the node, tasks, CPUs, rendezvous, backend and folders."""
+    out = tmp_path / "doctor.log"
+    job = cluster.wait_until_done(cluster.sbatch(
+        *SBATCH_ON_THIS_NODE, f"--output={out}", f"--chdir={ROOT}", "--wrap",
+        f"{sys.executable} -m tupe_ds.doctor --slurm --data {data} --out {tmp_path / 'run'}",
+        env=job_environment()))
+    said = out.read_text()
+    assert job["JobState"] == "COMPLETED", said[-3000:]
+    job_id = int(job["JobId"])
+    assert "nodes: 1 (" in said and "tasks: 2 (2 per node)" in said
+    assert "CPUs per task: 1 (the step gets 1" in said
+    assert f":{launch.srun_port(job_id)}; backend gloo" in said
+    assert f"torch extensions: {job_environment()['TORCH_EXTENSIONS_DIR']}" in said
+    assert f"--out {tmp_path / 'run'}: " in said and f"--data {data}: " in said

@@ -61,6 +61,26 @@ def test_extension_build_locks_no_live_build_holds_are_named_with_the_fix(tmp_pa
     assert f"process {building.pid} is building" in findings[str(held)].text
 
 
+def test_a_lock_on_a_shared_filesystem_is_not_called_stale(tmp_path, monkeypatch):
+    """Another node's build does not show in this machine's process table: on NFS (or Lustre,
+    BeeGFS...) an old lock nobody here holds is a warning saying so, not a refusal."""
+    from tupe_ds import extension_locks
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/home {tmp_path / 'home'} nfs4 rw 0 0\n")
+    filesystem_type = extension_locks.filesystem_type
+    monkeypatch.setattr(extension_locks, "filesystem_type",
+                        lambda path: filesystem_type(path, mounts=str(mounts)))
+    old = lock(tmp_path / "home" / "extensions", "cpu_adam", age=20 * 60)
+    local = lock(tmp_path / "local", "cpu_adam", age=20 * 60)
+    shared, = doctor.extension_lock_findings({"TORCH_EXTENSIONS_DIR": str(old.parent.parent)})
+    assert not shared.fatal
+    assert "on a nfs4 filesystem, where a build on another node does not show" in shared.text
+    assert f"remove it: rm {old}" in shared.text
+    here, = doctor.extension_lock_findings({"TORCH_EXTENSIONS_DIR": str(local.parent.parent)})
+    assert here.fatal and "the lock of a build that was killed" in here.text
+
+
 def test_tupe_pretrain_refuses_a_stale_lock_before_any_work(data, tmp_path, monkeypatch):
     stale = lock(tmp_path / "extensions", age=20 * 60)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))

@@ -2,13 +2,15 @@
 
     tupe-doctor                                       # the machine and its environment
     tupe-doctor --ds-config ds_configs/bert_large_fp16.json --nproc 8
+    tupe-doctor --slurm --data DATA --out RUN_DIR     # inside a Slurm allocation
 
 Prints the accelerator, GPU count and compute capabilities, the versions of torch, CUDA, NCCL,
 DeepSpeed and megatron-core, then each finding with what to change: a precision the GPUs lack, an
 optimizer that needs a compiler that is not there, more processes than GPUs, environment
 variables known to break DeepSpeed, a lock in the torch extensions folder that no live build
-holds (every run would wait on it forever). `tupe-pretrain --check-only` prints the same. Exit
-code 1 when a finding would stop the run.
+holds (every run would wait on it forever). `tupe-pretrain --check-only` prints the same. With
+--slurm, also what the ranks of a job in this allocation will use and what will go wrong across
+its nodes (tupe_ds/cluster_check.py). Exit code 1 when a finding would stop the run.
 """
 
 import argparse
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 from tupe_ds.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
-from tupe_ds.extension_locks import STALE_LOCK_SECONDS, extension_locks, lock_text
+from tupe_ds.extension_locks import extension_locks, is_stale, lock_text
 
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
 FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
@@ -158,9 +160,9 @@ def environment_findings(environ, machine: Machine) -> list:
 
 def extension_lock_findings(environ=os.environ) -> list:
     """A lock of torch's extension builder that no live build holds makes every later run wait
-    forever, in silence: fatal once older than STALE_LOCK_SECONDS, else a warning."""
-    return [Finding(not holders and age > STALE_LOCK_SECONDS, lock_text(path, age, holders))
-            for path, age, holders in extension_locks(environ)]
+    forever, in silence: fatal once known to be stale (older than STALE_LOCK_SECONDS, on a
+    filesystem where every holder would show), else a warning that says what cannot be seen."""
+    return [Finding(is_stale(*lock[1:]), lock_text(*lock)) for lock in extension_locks(environ)]
 
 
 def describe(machine: Machine) -> str:
@@ -203,6 +205,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tupe-doctor", description=__doc__.split("\n")[0])
     p.add_argument("--ds-config", help="a DeepSpeed config to check against this machine")
     p.add_argument("--nproc", type=int, help="processes to start on this machine")
+    p.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm allocation: what the job's ranks will use, and what will "
+                        "go wrong across its nodes")
+    p.add_argument("--data", help="with --slurm: the job's --data folder")
+    p.add_argument("--out", help="with --slurm: the job's --out folder")
     args = p.parse_args(argv)
     machine = probe()
     try:
@@ -210,6 +217,13 @@ def main(argv=None) -> int:
     except (OSError, json.JSONDecodeError) as error:
         print(f"tupe-doctor: error: --ds-config {args.ds_config}: {error}", file=sys.stderr)
         return 2
+    if args.slurm:
+        from tupe_ds.cluster_check import slurm_report
+
+        backend = "nccl" if machine.accelerator == "cuda" and machine.gpus else "gloo"
+        lines, slurm_findings = slurm_report(os.environ, backend, args.data, args.out)
+        print("\n".join(["slurm:", *(f"  {line}" for line in lines)]))
+        findings += slurm_findings
     print(report(machine, findings))
     return 1 if any(f.fatal for f in findings) else 0
 

@@ -7,6 +7,10 @@ import os
 import time
 
 STALE_LOCK_SECONDS = 300  # an extension build takes a minute or two
+# Filesystems other machines mount too: a build there may run on another node, where this
+# machine's process table cannot see it.
+SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "beegfs", "gpfs", "cifs", "smb3", "ceph",
+                      "glusterfs", "fuse.glusterfs", "panfs", "wekafs", "9p", "fuse.sshfs")
 
 
 def extensions_root(environ=os.environ) -> str:
@@ -16,6 +20,22 @@ def extensions_root(environ=os.environ) -> str:
     from torch.utils.cpp_extension import get_default_build_root
 
     return get_default_build_root()
+
+
+def filesystem_type(path: str, mounts: str = "/proc/mounts") -> str:
+    """The type of the filesystem `path` is on (the longest mount point above it), or ""."""
+    path, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open(mounts) as f:
+            for line in f:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return ""
+    return kind
 
 
 def lock_holders(path: str) -> list:
@@ -32,8 +52,9 @@ def lock_holders(path: str) -> list:
 
 
 def extension_locks(environ=os.environ) -> list:
-    """(path, age in seconds, PIDs holding it) of every extension build lock: ROOT/NAME/lock,
-    or ROOT/pyXY_ACCELERATOR/NAME/lock under torch's default root."""
+    """(path, age in seconds, PIDs holding it, the filesystem's type if other machines mount it,
+    else "") of every extension build lock: ROOT/NAME/lock, or ROOT/pyXY_ACCELERATOR/NAME/lock
+    under torch's default root."""
     root = extensions_root(environ)
     found = []
     for path in sorted(glob.glob(os.path.join(root, "*", "lock")) +
@@ -42,17 +63,30 @@ def extension_locks(environ=os.environ) -> list:
             age = time.time() - os.path.getmtime(path)
         except FileNotFoundError:  # the build ended meanwhile
             continue
-        found.append((path, age, lock_holders(path)))
+        kind = filesystem_type(path)
+        found.append((path, age, lock_holders(path), kind if kind in SHARED_FILESYSTEMS else ""))
     return found
 
 
-def lock_text(path: str, age: float, holders: list) -> str:
+def is_stale(age: float, holders: list, shared: str) -> bool:
+    """Known to be left by a killed build: old, and no process holds it where every holder
+    would show (not on a shared filesystem, where it may be another node's)."""
+    return not holders and not shared and age > STALE_LOCK_SECONDS
+
+
+def lock_text(path: str, age: float, holders: list, shared: str) -> str:
     if holders:
         return (f"{path}: process {', '.join(map(str, holders))} is building this DeepSpeed "
                 "extension; runs that need it wait until it is done")
-    state = (f"{age / 60:.0f} minutes old and held by no process on this machine: the lock of a "
-             f"build that was killed" if age > STALE_LOCK_SECONDS else
-             f"held by no process on this machine ({age:.0f} s old): another machine sharing "
-             "this folder may be building")
+    if shared:
+        state = (f"held by no process on this machine ({age / 60:.0f} minutes old), on a {shared} "
+                 "filesystem, where a build on another node does not show from here (set "
+                 "TORCH_EXTENSIONS_DIR to a node-local folder, as slurm/srun_requeue.sh does)")
+    elif age > STALE_LOCK_SECONDS:
+        state = (f"{age / 60:.0f} minutes old and held by no process on this machine: the lock "
+                 "of a build that was killed")
+    else:
+        state = (f"held by no process on this machine ({age:.0f} s old): another machine "
+                 "sharing this folder may be building")
     return (f"{path}: {state}; every run that loads this extension waits on it forever. "
             f"If no build is running, remove it: rm {path}")

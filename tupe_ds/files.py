@@ -5,16 +5,23 @@ import contextlib
 import fcntl
 import os
 import shutil
+import socket
 
 
 def write_atomically(path: str, text: str) -> None:
-    """`text` to `path` through PATH.tmp, flushed to disk before it replaces `path`."""
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    """`text` to `path` through a temporary file of this host and process (so that processes
+    writing the same file at once, on one node or several, never mix their bytes), flushed to
+    disk before it replaces `path`."""
+    temporary = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 @contextlib.contextmanager

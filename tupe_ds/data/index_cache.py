@@ -3,9 +3,12 @@
 An array is named by a digest of its key (what it was computed from: the input's content digest,
 the rule, its parameters), so a changed input or rule names another file and an old file is
 never read for it. The first process to need it builds it under an exclusive lock on the cache
-folder's filesystem while the others wait on the lock (processes of other nodes sharing the
-folder too); it is written to a temporary file and renamed into place, so a build that is killed
-leaves nothing that is read (the next builder removes its remains).
+folder's filesystem while the others wait on the lock; a training run does not rely on the lock
+alone (NFS with local_lock, BeeGFS and Lustre's localflock lock per node): its rank 0 builds
+while the other ranks wait at a barrier (tupe_ds/train/loop.py). An array is written to a
+temporary file named by host and process and renamed into place, so a build that is killed
+leaves nothing that is read; the next builder on that host removes the remains of builders that
+are no longer running there, and never touches another host's.
 """
 
 import contextlib
@@ -15,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import socket
 from typing import Callable, Tuple
 
 import numpy as np
@@ -53,13 +57,37 @@ def exclusive(path: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def temporary_name(path: str, pid: int = None) -> str:
+    return f"{path}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
+
+
 def write_npy_atomically(path: str, array: np.ndarray) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
+    temporary = temporary_name(path)
     with open(temporary, "wb") as f:
         np.save(f, array)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
+
+
+def remove_remains(path: str) -> None:
+    """The temporary files of builds of `path` that were killed on this host: those of processes
+    no longer running here. Another host's are left alone (its builder may still be writing)."""
+    prefix = temporary_name(path, pid=0)[:-1]
+    for remains in glob.glob(glob.escape(prefix) + "*"):
+        pid = remains[len(prefix):]
+        if pid.isdigit() and not process_is_running(int(pid)):
+            os.remove(remains)
+
+
+def process_is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def cached_array(folder: str, name: str, key: dict,
@@ -70,8 +98,7 @@ def cached_array(folder: str, name: str, key: dict,
         os.makedirs(folder, exist_ok=True)
         with exclusive(path[:-len(".npy")] + ".lock"):
             if not os.path.exists(path):  # else another process built it while this one waited
-                for remains in glob.glob(glob.escape(path) + ".tmp-*"):
-                    os.remove(remains)  # of a build that was killed
+                remove_remains(path)
                 write_npy_atomically(path, build())
                 return np.load(path, mmap_mode="r"), path, True
     return np.load(path, mmap_mode="r"), path, False

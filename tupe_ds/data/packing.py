@@ -12,12 +12,14 @@ memory-mapped by every process (tupe_ds.data.index_cache).
 import functools
 import mmap
 import os
+import re
 import time
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from tupe_ds.data.index_cache import cached_array, content_digest
+from tupe_ds.files import write_atomically
 
 PACKING_RULE = "full-sentences/1"  # change it whenever pack() would return something else
 
@@ -84,12 +86,29 @@ def check_contiguous(dataset: IndexedDataset, prefix: str) -> None:
                              "the one before it in the .bin; rewrite the dataset with tupe-prep")
 
 
-def dataset_digest(prefix: str) -> str:
+def dataset_digest(prefix: str, cache_folder: str) -> str:
     """The content digest of a dataset's sentence lengths and document boundaries: what the
     packed samples are made from (the sample index's key; a checkpoint's data identity).
-    Computed once per process and version of PREFIX.idx."""
+
+    Hashing them reads the whole .idx (680 MB at BERT's corpus size), so the digest is kept in
+    `cache_folder` beside the sample indexes, named by the version of PREFIX.idx (inode, size,
+    modification time): the other ranks of a run and later starts read it there, and a
+    rewritten .idx (a new version) is hashed anew. Computed once per process and version."""
     status = os.stat(prefix + ".idx")
-    return digest_of_version(prefix, status.st_ino, status.st_size, status.st_mtime_ns)
+    version = (status.st_ino, status.st_size, status.st_mtime_ns)
+    name = os.path.basename(prefix)
+    path = os.path.join(cache_folder, f"{name}.digest-{'-'.join(map(str, version))}.txt")
+    try:
+        with open(path) as f:
+            digest = f.read().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", digest):
+            return digest
+    except FileNotFoundError:
+        pass
+    digest = digest_of_version(prefix, *version)
+    os.makedirs(cache_folder, exist_ok=True)
+    write_atomically(path, digest)
+    return digest
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +135,7 @@ class PackedSentences:
         self.seq_len, self.cls_id, self.sep_id = seq_len, cls_id, sep_id
         self.pointers = self.dataset.index.sequence_pointers
         self.tokens = mapped_tokens(prefix + ".bin", self.dataset.index.dtype)
-        dataset = dataset_digest(prefix)
+        dataset = dataset_digest(prefix, cache_folder)
         name = os.path.basename(prefix)
         started = time.time()
         self.boundaries, self.index_path, built = cached_array(

@@ -110,9 +110,10 @@ def load(argv=None, world_size: Optional[int] = None,
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
     vocab_size = resharding.saved.vocab_size if resharding else padded_vocab(args.data, args.tp)
     models = model_configs(args, dtype, vocab_size)
-    identity = run_identity(args.objective, args.model, models, args.data, args.seq_len,
-                            ds_config["train_batch_size"], OBJECTIVES[args.objective].masking,
-                            args.seed, args.loss_normalization)
+    cache_folder = index_cache(args)
+    identity = run_identity(args.objective, args.model, models, args.data, cache_folder,
+                            args.seq_len, ds_config["train_batch_size"],
+                            OBJECTIVES[args.objective].masking, args.seed, args.loss_normalization)
     init_plan = None
     try:
         if resume_plan is not None:
@@ -129,7 +130,7 @@ def load(argv=None, world_size: Optional[int] = None,
                      intervals=Intervals(log=args.log_interval, eval=args.eval_interval,
                                          save=args.save_interval, image=args.image_interval),
                      models=models, ds_config=ds_config, ds_config_path=args.ds_config,
-                     index_cache=index_cache(args), prefetch=args.prefetch,
+                     index_cache=cache_folder, prefetch=args.prefetch,
                      vectorised_stream=args.data_stream == "vectorised",
                      loss_normalization=args.loss_normalization, batch_split=batch_split,
                      identity=identity,

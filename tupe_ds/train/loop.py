@@ -8,6 +8,7 @@ import os
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
@@ -34,9 +35,20 @@ from tupe_ds.train.waits import announced
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, objective):
-    packed = {split: PackedSentences(os.path.join(run.data, split), run.seq_len, vocab.cls,
-                                     vocab.sep, run.index_cache)
-              for split in ("train", "valid")}
+    """The train and valid streams. Global rank 0 opens its datasets first, building the sample
+    indexes that are missing, while the other ranks wait at a barrier, then map them: the index
+    cache's file lock alone would let every node build at once on a filesystem whose locks hold
+    per node (NFS with local_lock, BeeGFS, Lustre's localflock)."""
+    def open_splits():
+        return {split: PackedSentences(os.path.join(run.data, split), run.seq_len, vocab.cls,
+                                       vocab.sep, run.index_cache)
+                for split in ("train", "valid")}
+
+    first = dist.get_rank() == 0
+    packed = open_splits() if first else None
+    dist.barrier()
+    if not first:
+        packed = open_splits()
     return {split: MaskedSamples(p, vocab, objective.masking, run.seed, run.vectorised_stream,
                                  objective.generator_draws)
             for split, p in packed.items()}

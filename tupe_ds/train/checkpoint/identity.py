@@ -27,17 +27,20 @@ def file_digest(path: str) -> str:
 BEFORE_RECORDED = {"loss_normalization": "micro-batch"}
 
 
-def run_identity(objective: str, model: str, models: tuple, data: str, seq_len: int,
-                 global_batch: int, masking, seed: int, loss_normalization: str) -> dict:
+def run_identity(objective: str, model: str, models: tuple, data: str, index_cache: str,
+                 seq_len: int, global_batch: int, masking, seed: int,
+                 loss_normalization: str) -> dict:
     """The identity of a run: data (the sentence lengths and document boundaries of each split,
-    which define the packed samples), vocabulary (tokenizer.json), the sample stream's settings,
-    the models and the objective, with its loss normalisation."""
+    which define the packed samples; their digests kept in `index_cache`), vocabulary
+    (tokenizer.json), the sample stream's settings, the models and the objective, with its loss
+    normalisation."""
     return {
         "objective": objective, "model": model, "seed": seed, "seq_len": seq_len,
         "loss_normalization": loss_normalization,
         "global_batch": global_batch, "masking": dataclasses.asdict(masking),
         "vocabulary": file_digest(os.path.join(data, "tokenizer.json")),
-        "data": {split: dataset_digest(os.path.join(data, split)) for split in ("train", "valid")},
+        "data": {split: dataset_digest(os.path.join(data, split), index_cache)
+                 for split in ("train", "valid")},
         "models": [{k: v for k, v in dataclasses.asdict(config).items() if k not in HOW_COMPUTED}
                    for config in models],
     }
