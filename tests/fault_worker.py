@@ -9,7 +9,7 @@
     TUPE_DS_FAULT="nan-loss:1:3,7" / "nan-grad:0:5"   the loss of rank 1 at steps 3 and 7, or
         one gradient element of rank 0 at step 5, made NaN
     TUPE_DS_FAULT="nan-weight:1:4"   one weight of rank 1 made NaN just before the save of step 4
-    TUPE_DS_FAULT="node-local-locks"   the index cache's file lock is a no-op, as a lock that
+    TUPE_DS_FAULT="node-local-locks"   file locks (the index cache's) are no-ops, as a lock that
         holds on one node only (NFS local_lock, BeeGFS, Lustre localflock) is across nodes
 
 Several faults are separated by ';'.
@@ -91,10 +91,10 @@ def install(fault: str) -> None:
 
         folder.remove_tree = remove_part_then_die
     elif kind == "node-local-locks":
-        from tupe_ds.data import index_cache
+        from tupe_ds import files
 
-        index_cache.fcntl = types.SimpleNamespace(flock=lambda handle, operation: None,
-                                                  LOCK_EX=0, LOCK_UN=0)
+        files.fcntl = types.SimpleNamespace(flock=lambda handle, operation: None, LOCK_EX=0,
+                                            LOCK_UN=0)
     elif kind == "nan-weight":
         if int(os.environ.get("RANK", "0")) == int(rest[0]):
             ENGINE["nan_weight_step"] = int(rest[1])

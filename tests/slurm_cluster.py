@@ -150,11 +150,14 @@ class Network:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, network: Optional[Network] = None):
+    def __init__(self, root: Path, network: Optional[Network] = None,
+                 task_plugin: str = "task/none"):
         """One node on 127.0.0.1; or, with a network of hosts "ctl" and "n1", "n2", ...,
-        slurmctld on ctl and one slurmd per node."""
+        slurmctld on ctl and one slurmd per node. `task_plugin` task/affinity binds each task
+        to its CPUs, as clusters do."""
         self.root = root
         self.network = network
+        self.task_plugin = task_plugin
         self.node = socket.gethostname().split(".")[0]
         for name in ("state", "spool", "munge"):
             (root / name).mkdir(parents=True, exist_ok=True)
@@ -187,7 +190,7 @@ AuthType=auth/munge
 AuthInfo=socket={socket_path}
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin={self.task_plugin}
 SwitchType=switch/none
 MpiDefault=none
 SelectType=select/cons_tres

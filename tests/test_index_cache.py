@@ -56,12 +56,15 @@ def opening_process(prefix, cache, seq_len, before=""):
 
 
 SLOW_BUILD = """
-real_pack = packing.pack
+real_pack, real_digest = packing.pack, packing.digest_of_version
 def slow_pack(*args):
     print("building", flush=True)
     time.sleep(3)
     return real_pack(*args)
-packing.pack = slow_pack
+def announced_digest(*args):
+    print("hashing", flush=True)
+    return real_digest(*args)
+packing.pack, packing.digest_of_version = slow_pack, announced_digest
 """
 
 KILLED_WHILE_WRITING = """
@@ -127,6 +130,7 @@ def test_processes_starting_together_build_the_index_once(tmp_path):
     outputs = [process.communicate(timeout=120)[0] for process in processes]
     assert all(process.returncode == 0 for process in processes), outputs
     assert sum(output.count("building") for output in outputs) == 1, outputs
+    assert sum(output.count("hashing") for output in outputs) == 1, outputs
     assert sum(output.count("built the sample index") for output in outputs) == 1, outputs
     assert time.time() - started >= 3  # the other one waited for the slow build
     packed = PackedSentences(prefix, 32, CLS, SEP, cache)
@@ -184,18 +188,22 @@ def test_sentences_not_back_to_back_are_refused(tmp_path, monkeypatch):
 def test_the_dataset_digest_is_kept_and_a_rewritten_corpus_is_hashed_anew(tmp_path, monkeypatch):
     """The digest goes to the cache folder under the .idx file's version; another process (its
     in-memory cache cleared) reads it without hashing; a corpus written anew at the same place
-    gets its own digest."""
+    gets its own digest, which replaces the old one; another corpus of the same name keeps its."""
     from tupe_ds.data import packing
 
     prefix = str(tmp_path / "train")
     write_corpus(prefix, seed=0)
     cache = tmp_path / "cache"
     cache.mkdir()
+
+    def kept():
+        return {name: (cache / name).read_text() for name in os.listdir(cache)
+                if name.startswith("train.digest-") and name.endswith(".txt")}
+
     digest = packing.dataset_digest(prefix, str(cache))
     dataset = packing.IndexedDataset(prefix)
     assert digest == packing.content_digest(dataset.sequence_lengths, dataset.document_indices)
-    kept = [name for name in os.listdir(cache) if name.startswith("train.digest-")]
-    assert len(kept) == 1 and (cache / kept[0]).read_text() == digest
+    assert list(kept().values()) == [digest]
     assert not [name for name in os.listdir(cache) if ".tmp" in name]
 
     packing.digest_of_version.cache_clear()  # as another rank or a later start
@@ -203,13 +211,33 @@ def test_the_dataset_digest_is_kept_and_a_rewritten_corpus_is_hashed_anew(tmp_pa
     assert packing.dataset_digest(prefix, str(cache)) == digest
     monkeypatch.undo()
 
+    elsewhere = str(tmp_path / "other" / "train")
+    os.makedirs(os.path.dirname(elsewhere))
+    write_corpus(elsewhere, seed=2)
+    other = packing.dataset_digest(elsewhere, str(cache))
     time.sleep(0.01)  # another modification time, whatever the file system's resolution
     write_corpus(prefix, seed=1)
     packing.digest_of_version.cache_clear()
     rewritten = packing.dataset_digest(prefix, str(cache))
     dataset = packing.IndexedDataset(prefix)
-    assert rewritten != digest
+    assert rewritten not in (digest, other)
     assert rewritten == packing.content_digest(dataset.sequence_lengths, dataset.document_indices)
+    assert sorted(kept().values()) == sorted([rewritten, other])
+
+
+def test_a_filesystem_that_cannot_lock_names_the_folder_and_the_flag(tmp_path, monkeypatch):
+    import errno
+    import types
+
+    from tupe_ds import files
+
+    def refuse(handle, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(files, "fcntl", types.SimpleNamespace(flock=refuse, LOCK_EX=0, LOCK_UN=0))
+    with pytest.raises(OSError, match=rf"{tmp_path}/thing\.\w+\.lock: this filesystem cannot "
+                                      r"lock files .*point --index-cache at a folder"):
+        cached_array(str(tmp_path), "thing", {"a": 1}, lambda: np.arange(3))
 
 
 def test_a_builder_removes_only_its_hosts_dead_builders_remains(tmp_path):

@@ -2,8 +2,10 @@
 namespaces of their own (tests/slurm_cluster.py: Network, SlurmCluster), with real sockets between
 them. Through the real sbatch script and torchrun, ranks on both nodes train over gloo on the
 192.0.2.0/24 addresses and write into one checkpoint folder; the losses and the exported weights
-equal one process's (fp32, same seed, dropout off). Skipped, with the reason, where network
-namespaces or Slurm cannot be had (they need root)."""
+equal one process's (fp32, same seed, dropout off). The nodes bind each task to its CPUs
+(TaskPlugin=task/affinity); where a test needs nodes that differ as machines do, its processes
+also get a hostname and process IDs of their own (`as_host`). Skipped, with the reason, where
+network namespaces or Slurm cannot be had (they need root)."""
 
 import json
 import os
@@ -11,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -18,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from slurm_cluster import Network, SlurmCluster, install_packages
+from test_index_cache import index_files, write_corpus
 from test_pretrain import ROOT, environment, free_port, log, train
 from test_slurm import TINY, logged_steps
 
@@ -35,7 +39,8 @@ def two_nodes(tmp_path_factory):
         pytest.skip(f"no two-node cluster here: {reason}")
     network = Network({"ctl": 100, "n1": 101, "n2": 102})
     try:
-        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm-2-nodes"), network)
+        cluster = SlurmCluster(tmp_path_factory.mktemp("slurm-2-nodes"), network,
+                               task_plugin="task/affinity")
         try:
             yield cluster
         finally:
@@ -50,6 +55,9 @@ def one_process(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("one-process") / "run"
     train("torchrun", 1, data, out, *FLAGS)
     return out
+
+
+FAULT_WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
 
 
 def submit(cluster, data, out, *flags, env=None):
@@ -91,6 +99,13 @@ def assert_trains_like_one_process(run, reference, tmp_path):
     for name, tensor in expected.items():  # one Adam step moves a weight by up to lr = 2e-3;
         # 80 of them in another reduction order leave up to 1.5e-6 (seen here, tp=2)
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def as_host(network, node):
+    """The prefix that runs a program on `node` as on a machine of its own: in its network
+    namespace, with the hostname `node` and process IDs of its own (the program is PID 1)."""
+    return [*network.prefix(node), "unshare", "--uts", "--pid", "--fork", "sh", "-c",
+            'hostname "$0" && exec "$@"', node]
 
 
 def tasks_on(cluster, node):
@@ -182,19 +197,108 @@ def test_torchrun_on_two_nodes_with_the_rendezvous_on_node_1(two_nodes, data, on
     """One torchrun per node (c10d rendezvous at n1's address, --local-addr as on nodes whose
     hostname does not resolve to the interface the others reach them on)."""
     network, out, port = two_nodes.network, tmp_path / "run", free_port()
+    cache = tmp_path / "index-cache"  # the lock made node-local: rank 0 alone builds
     runs = []
     for node in ("n1", "n2"):
-        command = [*network.prefix(node), sys.executable, "-m", "torch.distributed.run",
+        command = [*as_host(network, node), sys.executable, "-m", "torch.distributed.run",
                    "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"{network.addresses['n1']}:{port}", "--rdzv-id", "tupe",
-                   "--local-addr", network.addresses[node], "-m", "tupe_ds.pretrain",
-                   "--data", data, "--out", str(out), *TINY, *FLAGS]
-        runs.append(subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True))
+                   "--local-addr", network.addresses[node], FAULT_WORKER, "pretrain",
+                   "--data", data, "--out", str(out), "--index-cache", str(cache), *TINY, *FLAGS]
+        runs.append(subprocess.Popen(command, env={**environment(),
+                                                   "TUPE_DS_FAULT": "node-local-locks"},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [run.communicate(timeout=400)[0] for run in runs]
     for run, output in zip(runs, outputs):
         assert run.returncode == 0, output[-4000:]
     assert "2 processes from deepspeed or torchrun (tp 1, pp 1, dp 2)" in "".join(outputs)
+    built = re.findall(r"built the sample index of (\S+)", "".join(outputs))
+    assert sorted(built) == [os.path.join(data, "train"), os.path.join(data, "valid")], built
+    assert len(index_files(cache)) == 2 and not [n for n in os.listdir(cache) if ".tmp" in n]
     with open(out / "run.json") as f:
         assert json.load(f)["tp"] == 1
     assert_trains_like_one_process(out, one_process, tmp_path)
+
+
+BUILDER = textwrap.dedent("""
+    import json, os, socket, sys, time, types
+    import tupe_ds.data.packing as packing
+    import tupe_ds.files as files
+    prefix, cache, ready = sys.argv[1:]
+    files.fcntl = types.SimpleNamespace(  # a lock that holds on this node only
+        flock=lambda handle, operation: None, LOCK_EX=0, LOCK_UN=0)
+    real_pack = packing.pack
+    def slow_pack(*args):
+        print("building", flush=True)
+        time.sleep(2)
+        return real_pack(*args)
+    packing.pack = slow_pack
+    open(os.path.join(ready, socket.gethostname()), "w").close()
+    while len(os.listdir(ready)) < 2:  # both start at once
+        time.sleep(0.01)
+    packed = packing.PackedSentences(prefix, 32, 2, 3, cache)
+    with open("/proc/self/maps") as maps:
+        inodes = {int(line.split()[4]) for line in maps if packed.index_path in line}
+    print(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "samples": len(packed),
+                      "inodes": sorted(inodes)}), flush=True)
+""")
+
+
+def test_two_nodes_without_a_shared_lock_both_build_and_map_the_first_copy(two_nodes, tmp_path):
+    """Two processes outside any process group (as tools open data) on n1 and n2, each PID 1 of
+    its node, whose cache lock holds per node: both build the index at once, neither deletes
+    or replaces the other's file, and both map the one copy that stays."""
+    prefix, cache, ready = str(tmp_path / "corpus"), tmp_path / "cache", tmp_path / "ready"
+    write_corpus(prefix, seed=0)
+    ready.mkdir()
+    builders = [subprocess.Popen([*as_host(two_nodes.network, node), sys.executable, "-c",
+                                  BUILDER, prefix, str(cache), str(ready)],
+                                 env=environment(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for node in ("n1", "n2")]
+    outputs = [builder.communicate(timeout=120)[0] for builder in builders]
+    assert [builder.returncode for builder in builders] == [0, 0], outputs
+    assert [output.count("building") for output in outputs] == [1, 1], outputs
+    assert sum(output.count("built the sample index") for output in outputs) == 1, outputs
+    reports = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    assert [(r["host"], r["pid"]) for r in reports] == [("n1", 1), ("n2", 1)]  # names by PID
+    # alone would have collided
+    (index,) = index_files(cache)
+    assert not [name for name in os.listdir(cache) if ".tmp" in name]
+    inode = os.stat(cache / index).st_ino
+    assert [r["inodes"] for r in reports] == [[inode], [inode]]
+    assert reports[0]["samples"] == reports[1]["samples"] > 0
+
+
+def test_srun_tasks_meet_without_scontrol_on_the_cpus_the_job_asked_for(two_nodes, tmp_path):
+    """A job of one task per node with --cpus-per-task 2 on nodes that bind tasks to CPUs. Its
+    steps run with no scontrol on PATH (as in containers) and meet over gloo at the first node
+    of the step, on the port of the job id (or MASTER_PORT). A step asked for 1 CPU per task is
+    bound to 1 (the binding is real); srun_requeue's step gets the job's 2 through
+    SRUN_CPUS_PER_TASK, and runs on both."""
+    probe = os.path.join(ROOT, "tests", "rendezvous_probe.py")
+    script = tmp_path / "job.sh"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        set -euo pipefail
+        source {ROOT}/slurm/srun_requeue.sh
+        MASTER_PORT=29411 srun --cpus-per-task=1 env PATH=/nonexistent "$PYTHON" {probe}
+        srun_requeue env PATH=/nonexistent "$PYTHON" {probe}
+        """))
+    out = tmp_path / "job.log"
+    job_id = two_nodes.sbatch("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2",
+                              "--gpus-per-node=0", "--time=5", "--mem=500M", f"--output={out}",
+                              str(script), env={**environment(), "PYTHON": sys.executable})
+    job = two_nodes.wait_until_done(job_id, timeout=120)
+    output = out.read_text()
+    assert job["JobState"] == "COMPLETED", output[-3000:] + two_nodes.logs()
+    reports = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    one_cpu, wrapped = reports[:2], reports[2:]
+    port = 20000 + int(job_id) % 12768
+    for step, master, cpus, passed_on in ((one_cpu, ["n1", 29411], 1, None),
+                                          (wrapped, ["n1", port], 2, "2")):
+        assert sorted((r["rank"], r["node"]) for r in step) == [(0, "n1"), (1, "n2")], output
+        for report in step:
+            assert report["launcher"] == "srun" and report["scontrol"] is None
+            assert report["master"] == master and report["sum"] == 3.0
+            assert len(report["cpus"]) == cpus, (report, output)
+            assert report["srun_cpus_per_task"] == passed_on

@@ -2,17 +2,25 @@
 of a new one."""
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
 import socket
+from typing import Optional
+
+
+def temporary_name(path: str, pid: Optional[int] = None) -> str:
+    """A temporary file for `path` of this host and process (`pid`: another process of this
+    host), so that processes writing the same file at once, on one node or several, never mix
+    their bytes: process IDs alone repeat across nodes (and containers)."""
+    return f"{path}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
 def write_atomically(path: str, text: str) -> None:
-    """`text` to `path` through a temporary file of this host and process (so that processes
-    writing the same file at once, on one node or several, never mix their bytes), flushed to
-    disk before it replaces `path`."""
-    temporary = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+    """`text` to `path` through a temporary file of this host and process, flushed to disk
+    before it replaces `path`."""
+    temporary = temporary_name(path)
     try:
         with open(temporary, "w") as f:
             f.write(text)
@@ -48,11 +56,19 @@ def replacing_folder(path: str):
 
 
 @contextlib.contextmanager
-def locked(path: str):
+def locked(path: str, fix: str = "put it on one that can (a local disk)"):
     """An exclusive lock on the file `path` (created if missing) while the block runs, between
-    processes of this machine or, on a shared file system that supports locks, of a cluster."""
+    processes of this machine or, on a shared file system whose locks are global, of a cluster;
+    released when the block ends or the process dies. A filesystem that cannot lock is an error
+    that ends with `fix`."""
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise OSError(f"{path}: this filesystem cannot lock files ({error.strerror}); "
+                              f"{fix}") from error
+            raise
         try:
             yield
         finally:

@@ -6,22 +6,22 @@ never read for it. The first process to need it builds it under an exclusive loc
 folder's filesystem while the others wait on the lock; a training run does not rely on the lock
 alone (NFS with local_lock, BeeGFS and Lustre's localflock lock per node): its rank 0 builds
 while the other ranks wait at a barrier (tupe_ds/train/loop.py). An array is written to a
-temporary file named by host and process and renamed into place, so a build that is killed
-leaves nothing that is read; the next builder on that host removes the remains of builders that
-are no longer running there, and never touches another host's.
+temporary file named by host and process and linked into place, the first copy staying where two
+nodes built at once, so a build that is killed leaves nothing that is read; the next builder on
+that host removes the remains of builders that are no longer running there, and never touches
+another host's.
 """
 
-import contextlib
 import errno
-import fcntl
 import glob
 import hashlib
 import json
 import os
-import socket
 from typing import Callable, Tuple
 
 import numpy as np
+
+from tupe_ds.files import locked, temporary_name
 
 
 def content_digest(*arrays: np.ndarray) -> str:
@@ -38,36 +38,32 @@ def cached_path(folder: str, name: str, key: dict) -> str:
     return os.path.join(folder, f"{name}.{digest}.npy")
 
 
-@contextlib.contextmanager
-def exclusive(path: str):
-    """An exclusive lock on `path` (created if missing), released when the block ends or the
-    process dies."""
-    with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError as error:
-            if error.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise OSError(f"{path}: this filesystem cannot lock files ({error.strerror}); "
-                              "point --index-cache at a folder on one that can (a local disk "
-                              "is enough: each node then builds its own copy)") from error
-            raise
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+LOCK_FIX = ("point --index-cache at a folder on one that can (a local disk is enough: each "
+            "node then builds its own copy)")
 
 
-def temporary_name(path: str, pid: int = None) -> str:
-    return f"{path}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
-
-
-def write_npy_atomically(path: str, array: np.ndarray) -> None:
+def publish_npy(path: str, array: np.ndarray) -> bool:
+    """Write `array` to a temporary file, then link it to `path` unless another builder (on a
+    node whose lock this one could not see) placed its copy first: the first copy stays, every
+    process maps that one file, and no one's open file is replaced. Whether this one's stayed.
+    On a filesystem without hard links, the temporary file is renamed into place instead."""
     temporary = temporary_name(path)
     with open(temporary, "wb") as f:
         np.save(f, array)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        os.remove(temporary)
+        return False
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        os.replace(temporary, path)
+        return True
+    os.remove(temporary)
+    return True
 
 
 def remove_remains(path: str) -> None:
@@ -96,9 +92,9 @@ def cached_array(folder: str, name: str, key: dict,
     path = cached_path(folder, name, key)
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
-        with exclusive(path[:-len(".npy")] + ".lock"):
+        with locked(path[:-len(".npy")] + ".lock", LOCK_FIX):
             if not os.path.exists(path):  # else another process built it while this one waited
                 remove_remains(path)
-                write_npy_atomically(path, build())
-                return np.load(path, mmap_mode="r"), path, True
+                built = publish_npy(path, build())
+                return np.load(path, mmap_mode="r"), path, built
     return np.load(path, mmap_mode="r"), path, False

@@ -9,7 +9,10 @@ result, the sample index, is built once per (dataset, seq_len, rule) into a cach
 memory-mapped by every process (tupe_ds.data.index_cache).
 """
 
+import contextlib
 import functools
+import glob
+import hashlib
 import mmap
 import os
 import re
@@ -18,8 +21,8 @@ import time
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from tupe_ds.data.index_cache import cached_array, content_digest
-from tupe_ds.files import write_atomically
+from tupe_ds.data.index_cache import LOCK_FIX, cached_array, content_digest
+from tupe_ds.files import locked, write_atomically
 
 PACKING_RULE = "full-sentences/1"  # change it whenever pack() would return something else
 
@@ -91,24 +94,38 @@ def dataset_digest(prefix: str, cache_folder: str) -> str:
     packed samples are made from (the sample index's key; a checkpoint's data identity).
 
     Hashing them reads the whole .idx (680 MB at BERT's corpus size), so the digest is kept in
-    `cache_folder` beside the sample indexes, named by the version of PREFIX.idx (inode, size,
-    modification time): the other ranks of a run and later starts read it there, and a
-    rewritten .idx (a new version) is hashed anew. Computed once per process and version."""
+    `cache_folder` beside the sample indexes, named by PREFIX's path and the version of its .idx
+    (inode, size, modification time): the other ranks of a run and later starts read it there,
+    and a rewritten .idx (a new version) is hashed anew, its old versions' digests removed. The
+    first processes of a node to need it hash under the cache's lock, one at a time, so that the
+    others read what the first wrote. Computed once per process and version."""
     status = os.stat(prefix + ".idx")
     version = (status.st_ino, status.st_size, status.st_mtime_ns)
-    name = os.path.basename(prefix)
-    path = os.path.join(cache_folder, f"{name}.digest-{'-'.join(map(str, version))}.txt")
+    place = hashlib.sha256(os.path.realpath(prefix).encode()).hexdigest()[:8]
+    name = os.path.join(cache_folder, f"{os.path.basename(prefix)}.digest-{place}")
+    path = f"{name}-{'-'.join(map(str, version))}.txt"
+    digest = kept_digest(path)
+    if digest is None:
+        os.makedirs(cache_folder, exist_ok=True)
+        with locked(name + ".lock", LOCK_FIX):
+            digest = kept_digest(path)
+            if digest is None:
+                digest = digest_of_version(prefix, *version)
+                write_atomically(path, digest)
+                for old in set(glob.glob(glob.escape(name) + "-*.txt")) - {path}:
+                    with contextlib.suppress(FileNotFoundError):  # another node's removal
+                        os.remove(old)
+    return digest
+
+
+def kept_digest(path: str):
+    """The digest in `path`, or None when there is none (or not a whole one)."""
     try:
         with open(path) as f:
             digest = f.read().strip()
-        if re.fullmatch(r"[0-9a-f]{64}", digest):
-            return digest
     except FileNotFoundError:
-        pass
-    digest = digest_of_version(prefix, *version)
-    os.makedirs(cache_folder, exist_ok=True)
-    write_atomically(path, digest)
-    return digest
+        return None
+    return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
 
 
 @functools.lru_cache(maxsize=None)
