@@ -5,7 +5,6 @@ a shard holding a document already seen in an earlier shard is copied document b
 without it instead.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from tqdm import tqdm
 
 from data_prep.output import SPLITS, publish, work_folder
+from tupe_ds.files import file_digest
 
 SUMMED = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
           "near_duplicates_removed", "invalid_utf8_lines", "bad_lines_skipped", "bytes_in")
@@ -30,11 +30,6 @@ def read_manifest(shard: str) -> dict:
                          "re-run its tupe-prep --shard command")
     with open(path) as f:
         return json.load(f)
-
-
-def file_digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def merge(shards: List[str], output: str, quiet: bool = False) -> dict:

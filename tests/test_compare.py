@@ -376,9 +376,11 @@ def test_curves_over_seeds_and_the_race_to_the_baseline():
     assert race["encodings"]["bert-a"]["step"] == 40
 
 
-@pytest.mark.parametrize("launcher, module_flag", [("deepspeed", "--module"), ("torchrun", "-m")])
-def test_each_run_is_one_launcher_command_with_the_runs_flags(launcher, module_flag):
-    plan = Plan(out="/c", data="/d", encodings=("rope",), seeds=(7,), steps=9, baseline="rope",
+@pytest.mark.parametrize("launcher, module_flag, data", [
+    ("deepspeed", "--module", ("/d",)), ("torchrun", "-m", ("/d",)),
+    ("torchrun", "-m", ("0.7", "/wiki", "0.3", "/books"))])
+def test_each_run_is_one_launcher_command_with_the_runs_flags(launcher, module_flag, data):
+    plan = Plan(out="/c", data=data, encodings=("rope",), seeds=(7,), steps=9, baseline="rope",
                 processes=4, pretrain_flags=("--model", "tiny", "--lr", "1e-3"))
     command = runner.launch_command(plan, plan.runs[0], launcher)
     program = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
@@ -386,6 +388,6 @@ def test_each_run_is_one_launcher_command_with_the_runs_flags(launcher, module_f
     assert command[3:5] == ["--num_gpus" if launcher == "deepspeed" else "--nproc_per_node", "4"]
     start = command.index("tupe_ds.pretrain")
     assert command[start - 1] == module_flag
-    assert command[start:] == ["tupe_ds.pretrain", "--data", "/d", "--out", "/c/runs/rope-seed7",
+    assert command[start:] == ["tupe_ds.pretrain", "--data", *data, "--out", "/c/runs/rope-seed7",
                                    "--pos-encoding", "rope", "--seed", "7", "--steps", "9",
                                    "--model", "tiny", "--lr", "1e-3"]

@@ -259,6 +259,29 @@ def test_pretrain_script_explains_its_usage():
     assert result.returncode == 2 and "usage: sbatch slurm/pretrain.sbatch" in result.stderr
 
 
+@pytest.mark.parametrize("data, expected", [
+    ("0.7 /p/wiki 0.3 /p/books", ["0.7", "/p/wiki", "0.3", "/p/books"]),
+    ("/p/my data", ["/p/my data"])])
+def test_pretrain_script_passes_a_blend_or_a_folder_as_data(tmp_path, data, expected):
+    """DATA, one argument of sbatch: a blend's weights and folders become --data's values; a
+    folder (spaces and all) stays one. A stand-in python and srun print what they are given."""
+    for program in ("python", "srun"):
+        (tmp_path / program).write_text('#!/usr/bin/env python3\nimport json, sys\n'
+                                        'print(json.dumps(sys.argv[1:]))\n')
+        (tmp_path / program).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHON": "python",
+           "TUPE_DS_ROOT": ROOT}
+    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "pretrain.sbatch"), "bert-large",
+                             data, "/runs/x", "--tp", "2"], env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    commands = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
+    assert len(commands) == 2  # the check, then the step
+    for argv in commands:
+        start = argv.index("--data") + 1
+        assert argv[start:start + len(expected) + 1] == [*expected, "--out"], argv
+
+
 def test_shard_script_explains_its_usage():
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "prep_shard.sbatch")],
                             capture_output=True, text=True)

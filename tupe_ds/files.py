@@ -4,10 +4,20 @@ of a new one."""
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import socket
 from typing import Optional
+
+
+def file_digest(path: str) -> str:
+    """sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def temporary_name(path: str, pid: Optional[int] = None) -> str:

@@ -40,7 +40,9 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
                                 epilog="Other flags (--ds-config, --seq-len, --global-batch, "
                                        "--lr, --eval-interval, ...) go to every tupe-pretrain run.")
-    p.add_argument("--data", required=True, help="a folder written by tupe-prep")
+    p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
+                   help="a folder written by tupe-prep, or a weighted blend of several "
+                        "(tupe-pretrain's --data)")
     p.add_argument("--encodings", required=True, type=comma_list(str),
                    help=f"comma-separated, from: {', '.join(ENCODINGS)}")
     p.add_argument("--seeds", type=comma_list(int), default=(1,),
@@ -102,6 +104,14 @@ def finetune_plan(args) -> dict:
     return {"finetune": directory, "tasks": tuple(tasks), "finetune_flags": tuple(flags)}
 
 
+def absolute_data(values: list) -> tuple:
+    """--data's values with its folders made absolute: a folder, or weights and folders."""
+    if len(values) == 1:
+        return (os.path.abspath(values[0]),)
+    return tuple(value if i % 2 == 0 else os.path.abspath(value)
+                 for i, value in enumerate(values))
+
+
 def make_plan(args, pretrain_flags: list) -> Plan:
     unknown = [e for e in args.encodings if e not in ENCODINGS]
     if unknown or not args.encodings:
@@ -118,7 +128,7 @@ def make_plan(args, pretrain_flags: list) -> Plan:
     if args.nproc < 1:
         raise CompareError("--nproc must be at least 1")
     baseline = args.baseline or ("bert-a" if "bert-a" in args.encodings else args.encodings[0])
-    return Plan(out=os.path.abspath(args.out), data=os.path.abspath(args.data),
+    return Plan(out=os.path.abspath(args.out), data=absolute_data(args.data),
                 encodings=args.encodings, seeds=args.seeds, steps=args.steps, baseline=baseline,
                 processes=args.nproc, pretrain_flags=("--model", args.model, "--objective",
                                                       args.objective, *pretrain_flags),

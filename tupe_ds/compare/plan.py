@@ -37,7 +37,7 @@ class Run:
 @dataclass(frozen=True)
 class Plan:
     out: str
-    data: str
+    data: tuple  # tupe-pretrain's --data values: a folder, or weights and folders
     encodings: tuple
     seeds: tuple
     steps: int
@@ -79,7 +79,7 @@ class Plan:
                 self.finetune_dir(run), *self.finetune_flags]
 
     def pretrain_argv(self, run: Run) -> list:
-        return ["--data", self.data, "--out", self.run_dir(run), "--pos-encoding", run.encoding,
+        return ["--data", *self.data, "--out", self.run_dir(run), "--pos-encoding", run.encoding,
                 "--seed", str(run.seed), "--steps", str(self.steps), *self.pretrain_flags]
 
     def check(self) -> None:
@@ -128,7 +128,9 @@ def read_plan(out: str) -> Plan:
     except FileNotFoundError:
         raise CompareError(f"{path}: no such file; start the comparison with tupe-compare run "
                            f"(or plan) --out {out}") from None
-    fields.update(out=out, encodings=tuple(fields["encodings"]), seeds=tuple(fields["seeds"]),
+    data = fields["data"]  # a plan of an earlier version holds one folder
+    fields.update(out=out, data=(data,) if isinstance(data, str) else tuple(data),
+                  encodings=tuple(fields["encodings"]), seeds=tuple(fields["seeds"]),
                   pretrain_flags=tuple(fields["pretrain_flags"]),
                   tasks=tuple(fields.get("tasks", ())),
                   finetune_flags=tuple(fields.get("finetune_flags", ())))

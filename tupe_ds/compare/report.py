@@ -64,7 +64,7 @@ def build(plan: Plan) -> dict:
     description = next((read_description(plan.run_dir(Run(r["encoding"], r["seed"])))
                         for r in records if r["state"] != "not started"), None)
     return {"encodings": list(plan.encodings), "seeds": list(plan.seeds), "steps": plan.steps,
-            "baseline": plan.baseline, "data": plan.data,
+            "baseline": plan.baseline, "data": list(plan.data),
             "pretrain_flags": list(plan.pretrain_flags),
             "global_batch": description["global_batch"] if description else None,
             "seq_len": description["seq_len"] if description else None,
@@ -118,7 +118,7 @@ def markdown(report: dict) -> str:
     flags = " ".join(report["pretrain_flags"])
     lines = [f"# Positional encodings compared: {', '.join(report['encodings'])}", "",
              f"{report['steps']} steps, seeds {', '.join(map(str, report['seeds']))}, global batch "
-             f"{report['global_batch']} x {report['seq_len']} tokens, data `{report['data']}`, "
+             f"{report['global_batch']} x {report['seq_len']} tokens, data `{' '.join(report['data'])}`, "
              f"flags `{flags}`. Every run sees the same batches for the same seed.", "",
              *(line for sentence in headline(report) for line in (sentence, "")),
              "## Runs", "", "| run | state | checkpoint step | final valid loss | training time |",

@@ -18,7 +18,7 @@ from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
-from tupe_ds.train.flags import check_flags, fail, index_cache, parser
+from tupe_ds.train.flags import check_flags, data_sources, fail, parser
 from tupe_ds.train.objectives import OBJECTIVES
 
 CPU_CONFIG = doctor.CPU_CONFIG
@@ -53,7 +53,7 @@ class RunConfig:
     """Everything a run needs, checked: what `load()` returns."""
     objective: str  # a key of tupe_ds.train.objectives.OBJECTIVES
     model: str  # the preset (or ELECTRA pair) name
-    data: str
+    sources: tuple  # (blend.Source,): --data, one folder or the blend's, each with its cache
     out: str
     steps: int
     seq_len: int
@@ -67,7 +67,6 @@ class RunConfig:
     models: tuple  # (ModelConfig,) for mlm; (discriminator, generator) for electra
     ds_config: dict  # with the command line's overrides
     ds_config_path: str
-    index_cache: str  # folder of the sample indexes
     prefetch: int  # steps of batches made ahead by a thread
     vectorised_stream: bool  # --data-stream vectorised
     loss_normalization: str  # a mode of tupe_ds.train.normalization
@@ -81,6 +80,15 @@ class RunConfig:
         return self.layout.world_size
 
     @property
+    def data(self) -> str:
+        """The first --data folder: its tokenizer.json is every source's."""
+        return self.sources[0].folder
+
+    @property
+    def index_cache(self) -> str:
+        return self.sources[0].index_cache
+
+    @property
     def dp_size(self) -> int:
         return self.layout.dp
 
@@ -92,6 +100,7 @@ def load(argv=None, world_size: Optional[int] = None,
     `world_size` processes (default: WORLD_SIZE, else 1), on `machine` (default: this one)."""
     args = parser().parse_args(argv)
     check_flags(args)
+    sources = tuple(data_sources(args))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = process_layout(args, world_size)
@@ -108,12 +117,12 @@ def load(argv=None, world_size: Optional[int] = None,
     resharding = resume_plan.resharding if resume_plan else None
     if resharding is not None and resharding.convert:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    vocab_size = resharding.saved.vocab_size if resharding else padded_vocab(args.data, args.tp)
+    vocab_size = (resharding.saved.vocab_size if resharding
+                  else padded_vocab(sources[0].folder, args.tp))
     models = model_configs(args, dtype, vocab_size)
-    cache_folder = index_cache(args)
-    identity = run_identity(args.objective, args.model, models, args.data, cache_folder,
-                            args.seq_len, ds_config["train_batch_size"],
-                            OBJECTIVES[args.objective].masking, args.seed, args.loss_normalization)
+    identity = run_identity(args.objective, args.model, models, sources, args.seq_len,
+                            ds_config["train_batch_size"], OBJECTIVES[args.objective].masking,
+                            args.seed, args.loss_normalization)
     init_plan = None
     try:
         if resume_plan is not None:
@@ -122,7 +131,7 @@ def load(argv=None, world_size: Optional[int] = None,
             init_plan = plan_init(args.init_from, args.init_optimizer, identity, *shape)
     except ValueError as error:
         fail(str(error))
-    return RunConfig(objective=args.objective, model=args.model, data=args.data, out=args.out,
+    return RunConfig(objective=args.objective, model=args.model, sources=sources, out=args.out,
                      steps=args.steps, seq_len=args.seq_len, seed=args.seed,
                      eval_samples=args.eval_samples, keep_checkpoints=args.keep_checkpoints,
                      max_nonfinite_steps=args.max_nonfinite_steps, check_only=args.check_only,
@@ -130,7 +139,7 @@ def load(argv=None, world_size: Optional[int] = None,
                      intervals=Intervals(log=args.log_interval, eval=args.eval_interval,
                                          save=args.save_interval, image=args.image_interval),
                      models=models, ds_config=ds_config, ds_config_path=args.ds_config,
-                     index_cache=cache_folder, prefetch=args.prefetch,
+                     prefetch=args.prefetch,
                      vectorised_stream=args.data_stream == "vectorised",
                      loss_normalization=args.loss_normalization, batch_split=batch_split,
                      identity=identity,

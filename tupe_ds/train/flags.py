@@ -2,8 +2,11 @@
 the --data folder, the model for the objective, the --index-cache folder)."""
 
 import argparse
+import dataclasses
 import os
 
+from tupe_ds.data import blend
+from tupe_ds.files import file_digest
 from tupe_ds.model.config import ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.train import normalization
@@ -20,7 +23,9 @@ def parser() -> argparse.ArgumentParser:
         description="Masked-LM pretraining with DeepSpeed. Start it with `deepspeed --num_gpus N "
                     "--module tupe_ds.pretrain ...` or `torchrun --nproc_per_node N -m "
                     "tupe_ds.pretrain ...`.")
-    p.add_argument("--data", required=True, help="a folder written by tupe-prep")
+    p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
+                   help="a folder written by tupe-prep, or a blend of several with their "
+                        "weights: --data 0.7 wiki 0.3 books (same tokenizer)")
     p.add_argument("--objective", default="mlm", choices=["mlm", "electra"],
                    help="mlm: BERT masked LM; electra: generator + discriminator")
     p.add_argument("--model", default="bert-base", choices=sorted(set(PRESETS) | set(PAIRS)),
@@ -95,7 +100,8 @@ def fail(message: str):
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Counts are positive, and --data holds what tupe-prep writes."""
+    """Counts are positive, flags that need another are given it, and the model fits the
+    objective."""
     for name in ("steps", "seq_len", "tp", "pp", "eval_interval", "save_interval", "log_interval",
                  "image_interval", "keep_checkpoints", "eval_samples", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
@@ -106,9 +112,6 @@ def check_flags(args: argparse.Namespace) -> None:
         fail("--init-optimizer needs --init-from CHECKPOINT")
     if args.prefetch < 0:
         fail("--prefetch must be 0 (no thread) or more")
-    for name in ("train.idx", "valid.idx", "tokenizer.json"):
-        if not os.path.exists(os.path.join(args.data, name)):
-            fail(f"--data {args.data}: no {name}; run tupe-prep --output {args.data} first")
     if args.objective == "electra" and args.model not in PAIRS:
         fail(f"--objective electra needs --model {' or '.join(PAIRS)}, not {args.model!r}")
     if args.objective == "mlm" and args.model not in PRESETS:
@@ -118,10 +121,33 @@ def check_flags(args: argparse.Namespace) -> None:
              f"--objective {args.objective} with --tp and data parallelism")
 
 
-def index_cache(args: argparse.Namespace) -> str:
-    """--index-cache, else --data where this process may write, else OUT/index-cache; created,
-    and checked writable."""
-    folder = args.index_cache or (args.data if os.access(args.data, os.W_OK)
+def data_sources(args: argparse.Namespace) -> list:
+    """--data as blend.Source's, each with its index cache: folders that hold what tupe-prep
+    writes, all encoded with one tokenizer."""
+    try:
+        sources = blend.parse_sources(args.data)
+    except ValueError as error:
+        fail(str(error))
+    for source in sources:
+        for name in ("train.idx", "valid.idx", "tokenizer.json"):
+            if not os.path.exists(os.path.join(source.folder, name)):
+                fail(f"--data {source.folder}: no {name}; run tupe-prep --output "
+                     f"{source.folder} first")
+    first = sources[0]
+    for source in sources[1:]:
+        if file_digest(os.path.join(source.folder, "tokenizer.json")) != file_digest(
+                os.path.join(first.folder, "tokenizer.json")):
+            fail(f"--data: {first.folder}/tokenizer.json and {source.folder}/tokenizer.json "
+                 "differ; a blend needs every folder prepared with one tokenizer (tupe-prep "
+                 f"--tokenizer {first.folder}/tokenizer.json)")
+    return [dataclasses.replace(source, index_cache=index_cache(args, source.folder))
+            for source in sources]
+
+
+def index_cache(args: argparse.Namespace, data: str) -> str:
+    """--index-cache, else the data folder where this process may write, else OUT/index-cache;
+    created, and checked writable."""
+    folder = args.index_cache or (data if os.access(data, os.W_OK)
                                   else os.path.join(args.out, "index-cache"))
     try:
         os.makedirs(folder, exist_ok=True)

@@ -13,6 +13,8 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
 from tupe_ds.cuda_arch import fit_cuda_arch_list
+from tupe_ds.data import blend
+from tupe_ds.data.blend import BlendedSamples
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import made_ahead
@@ -34,24 +36,30 @@ from tupe_ds.train.stop_signal import StopSignal
 from tupe_ds.train.waits import announced
 
 
-def datasets(run: RunConfig, vocab: Vocabulary, objective):
-    """The train and valid streams. Global rank 0 opens its datasets first, building the sample
-    indexes that are missing, while the other ranks wait at a barrier, then map them: the index
-    cache's file lock alone would let every node build at once on a filesystem whose locks hold
-    per node (NFS with local_lock, BeeGFS, Lustre's localflock)."""
-    def open_splits():
-        return {split: PackedSentences(os.path.join(run.data, split), run.seq_len, vocab.cls,
-                                       vocab.sep, run.index_cache)
-                for split in ("train", "valid")}
+def datasets(run: RunConfig, vocab: Vocabulary, objective) -> dict:
+    """"train": the stream of --data (the blend of its sources; one source is its own stream),
+    "valid": each source's valid samples, in --data's order. Global rank 0 opens the datasets
+    first, building the sample indexes that are missing, while the other ranks wait at a
+    barrier, then map them: the index cache's file lock alone would let every node build at once
+    on a filesystem whose locks hold per node (NFS with local_lock, BeeGFS, Lustre's
+    localflock)."""
+    def open_sources():
+        return [{split: PackedSentences(os.path.join(source.folder, split), run.seq_len,
+                                        vocab.cls, vocab.sep, source.index_cache)
+                 for split in ("train", "valid")} for source in run.sources]
+
+    def stream(packed):
+        return MaskedSamples(packed, vocab, objective.masking, run.seed, run.vectorised_stream,
+                             objective.generator_draws)
 
     first = dist.get_rank() == 0
-    packed = open_splits() if first else None
+    packed = open_sources() if first else None
     dist.barrier()
     if not first:
-        packed = open_splits()
-    return {split: MaskedSamples(p, vocab, objective.masking, run.seed, run.vectorised_stream,
-                                 objective.generator_draws)
-            for split, p in packed.items()}
+        packed = open_sources()
+    return {"train": BlendedSamples([stream(p["train"]) for p in packed],
+                                    [source.weight for source in run.sources]),
+            "valid": [stream(p["valid"]) for p in packed]}
 
 
 def reads_data(run: RunConfig) -> bool:
@@ -60,21 +68,35 @@ def reads_data(run: RunConfig) -> bool:
         or parallel_state.is_pipeline_last_stage()
 
 
-def evaluate(steps, samples: MaskedSamples, run: RunConfig, micro_batch: int, device) -> dict:
-    """The objective's metrics over the first --eval-samples valid samples (the same ones in
-    every layout), as valid/NAME."""
+def evaluate(steps, valid: list, run: RunConfig, micro_batch: int, device) -> dict:
+    """The objective's metrics over the first --eval-samples valid samples of each source (the
+    same ones in every layout), as valid/NAME; for a blend also each source's, as
+    valid/SOURCE/NAME, and valid/NAME is their mean weighted as the blend is."""
     dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
-    totals = {}
-    with made_ahead(valid_batches(samples, micro_batch, rank, dp, run.eval_samples),
-                    run.prefetch if reads_data(run) else 0, pin=device.type != "cpu") as batches:
-        steps.evaluate(batches, totals)
-    return {f"valid/{name}": value for name, value in steps.reduce(totals).items()}
+    per_source = []
+    for samples in valid:
+        totals = {}
+        with made_ahead(valid_batches(samples, micro_batch, rank, dp, run.eval_samples),
+                        run.prefetch if reads_data(run) else 0,
+                        pin=device.type != "cpu") as batches:
+            steps.evaluate(batches, totals)
+        per_source.append(steps.reduce(totals))
+    if len(per_source) == 1:
+        return {f"valid/{name}": value for name, value in per_source[0].items()}
+    weights = blend.shares(run.sources)
+    blended = {f"valid/{name}": sum(weight * own[name] for weight, own in zip(weights, per_source))
+               for name in per_source[0]}
+    for source, own in zip(run.sources, per_source):
+        blended.update({f"valid/{source.name}/{name}": value for name, value in own.items()})
+    return blended
 
 
 def write_run_description(run: RunConfig) -> None:
     """OUT/run.json: the models and layout of the run, which tupe-export reads (atomically)."""
     batch = run.ds_config["train_batch_size"]
     description = {"objective": run.objective, "data": os.path.abspath(run.data),
+                   "sources": [{"folder": os.path.abspath(source.folder), "weight": source.weight,
+                                "name": source.name} for source in run.sources],
                    "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
                    "global_batch": batch, "seq_len": run.seq_len,
                    "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
@@ -157,7 +179,8 @@ def train(run: RunConfig, launcher: str) -> None:
     with announced(waiting_with_extensions("the DeepSpeed engine of every rank"), rank):
         model, engine, steps = build_engine(run, objective, device)
     vocab = Vocabulary.from_data_dir(run.data)
-    with announced(f"the sample index of {run.data} (seq-len {run.seq_len})", rank):
+    folders = ", ".join(source.folder for source in run.sources)
+    with announced(f"the sample indexes of {folders} (seq-len {run.seq_len})", rank):
         data = datasets(run, vocab, objective)
     checkpoints = os.path.join(run.out, "checkpoints")
     state = resume.load(engine, plan, run.seed) if plan is not None else None
@@ -182,9 +205,10 @@ def train(run: RunConfig, launcher: str) -> None:
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {run.world_size} processes from {launcher} "
         f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
-        f"{run.loss_normalization}, {len(data['train'].packed)} train samples", flush=True)
+        f"{run.loss_normalization}, {data['train'].description(run.sources)}", flush=True)
 
     metrics, totals, failure = {}, {}, None
+    logged_from = batches.consumed  # the first global sample of the logging interval
     while step < run.steps:
         steps.train(batches.next_step(), totals)
         step += 1
@@ -198,7 +222,10 @@ def train(run: RunConfig, launcher: str) -> None:
             scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
             say(monitor.train(step, steps.reduce(totals), engine.get_lr()[0],
                               engine.get_global_grad_norm(), scale, guard.total), flush=True)
-            totals = {}
+            if len(run.sources) > 1:
+                monitor.scalars(step, data["train"].shares(run.sources, logged_from,
+                                                           batches.consumed - logged_from))
+            totals, logged_from = {}, batches.consumed
         if step % run.intervals.eval == 0 or step == run.steps:
             metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
                                device)

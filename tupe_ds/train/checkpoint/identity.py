@@ -7,40 +7,46 @@ the attention kernels' layout) is not part of it: reshard.py carries a run acros
 """
 
 import dataclasses
-import hashlib
 import os
-from typing import List
+from typing import List, Sequence
 
+from tupe_ds.data.blend import Source, whole_shares
 from tupe_ds.data.packing import dataset_digest
+from tupe_ds.files import file_digest
 
 # ModelConfig fields that choose how the same model is computed or split, not what it is
 HOW_COMPUTED = ("tensor_parallel_size", "attention", "key_padding", "untied_as_columns",
                 "head_multiple", "fused_elementwise")
 
 
-def file_digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 # What a checkpoint written before a setting existed was made with
 BEFORE_RECORDED = {"loss_normalization": "micro-batch"}
 
 
-def run_identity(objective: str, model: str, models: tuple, data: str, index_cache: str,
+def run_identity(objective: str, model: str, models: tuple, sources: Sequence[Source],
                  seq_len: int, global_batch: int, masking, seed: int,
                  loss_normalization: str) -> dict:
     """The identity of a run: data (the sentence lengths and document boundaries of each split,
-    which define the packed samples; their digests kept in `index_cache`), vocabulary
+    which define the packed samples; their digests kept in each source's index cache; for a
+    blend, each source's with its samples per period of the blend's schedule), vocabulary
     (tokenizer.json), the sample stream's settings, the models and the objective, with its loss
     normalisation."""
+    def digests(source):
+        return {split: dataset_digest(os.path.join(source.folder, split), source.index_cache)
+                for split in ("train", "valid")}
+
+    if len(sources) == 1:
+        data = digests(sources[0])
+    else:
+        per_period = whole_shares([source.weight for source in sources])
+        data = {"blend": [{"per_period": int(count), **digests(source)}
+                          for source, count in zip(sources, per_period)]}
     return {
         "objective": objective, "model": model, "seed": seed, "seq_len": seq_len,
         "loss_normalization": loss_normalization,
         "global_batch": global_batch, "masking": dataclasses.asdict(masking),
-        "vocabulary": file_digest(os.path.join(data, "tokenizer.json")),
-        "data": {split: dataset_digest(os.path.join(data, split), index_cache)
-                 for split in ("train", "valid")},
+        "vocabulary": file_digest(os.path.join(sources[0].folder, "tokenizer.json")),
+        "data": data,
         "models": [{k: v for k, v in dataclasses.asdict(config).items() if k not in HOW_COMPUTED}
                    for config in models],
     }
