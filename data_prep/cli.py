@@ -56,16 +56,23 @@ def prep_parser() -> argparse.ArgumentParser:
                    help="skip (and count) malformed JSON lines and records without text")
     p.add_argument("--shard", type=shard, metavar="I/N",
                    help="process the I-th of N contiguous groups of input files (needs --tokenizer)")
+    p.add_argument("--dedup-against", nargs="+", default=(), metavar="DIR",
+                   help="folders of tupe-prep (other corpora): documents found in them, exact or "
+                        "near, are removed from this one")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
 def merge_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tupe-prep merge",
-                                description="Merge shard outputs, removing exact duplicates "
-                                            "across shards.")
+                                description="Merge shard outputs, removing duplicates across "
+                                            "shards: exact ones, and near ones where the shards "
+                                            "were prepared with --dedup minhash.")
     p.add_argument("shards", nargs="+", metavar="SHARD_DIR")
     p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--dedup-against", nargs="+", default=(), metavar="DIR",
+                   help="folders of tupe-prep (other corpora) whose documents are removed from "
+                        "the merge, exact or near")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -73,15 +80,42 @@ def merge_parser() -> argparse.ArgumentParser:
 def summary(manifest: dict) -> str:
     rows = [(key, manifest.get(key)) for key in (
         "documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
-        "near_duplicates_removed", "cross_shard_duplicates_removed", "invalid_utf8_lines",
+        "near_duplicates_removed", "cross_shard_exact_duplicates_removed",
+        "cross_shard_near_duplicates_removed", "cross_corpus_exact_duplicates_removed",
+        "cross_corpus_near_duplicates_removed", "invalid_utf8_lines",
         "bad_lines_skipped", "documents_out", "sentences", "tokens", "bytes_in", "vocab_size")
         if key in manifest]
     rows += [(f"{split} documents/tokens", f"{c['documents']:,} / {c['tokens']:,}")
              for split, c in manifest["splits"].items()]
     rows += [(f"seconds {stage}", value) for stage, value in manifest["seconds"].items()]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value:,}" if isinstance(value, int) else
-                     f"{name:<{width}}  {value}" for name, value in rows)
+    lines = [f"{name:<{width}}  {value:,}" if isinstance(value, int) else
+             f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines + source_table(manifest.get("sources", {})))
+
+
+SOURCE_COLUMNS = {"documents_in": "in", "empty_dropped": "empty", "short_dropped": "short",
+                  "exact_duplicates_removed": "exact dup", "near_duplicates_removed": "near dup",
+                  "cross_shard_exact_removed": "exact, shards", "cross_shard_near_removed":
+                  "near, shards", "cross_corpus_exact_removed": "exact, corpora",
+                  "cross_corpus_near_removed": "near, corpora", "documents_out": "out",
+                  "sentences": "sentences", "tokens": "tokens"}
+
+
+def source_table(sources: dict) -> list:
+    """Per source (an input of tupe-prep, a shard of merge): documents in, what went and why
+    (dropped empty or short, duplicates within the run, across shards, against other corpora),
+    documents, sentences and tokens out; columns a manifest does not have are left out."""
+    if not sources:
+        return []
+    columns = [c for c in SOURCE_COLUMNS if any(c in counts for counts in sources.values())]
+    header = ["source", *(SOURCE_COLUMNS[c] for c in columns)]
+    body = [[name, *(f"{counts.get(c, 0):,}" for c in columns)] for name, counts in
+            sources.items()]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    return ["", *("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                            for i, (cell, w) in enumerate(zip(row, widths)))
+                  for row in [header, *body])]
 
 
 def main(argv=None) -> int:
@@ -89,10 +123,12 @@ def main(argv=None) -> int:
     try:
         if argv[:1] == ["merge"]:
             args = merge_parser().parse_args(argv[1:])
-            manifest = merge(args.shards, args.output, quiet=args.quiet)
+            manifest = merge(args.shards, args.output, quiet=args.quiet,
+                             dedup_against=args.dedup_against)
             output = args.output
         else:
             args = vars(prep_parser().parse_args(argv))
+            args["dedup_against"] = tuple(args["dedup_against"])
             manifest = prepare(PrepConfig(**args))
             output = args["output"]
     except (InputError, ValueError) as error:

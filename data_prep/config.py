@@ -30,6 +30,7 @@ class PrepConfig:
     spacy_model: str = ""
     skip_bad_lines: bool = False
     shard: Optional[Tuple[int, int]] = None
+    dedup_against: Tuple[str, ...] = ()
     quiet: bool = False
 
     def validate(self) -> None:
@@ -57,6 +58,13 @@ class PrepConfig:
                      "(train it first with a run on a sample of the corpus)")
         if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
             fail("--tokenizer", f"{self.tokenizer}: no such file")
+        if self.dedup_against and self.dedup != "minhash":
+            fail("--dedup-against", f"needs --dedup minhash (the signatures it compares), not "
+                 f"{self.dedup}")
+        for folder in self.dedup_against:
+            if not os.path.exists(os.path.join(folder, "manifest.json")):
+                fail("--dedup-against", f"{folder}: no manifest.json; name folders written by "
+                     "tupe-prep")
 
     def shard_files(self, files: List[str]) -> List[str]:
         """The I-th of N contiguous groups of input files (so merged shards keep input order)."""

@@ -7,6 +7,8 @@ import re
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from data_prep.across import LSH_WEIGHTS
+
 WORD = re.compile(r"\w+")
 SCHEME = "affine32"  # named, so that signatures made in workers can be rebuilt here
 
@@ -49,7 +51,7 @@ class Deduplicator:
         self.threshold = threshold
         self.seen = set()
         self.signatures = {}  # LSH key -> signature (uint32: affine32 values fit)
-        self.lsh = (MinHashLSH(threshold=threshold, num_perm=num_perm, weights=(0.2, 0.8))
+        self.lsh = (MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS)
                     if mode == "minhash" else None)
         self.exact_removed = 0
         self.near_removed = 0

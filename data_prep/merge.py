@@ -1,38 +1,33 @@
-"""tupe-prep merge: shard outputs -> one dataset, with exact de-duplication across shards.
+"""tupe-prep merge: shard outputs -> one dataset, de-duplicated across the shards (exact and, when
+the shards were prepared with --dedup minhash, near duplicates: data_prep/across.py) and, with
+--dedup-against, against corpora already prepared. A document stays in the first place it
+appears: the corpora de-duplicated against first, then the shards in the order given.
 
-Shards are appended in the order given with megatron-core's IndexedDatasetBuilder.add_index;
-a shard holding a document already seen in an earlier shard is copied document by document
-without it instead.
+A shard that loses nothing is appended with megatron-core's IndexedDatasetBuilder.add_index; one
+that loses documents is copied document by document without them. `filter_against` does the
+same to one run's own output (tupe-prep --dedup-against).
 """
 
-import json
 import os
 import shutil
 import time
-from typing import List
+from typing import List, Sequence
 
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from data_prep.output import SPLITS, publish, work_folder
+from data_prep import across
+from data_prep.output import SPLITS, publish, read_manifest, work_folder
 from tupe_ds.files import file_digest
 
 SUMMED = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
           "near_duplicates_removed", "invalid_utf8_lines", "bad_lines_skipped", "bytes_in")
 
 
-def read_manifest(shard: str) -> dict:
-    path = os.path.join(shard, "manifest.json")
-    if not os.path.exists(path):
-        raise ValueError(f"{shard}: no manifest.json, so the shard is missing or unfinished; "
-                         "re-run its tupe-prep --shard command")
-    with open(path) as f:
-        return json.load(f)
-
-
-def merge(shards: List[str], output: str, quiet: bool = False) -> dict:
+def merge(shards: List[str], output: str, quiet: bool = False,
+          dedup_against: Sequence[str] = ()) -> dict:
     if not shards:
         raise ValueError("merge: name at least one shard folder")
     manifests = [read_manifest(shard) for shard in shards]
@@ -43,63 +38,168 @@ def merge(shards: List[str], output: str, quiet: bool = False) -> dict:
     dtypes = {m["dtype"] for m in manifests}
     if len(dtypes) != 1:
         raise ValueError(f"merge: the shards have different token dtypes {sorted(dtypes)}")
+    near = near_settings(shards, manifests, dedup_against)
     started = time.perf_counter()
     with work_folder(output) as work:
-        return _merge(shards, manifests, output, work, started, quiet)
-
-
-def _merge(shards, manifests, output, work, started, quiet) -> dict:
-    shutil.copyfile(os.path.join(shards[0], "tokenizer.json"), os.path.join(work, "tokenizer.json"))
-
-    removed = 0
-    split_counts = {}
-    for split in SPLITS:
-        builder = IndexedDatasetBuilder(os.path.join(work, f"{split}.bin"),
-                                        dtype=np.dtype(manifests[0]["dtype"]).type)
-        seen, kept_keys = set(), []
-        counts = {"documents": 0, "sentences": 0, "tokens": 0}
-        for shard in tqdm(shards, desc=f"merge {split}", unit=" shards", disable=quiet):
-            prefix = os.path.join(shard, split)
-            keys = np.load(f"{prefix}.keys.npy")
-            if len(keys) == 0:  # an empty .bin cannot be memory-mapped
-                continue
-            duplicate = np.array([int(k) in seen for k in keys], dtype=bool)
-            seen.update(int(k) for k in keys)
-            dataset = IndexedDataset(prefix)
-            documents = dataset.document_indices
-            lengths = dataset.sequence_lengths
-            if not duplicate.any():
-                builder.add_index(prefix)
-                kept = np.arange(len(keys))
-            else:
-                kept = np.flatnonzero(~duplicate)
-                for doc in kept:
-                    first, last = documents[doc], documents[doc + 1]
-                    tokens = np.concatenate([dataset[i] for i in range(first, last)])
-                    builder.add_document(torch.from_numpy(tokens.astype(np.int64)),
-                                         lengths[first:last].tolist())
-            removed += int(duplicate.sum())
-            kept_keys.extend(keys[kept].tolist())
-            counts["documents"] += len(kept)
-            for doc in kept:
-                counts["sentences"] += int(documents[doc + 1] - documents[doc])
-                counts["tokens"] += int(lengths[documents[doc]:documents[doc + 1]].sum())
-        builder.finalize(os.path.join(work, f"{split}.idx"))
-        np.save(os.path.join(work, f"{split}.keys.npy"), np.array(kept_keys, dtype=np.uint64))
-        split_counts[split] = counts
-
-    manifest = {key: sum(m[key] for m in manifests) for key in SUMMED}
-    manifest.update(
-        shards=shards,
-        cross_shard_duplicates_removed=removed,
-        documents_out=sum(c["documents"] for c in split_counts.values()),
-        sentences=sum(c["sentences"] for c in split_counts.values()),
-        tokens=sum(c["tokens"] for c in split_counts.values()),
-        splits=split_counts,
-        vocab_size=manifests[0]["vocab_size"],
-        dtype=manifests[0]["dtype"],
-        seconds={"merge": round(time.perf_counter() - started, 3)},
-    )
-    manifest["exact_duplicates_removed"] += removed
-    publish(work, output, manifest)
+        shutil.copyfile(os.path.join(shards[0], "tokenizer.json"),
+                        os.path.join(work, "tokenizer.json"))
+        kept, split_counts = write_deduplicated(
+            shards, work, np.dtype(manifests[0]["dtype"]), dedup_against, near, quiet)
+        manifest = {key: sum(m[key] for m in manifests) for key in SUMMED}
+        manifest.update(shards=shards, splits=split_counts, vocab_size=manifests[0]["vocab_size"],
+                        dtype=manifests[0]["dtype"],
+                        seconds={"merge": round(time.perf_counter() - started, 3)})
+        manifest.update(across_counts(kept, split_counts, dedup_against, near))
+        for kind in ("exact", "near"):
+            manifest[f"{kind}_duplicates_removed"] += sum(
+                manifest[f"cross_{by}_{kind}_duplicates_removed"] for by in ("shard", "corpus"))
+        publish(work, output, manifest)
     return manifest
+
+
+def near_settings(folders: Sequence[str], manifests: List[dict], against: Sequence[str]):
+    """(threshold, num_perm) when every folder was prepared with --dedup minhash at one setting
+    (then near duplicates are removed across them), else None (exact ones only)."""
+    configs = [m.get("config", {}) for m in manifests]
+    if any(c.get("dedup") != "minhash" for c in configs):
+        if against:
+            raise ValueError("--dedup-against needs folders prepared with --dedup minhash "
+                             f"(here: {', '.join(sorted({c.get('dedup', '?') for c in configs}))})")
+        return None
+    settings = {(c["jaccard_threshold"], c["num_perm"]) for c in configs}
+    if len(settings) != 1:
+        raise ValueError(f"merge: the shards were prepared with different --jaccard-threshold / "
+                         f"num_perm {sorted(settings)}; near duplicates across them need one")
+    return settings.pop()
+
+
+def parts_of(shards: Sequence[str], against: Sequence[str], near) -> List[across.Part]:
+    """Every split of the corpora de-duplicated against, then of the shards, in order."""
+    parts = [across.Part(os.path.join(folder, split), fixed=True)
+             for folder in against for split in SPLITS]
+    parts += [across.Part(os.path.join(shard, split)) for shard in shards for split in SPLITS]
+    for part in parts:
+        if not os.path.exists(f"{part.prefix}.keys.npy"):
+            raise ValueError(f"{part.prefix}.keys.npy: missing; name folders written by tupe-prep")
+    if near is not None:
+        threshold, num_perm = near
+        across.check_near_files(parts, num_perm, across.lsh_shape(threshold, num_perm)[0])
+    return parts
+
+
+def write_deduplicated(folders, work, dtype, against, near, quiet):
+    """The documents of `folders` (shards, in order) less those found again, into
+    work/SPLIT.*: (per part of `folders`: (part, what it lost, its counts kept)), each split's
+    counts)."""
+    parts = parts_of(folders, against, near)
+    threshold = near[0] if near is not None else 0.0
+    removed = across.duplicates(parts, threshold, near=near is not None)
+    mine = [(part, gone) for part, gone in zip(parts, removed) if not part.fixed]
+    kept, split_counts = [], {}
+    for split in SPLITS:
+        chosen = [(part, gone) for part, gone in mine if part.prefix.endswith(os.sep + split)]
+        counts = write_kept([(part.prefix, ~gone.any) for part, gone in chosen],
+                            os.path.join(work, split), dtype, near is not None, quiet)
+        kept += [(part, gone, count) for (part, gone), count in zip(chosen, counts)]
+        split_counts[split] = {key: sum(count[key] for count in counts)
+                               for key in ("documents", "sentences", "tokens")}
+    return kept, split_counts
+
+
+def write_kept(sources, prefix: str, dtype, signatures: bool, quiet: bool) -> list:
+    """The documents of each (source prefix, kept mask), in order, as one indexed dataset at
+    `prefix` with its .keys.npy (and .minhash.npy, .bands.npy); returns each source's counts
+    of what it gave (documents, sentences, tokens)."""
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype.type)
+    keys, kept_rows, counts = [], [], []
+    for source, kept in tqdm(sources, desc=f"merge {os.path.basename(prefix)}", unit=" parts",
+                             disable=quiet):
+        keys.append(np.load(f"{source}.keys.npy")[kept])
+        kept_rows.append(np.flatnonzero(kept))
+        counts.append({"documents": int(kept.sum()), "sentences": 0, "tokens": 0})
+        if not kept.any():
+            continue
+        dataset = IndexedDataset(source)
+        documents, lengths = dataset.document_indices, dataset.sequence_lengths
+        if kept.all():
+            builder.add_index(source)
+        else:
+            for doc in np.flatnonzero(kept):
+                first, last = documents[doc], documents[doc + 1]
+                tokens = np.concatenate([dataset[i] for i in range(first, last)])
+                builder.add_document(torch.from_numpy(tokens.astype(np.int64)),
+                                     lengths[first:last].tolist())
+        starts, ends = documents[:-1][kept], documents[1:][kept]
+        counts[-1]["sentences"] = int((ends - starts).sum())
+        counts[-1]["tokens"] = int(sum(int(lengths[a:b].sum()) for a, b in zip(starts, ends)))
+    builder.finalize(f"{prefix}.idx")
+    np.save(f"{prefix}.keys.npy", np.concatenate(keys).astype(np.uint64) if keys
+            else np.zeros(0, np.uint64))
+    if signatures:
+        write_kept_signatures(sources, kept_rows, prefix)
+    return counts
+
+
+def filter_against(work: str, against: Sequence[str], near, dtype, quiet: bool) -> tuple:
+    """One run's output in `work` less the documents found in the corpora `against` (tupe-prep
+    --dedup-against): (the counts of across_counts but per folder, split -> what it lost)."""
+    staged = os.path.join(work, "against")
+    os.makedirs(staged)
+    kept, split_counts = write_deduplicated([work], staged, dtype, against, near, quiet)
+    for name in os.listdir(staged):
+        os.replace(os.path.join(staged, name), os.path.join(work, name))
+    os.rmdir(staged)
+    counts = across_counts(kept, split_counts, against, near)
+    for name in ("sources", "documents_out", "sentences", "tokens"):
+        counts.pop(name)  # the run counts its own
+    return counts, {os.path.basename(part.prefix): gone for part, gone, _ in kept}
+
+
+def write_kept_signatures(sources, kept_rows, prefix: str, chunk: int = 1 << 16) -> None:
+    """PREFIX.minhash.npy and .bands.npy: the kept rows of each source's, streamed."""
+    total = sum(len(rows) for rows in kept_rows)
+    num_perm = np.load(f"{sources[0][0]}.{across.SIGNATURES}", mmap_mode="r").shape[1]
+    bands = np.load(f"{sources[0][0]}.{across.BANDS}", mmap_mode="r").shape[0]
+    signatures = np.lib.format.open_memmap(f"{prefix}.{across.SIGNATURES}", mode="w+",
+                                           dtype=np.uint32, shape=(total, num_perm))
+    band_keys = np.lib.format.open_memmap(f"{prefix}.{across.BANDS}", mode="w+",
+                                          dtype=np.uint64, shape=(bands, total))
+    at = 0
+    for (source, _), rows in zip(sources, kept_rows):
+        theirs = np.load(f"{source}.{across.SIGNATURES}", mmap_mode="r")
+        their_bands = np.load(f"{source}.{across.BANDS}", mmap_mode="r")
+        for start in range(0, len(rows), chunk):
+            block = rows[start:start + chunk]
+            signatures[at:at + len(block)] = theirs[block]
+            band_keys[:, at:at + len(block)] = np.asarray(their_bands)[:, block]
+            at += len(block)
+    signatures.flush()
+    band_keys.flush()
+
+
+def across_counts(kept, split_counts, against, near) -> dict:
+    """The manifest's counts of what the de-duplication across folders removed: in total, and
+    per folder (its documents in, what it lost as exact or near duplicates of an earlier
+    folder's, by a shard or by another corpus, and what it gave: documents, sentences, tokens)."""
+    per_folder = {}
+    for part, gone, given in kept:
+        counts = per_folder.setdefault(os.path.dirname(part.prefix), {
+            "documents_in": 0, "cross_shard_exact_removed": 0, "cross_shard_near_removed": 0,
+            "cross_corpus_exact_removed": 0, "cross_corpus_near_removed": 0,
+            "documents_out": 0, "sentences": 0, "tokens": 0})
+        by_corpus = {"exact": gone.exact_by_fixed, "near": gone.near_by_fixed}
+        for kind, mask in (("exact", gone.exact), ("near", gone.near)):
+            counts[f"cross_corpus_{kind}_removed"] += by_corpus[kind]
+            counts[f"cross_shard_{kind}_removed"] += int(mask.sum()) - by_corpus[kind]
+        counts["documents_in"] += len(gone.exact)
+        counts["documents_out"] += given["documents"]
+        counts["sentences"] += given["sentences"]
+        counts["tokens"] += given["tokens"]
+    totals = {f"cross_{by}_{kind}_duplicates_removed": sum(
+        counts[f"cross_{by}_{kind}_removed"] for counts in per_folder.values())
+        for by in ("shard", "corpus") for kind in ("exact", "near")}
+    return {**totals, "near_duplicates_across": near is not None,
+            "dedup_against": list(against), "sources": per_folder,
+            "documents_out": sum(c["documents"] for c in split_counts.values()),
+            "sentences": sum(c["sentences"] for c in split_counts.values()),
+            "tokens": sum(c["tokens"] for c in split_counts.values())}

@@ -7,9 +7,19 @@ import shutil
 
 from tupe_ds.files import fresh_folder
 
-SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy}
+SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy,minhash.npy,bands.npy}
 WORK_DIR = ".tmp-prep"
 SPOOL = "documents.jsonl"  # prepare's kept documents, from pass 1 to pass 2: not published
+SIGNATURE_SPOOL = "signatures.spool"  # their MinHash signatures, likewise
+
+
+def read_manifest(folder: str) -> dict:
+    path = os.path.join(folder, "manifest.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{folder}: no manifest.json, so the folder is missing or unfinished; "
+                         "re-run its tupe-prep command")
+    with open(path) as f:
+        return json.load(f)
 
 
 def work_folder(output: str):
@@ -29,7 +39,8 @@ def publish(work: str, output: str, manifest: dict) -> None:
         os.remove(old_manifest)
     with open(os.path.join(work, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
-    names = sorted(n for n in os.listdir(work) if n not in (SPOOL, "manifest.json"))
+    names = sorted(n for n in os.listdir(work)
+                   if n not in (SPOOL, SIGNATURE_SPOOL, "manifest.json"))
     for name in names + ["manifest.json"]:
         os.replace(os.path.join(work, name), os.path.join(output, name))
     shutil.rmtree(work)

@@ -9,6 +9,7 @@ crash leaves no partial output and running the same command again does the work 
 start.
 """
 
+import collections
 import json
 import multiprocessing
 import os
@@ -24,12 +25,17 @@ from tqdm import tqdm
 from data_prep.clean import Cleaner
 from data_prep.config import PrepConfig
 from data_prep.dedup import Deduplicator, exact_key, minhash_signature
-from data_prep.output import SPLITS, SPOOL, publish, work_folder
+from data_prep.across import BANDS, SIGNATURES, band_keys, lsh_shape
+from data_prep.merge import filter_against
+from data_prep.output import SIGNATURE_SPOOL, SPLITS, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
 from data_prep.sentences import SentenceSplitter
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
 
 ENCODE_BATCH_DOCS = 256
+SOURCE_COUNTS = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
+                 "near_duplicates_removed", "cross_corpus_exact_removed",
+                 "cross_corpus_near_removed", "documents_out", "sentences", "tokens")
 
 
 # ---- pass 1: per-document work, in worker processes -------------------------------------------
@@ -97,30 +103,51 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     dedup = Deduplicator(config.dedup, config.jaccard_threshold, config.num_perm)
     counts = {"documents_in": 0, "empty_dropped": 0, "short_dropped": 0, "documents_out": 0,
               "sentences": 0}
+    source_of = {path: given for given in config.inputs for path in expand_inputs([given])}
+    per_source = {given: dict.fromkeys(SOURCE_COUNTS, 0) for given in config.inputs
+                  if any(source_of.get(path) == given for path in files)}
     spool_path = os.path.join(work, SPOOL)
+    signature_spool = os.path.join(work, SIGNATURE_SPOOL)
     pass_start = time.perf_counter()
 
     def kept_sentences():
         """Pass 1: spools the kept documents and yields their sentences, so that BPE training
         counts words while the workers clean and split."""
-        with open(spool_path, "w", encoding="utf-8") as spool:
-            texts = (document.text for document in reader.documents(files))
-            for result in tqdm(_map(config, texts), desc="clean, dedup, split", unit=" docs",
+        with open(spool_path, "w", encoding="utf-8") as spool, \
+                open(signature_spool, "wb") as signatures:
+            pending = collections.deque()  # the source of each text the workers have
+
+            def texts():
+                for path in files:
+                    for document in reader.documents([path]):
+                        pending.append(source_of[path])
+                        yield document.text
+
+            for result in tqdm(_map(config, texts()), desc="clean, dedup, split", unit=" docs",
                                disable=config.quiet):
+                source = pending.popleft()
                 counts["documents_in"] += 1
+                per_source[source]["documents_in"] += 1
                 for stage, value in result["seconds"].items():
                     seconds[stage] += value
                 if "drop" in result:
                     counts[f"{result['drop']}_dropped"] += 1
+                    per_source[source][f"{result['drop']}_dropped"] += 1
                     continue
                 start = time.perf_counter()
+                exact_before = dedup.exact_removed
                 kept = dedup.keep(result["key"], result["signature"])
                 seconds["dedup"] += time.perf_counter() - start
+                if not kept:
+                    kind = "exact" if dedup.exact_removed > exact_before else "near"
+                    per_source[source][f"{kind}_duplicates_removed"] += 1
                 if kept:
                     counts["documents_out"] += 1
                     counts["sentences"] += len(result["sentences"])
-                    spool.write(json.dumps({"key": result["key"],
+                    spool.write(json.dumps({"key": result["key"], "source": source,
                                             "sentences": result["sentences"]}) + "\n")
+                    if result["signature"] is not None:
+                        signatures.write(np.asarray(result["signature"], np.uint32).tobytes())
                     yield from result["sentences"]
         seconds["read_clean_dedup_split_wall"] = time.perf_counter() - pass_start
 
@@ -140,8 +167,8 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
 
     def spooled():
         with open(spool_path, encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)
+            for row, line in enumerate(f):
+                yield {**json.loads(line), "row": row}
 
     tokenizer.save(os.path.join(work, "tokenizer.json"))
 
@@ -151,30 +178,45 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     builders = {split: IndexedDatasetBuilder(os.path.join(work, f"{split}.bin"), dtype=dtype)
                 for split in SPLITS}
     keys = {split: [] for split in SPLITS}
-    split_counts = {split: {"documents": 0, "sentences": 0, "tokens": 0} for split in SPLITS}
+    rows = {split: [] for split in SPLITS}  # each split's documents' places in the spool
+    written = {split: [] for split in SPLITS}  # each split's documents' (source, sentences, tokens)
     progress = tqdm(total=counts["documents_out"], desc="encode", unit=" docs",
                     disable=config.quiet)
     batch = []
     for document in spooled():
         batch.append(document)
         if len(batch) == ENCODE_BATCH_DOCS:
-            _encode(batch, tokenizer, config, builders, keys, split_counts)
+            _encode(batch, tokenizer, config, builders, keys, rows, written)
             progress.update(len(batch))
             batch = []
-    _encode(batch, tokenizer, config, builders, keys, split_counts)
+    _encode(batch, tokenizer, config, builders, keys, rows, written)
     progress.update(len(batch))
     progress.close()
     for split in SPLITS:
         builders[split].finalize(os.path.join(work, f"{split}.idx"))
         np.save(os.path.join(work, f"{split}.keys.npy"), np.array(keys[split], dtype=np.uint64))
+    if config.dedup == "minhash":
+        write_signatures(work, signature_spool, rows, config)
     seconds["encode_write"] = time.perf_counter() - start
+    against, removed = {}, {}
+    if config.dedup_against:
+        start = time.perf_counter()
+        against, removed = filter_against(work, config.dedup_against,
+                                          (config.jaccard_threshold, config.num_perm),
+                                          np.dtype(dtype), config.quiet)
+        seconds["dedup_against"] = time.perf_counter() - start
+    split_counts = count_written(written, per_source, removed)
+    counts["documents_out"] = sum(c["documents"] for c in split_counts.values())
+    counts["sentences"] = sum(c["sentences"] for c in split_counts.values())
     seconds["total"] = time.perf_counter() - started
 
     manifest.update(
         counts,
         bytes_in=reader.stats.bytes_in,
-        exact_duplicates_removed=dedup.exact_removed,
-        near_duplicates_removed=dedup.near_removed,
+        exact_duplicates_removed=dedup.exact_removed + against.get(
+            "cross_corpus_exact_duplicates_removed", 0),
+        near_duplicates_removed=dedup.near_removed + against.get(
+            "cross_corpus_near_duplicates_removed", 0),
         invalid_utf8_lines=reader.stats.invalid_utf8_lines,
         invalid_utf8_examples=reader.stats.invalid_utf8_examples,
         bad_lines_skipped=reader.stats.bad_lines_skipped,
@@ -184,12 +226,32 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
         vocab_size=vocab,
         dtype=np.dtype(dtype).name,
         seconds={k: round(v, 3) for k, v in seconds.items()},
+        sources=per_source,
+        **against,
     )
     publish(work, config.output, manifest)
     return manifest
 
 
-def _encode(batch, tokenizer, config, builders, keys, split_counts) -> None:
+def write_signatures(work: str, spool: str, rows: dict, config: PrepConfig,
+                     chunk: int = 1 << 16) -> None:
+    """SPLIT.minhash.npy and SPLIT.bands.npy of each split's documents (data_prep/across.py),
+    from the spool of every kept document's signature, chunk by chunk."""
+    spooled = np.memmap(spool, dtype=np.uint32, mode="r").reshape(-1, config.num_perm)
+    bands, band_rows = lsh_shape(config.jaccard_threshold, config.num_perm)
+    for split in SPLITS:
+        order = np.array(rows[split], dtype=np.int64)
+        path = os.path.join(work, f"{split}.{SIGNATURES}")
+        signatures = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint32,
+                                               shape=(len(order), config.num_perm))
+        for start in range(0, len(order), chunk):
+            signatures[start:start + chunk] = spooled[order[start:start + chunk]]
+        signatures.flush()
+        np.save(os.path.join(work, f"{split}.{BANDS}"), band_keys(signatures, bands, band_rows))
+        del signatures
+
+
+def _encode(batch, tokenizer, config, builders, keys, rows, written) -> None:
     sentences = [s for document in batch for s in document["sentences"]]
     encoded = iter(tokenizer.encode_batch(sentences, add_special_tokens=False))
     for document in batch:
@@ -198,7 +260,26 @@ def _encode(batch, tokenizer, config, builders, keys, split_counts) -> None:
         # the document's token ids (made a numpy array there) and its sentence lengths
         builders[split].add_document([t for s in ids for t in s], [len(s) for s in ids])
         keys[split].append(document["key"])
-        counts = split_counts[split]
-        counts["documents"] += 1
-        counts["sentences"] += len(ids)
-        counts["tokens"] += sum(len(s) for s in ids)
+        rows[split].append(document["row"])
+        written[split].append((document["source"], len(ids), sum(len(s) for s in ids)))
+
+
+def count_written(written: dict, per_source: dict, removed: dict) -> dict:
+    """Each split's counts (documents, sentences, tokens) of the documents written and not
+    `removed` (split -> what --dedup-against took, or nothing), added to each source's counts
+    with what it lost to other corpora."""
+    split_counts = {}
+    for split, documents in written.items():
+        gone = removed.get(split)
+        totals = {"documents": 0, "sentences": 0, "tokens": 0}
+        for row, (source, sentences, tokens) in enumerate(documents):
+            counts = per_source[source]
+            if gone is not None and gone.any[row]:
+                counts["cross_corpus_exact_removed" if gone.exact[row]
+                       else "cross_corpus_near_removed"] += 1
+                continue
+            for name, value in (("documents", 1), ("sentences", sentences), ("tokens", tokens)):
+                totals[name] += value
+                counts["documents_out" if name == "documents" else name] += value
+        split_counts[split] = totals
+    return split_counts

@@ -31,6 +31,14 @@ def unique_document(rng, words=60):
     return " ".join(sentences)
 
 
+def near_copy(text):
+    """Two words of 200 changed: a Jaccard similarity of 5-word shingles of about 0.9."""
+    words = text.split()
+    for position in (50, 150):
+        words[position] = "changed"
+    return " ".join(words)
+
+
 def write_txt(path, documents):
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n\n".join(documents) + "\n")
@@ -83,12 +91,7 @@ def test_round_trip_and_manifest_counts(tmp_path):
 def test_exact_and_near_duplicates_are_removed_and_nothing_unique(tmp_path):
     rng = random.Random(0)
     originals = [unique_document(rng, words=200) for _ in range(30)]
-    near = []
-    for text in originals[:5]:  # a few words changed: Jaccard of 5-word shingles about 0.9
-        words = text.split()
-        for position in (50, 150):
-            words[position] = "changed"
-        near.append(" ".join(words))
+    near = [near_copy(text) for text in originals[:5]]
     exact = [originals[7], originals[9], originals[7]]
     source = write_txt(tmp_path / "in.txt", originals + near + exact)
     manifest = run([source], tmp_path / "out", dedup="minhash")
@@ -212,7 +215,8 @@ def test_shards_merged_equal_one_run_with_the_same_tokenizer(tmp_path):
         run(files, tmp_path / f"shard{index}", shard=(index, 2), **options)
     merged = merge([str(tmp_path / "shard0"), str(tmp_path / "shard1")], str(tmp_path / "merged"),
                    quiet=True)
-    assert merged["cross_shard_duplicates_removed"] == 1
+    assert merged["cross_shard_exact_duplicates_removed"] == 1
+    assert merged["near_duplicates_across"] is False  # exact shards: no signatures
     for key in ("documents_out", "sentences", "tokens", "exact_duplicates_removed", "splits"):
         assert merged[key] == single[key], key
     for split in ("train", "valid"):
@@ -239,3 +243,79 @@ def test_configuration_errors_name_the_option(tmp_path, capsys):
     ]:
         assert main(["--input", source, "--output", str(tmp_path / "out"), *argv]) == 2
         assert words in capsys.readouterr().err
+
+
+def kept_texts(folder):
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    return [" ".join(doc) for split in ("train", "valid")
+            for doc in documents_of(os.path.join(folder, split), tokenizer)]
+
+
+def test_near_duplicates_across_shards_and_corpora_go_the_first_copy_stays(tmp_path):
+    """Shard 1 holds near-copies of 3 of shard 0's documents, and another corpus near-copies of
+    3 more and an exact copy: the merge removes the first 3 from whichever shard comes later,
+    --dedup-against removes the other corpus's 4 (from a run or a merge), and no unrelated
+    document goes."""
+    rng = random.Random(7)
+    originals = [unique_document(rng, words=200) for _ in range(40)]
+    clean = Cleaner().normalize
+    files = [write_txt(tmp_path / "part0.txt", originals[:20]),
+             write_txt(tmp_path / "part1.txt",
+                       originals[20:] + [near_copy(t) for t in originals[:3]])]
+    run(files, tmp_path / "tok", dedup="exact")
+    options = dict(valid_fraction=0.2, tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
+    shards = [str(tmp_path / f"shard{i}") for i in range(2)]
+    for index, shard in enumerate(shards):
+        assert run(files, shard, shard=(index, 2), **options)["near_duplicates_removed"] == 0
+    merged = merge(shards, str(tmp_path / "merged"), quiet=True)
+    assert (merged["cross_shard_exact_duplicates_removed"],
+            merged["cross_shard_near_duplicates_removed"]) == (0, 3)
+    assert merged["near_duplicates_across"] and merged["documents_out"] == 40
+    assert merged["sources"][shards[1]]["cross_shard_near_removed"] == 3
+    assert sorted(kept_texts(tmp_path / "merged")) == sorted(clean(t) for t in originals)
+    backwards = merge(shards[::-1], str(tmp_path / "backwards"), quiet=True)
+    assert backwards["sources"][shards[0]]["cross_shard_near_removed"] == 3  # now the later one
+    assert set(map(clean, originals[:3])).isdisjoint(kept_texts(tmp_path / "backwards"))
+
+    others = [unique_document(rng, words=200) for _ in range(10)]
+    other = write_txt(tmp_path / "other.txt", others + [near_copy(t) for t in originals[3:6]]
+                      + [originals[10]])
+    against = run([other], tmp_path / "other", dedup_against=(str(tmp_path / "merged"),),
+                  **options)
+    assert (against["cross_corpus_exact_duplicates_removed"],
+            against["cross_corpus_near_duplicates_removed"]) == (1, 3)
+    assert against["documents_out"] == 10
+    assert sorted(kept_texts(tmp_path / "other")) == sorted(clean(t) for t in others)
+    assert against["splits"]["train"]["documents"] + against["splits"]["valid"][
+        "documents"] == 10
+    run([other], tmp_path / "other-all", **options)
+    again = merge(shards, str(tmp_path / "merged-against"), quiet=True,
+                  dedup_against=[str(tmp_path / "other-all")])
+    # the other corpus comes first now: shard 0 loses originals 3-5 (near) and 10 (exact)
+    assert (again["cross_corpus_exact_duplicates_removed"],
+            again["cross_corpus_near_duplicates_removed"]) == (1, 3)
+    assert again["cross_shard_near_duplicates_removed"] == 3 and again["documents_out"] == 36
+
+
+def test_two_novels_share_no_near_duplicate(data, tmp_path):
+    """False positives on text with none planted: another novel de-duplicated against the first
+    (thousands of paragraphs each) loses nothing."""
+    other = run([os.path.join(SAMPLE, "northangerabbey.txt.gz")], tmp_path / "other",
+                dedup_against=(data,), tokenizer=os.path.join(data, "tokenizer.json"))
+    assert other["documents_out"] > 500
+    assert (other["cross_corpus_exact_duplicates_removed"],
+            other["cross_corpus_near_duplicates_removed"]) == (0, 0)
+
+
+def test_band_keys_are_the_within_run_lsh_bands():
+    from data_prep.across import band_keys, lsh_shape
+    from data_prep.dedup import Deduplicator
+
+    bands, rows = lsh_shape(0.8, 128)
+    lsh = Deduplicator("minhash", 0.8, 128).lsh
+    assert (bands, rows) == (lsh.b, lsh.r) and bands * rows <= 128
+    signatures = np.random.default_rng(0).integers(0, 2**32, size=(2, 128), dtype=np.uint32)
+    signatures[1] = signatures[0]
+    signatures[1, 3 * rows + 2] += 1  # one value of band 3 differs
+    keys = band_keys(signatures, bands, rows, chunk=1)
+    assert (keys[:, 0] == keys[:, 1]).tolist() == [band != 3 for band in range(bands)]

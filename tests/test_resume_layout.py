@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 
 from test_pretrain import log, train

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from slurm_cluster import SlurmCluster, install_packages
 from test_compare import write_glue
-from test_data_prep import run as prep, unique_document, write_txt
+from test_data_prep import near_copy, run as prep, unique_document, write_txt
 from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log
 from tupe_ds import launch
 
@@ -141,27 +141,39 @@ def test_two_phase_chain_starts_phase_2_from_phase_1_once_it_succeeded(cluster, 
     assert cluster.job(phase1)["EndTime"] <= job["StartTime"]
 
 
-def test_prep_array_job_and_merge_equal_one_tupe_prep_run(cluster, tmp_path):
+def test_prep_arrays_of_two_sources_equal_one_run_and_the_second_loses_the_firsts_texts(
+        cluster, tmp_path):
+    """submit_prep.sh with sources a and b, 2 shards each: a's merge equals one tupe-prep run;
+    b's merge, after a's, removes b's near-copies of 2 of a's documents."""
     rng = random.Random(5)
-    files = [write_txt(tmp_path / f"part{i}.txt", [unique_document(rng) for _ in range(6)])
-             for i in range(3)]
-    prep(files, tmp_path / "tok", dedup="exact")
+    first = [unique_document(rng, words=200) for _ in range(12)]
+    second = [unique_document(rng, words=200) for _ in range(8)] + [near_copy(first[1]),
+                                                                     near_copy(first[8])]
+    files = {name: [write_txt(tmp_path / f"{name}{i}.txt", texts[i * 6:(i + 1) * 6])
+                    for i in range(2)] for name, texts in (("a", first), ("b", second))}
+    prep(files["a"] + files["b"], tmp_path / "tok", dedup="exact")
     tokenizer = str(tmp_path / "tok" / "tokenizer.json")
-    prep(files, tmp_path / "single", dedup="exact", valid_fraction=0.01, tokenizer=tokenizer)
+    prep(files["a"], tmp_path / "single", valid_fraction=0.01, tokenizer=tokenizer)
     env = {**cluster.env, **environment(), "TUPE_PREP": f"{sys.executable} -m data_prep",
-           "TUPE_PREP_ARGS": "--dedup exact",
            "SUBMIT_ARGS": f"--cpus-per-task=1 --mem=1G --time=10 --chdir={tmp_path}"}
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "submit_prep.sh"), "2",
-                             str(tmp_path / "out"), tokenizer, *files],
+                             str(tmp_path / "out"), tokenizer,
+                             *(f"{name}={','.join(paths)}" for name, paths in files.items())],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    merge = result.stdout.split("merge: job ")[1].split()[0]
-    job = cluster.wait_until_done(merge)
-    assert job["JobState"] == "COMPLETED", cluster.logs()
-    merged = IndexedDataset(str(tmp_path / "out" / "merged" / "train"))
+    merges = [part.split()[0] for part in result.stdout.split("merge: job ")[1:]]
+    for merge in merges:
+        job = cluster.wait_until_done(merge)
+        assert job["JobState"] == "COMPLETED", cluster.logs()
+    merged = IndexedDataset(str(tmp_path / "out" / "a" / "merged" / "train"))
     one = IndexedDataset(str(tmp_path / "single" / "train"))
     assert (merged.sequence_lengths == one.sequence_lengths).all()
     assert all((merged[i] == one[i]).all() for i in range(len(one)))
+    with open(tmp_path / "out" / "b" / "merged" / "manifest.json") as f:
+        manifest = json.load(f)
+    assert manifest["dedup_against"] == [str(tmp_path / "out" / "a" / "merged")]
+    assert manifest["cross_corpus_near_duplicates_removed"] == 2
+    assert manifest["documents_out"] == 8
 
 
 def test_mpirun_trains_like_the_deepspeed_launcher(cluster, data, tmp_path):

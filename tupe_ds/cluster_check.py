@@ -6,7 +6,6 @@ Run it inside the allocation (in the batch script, or in `salloc`), with the job
 table of this node.
 """
 
-import os
 from typing import List, Optional
 
 from tupe_ds.extension_locks import SHARED_FILESYSTEMS, extensions_root, filesystem_type

@@ -17,8 +17,6 @@ a micro-batch with few counted tokens weighs more, and the objective changes wit
 Validation divides per token in both modes, over the same samples whatever the layout.
 """
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
