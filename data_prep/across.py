@@ -11,9 +11,9 @@ then the signatures' agreement checked against the threshold), over the whole co
 document of a later part is removed when it shares a band with a kept document of an earlier
 part whose signature agrees on `threshold` of its values. Instead of an LSH of inserted keys,
 each band is one sorted table over every document of the collection (12 bytes a document: key
-and number), so memory is 12 x bands bytes a document (144 with the default 12 bands: 1.4 GB at
-10M documents; bench/dedup_across.py) and signatures are read, memory-mapped, only for candidate
-pairs. No library does this over files of signatures: datatrove's and NeMo-Curator's pipelines
+and number), so memory is 12 x bands bytes a document (144 with the default 12 bands: 1.6 GB
+of allocations and 67 s at 10M documents, bench/README.md) and signatures are read,
+memory-mapped, only for candidate pairs. No library does this over files of signatures: datatrove's and NeMo-Curator's pipelines
 are for their own formats and runtimes, datasketch's LSH holds Python objects per key.
 """
 
@@ -141,8 +141,10 @@ def sharing_a_band(tables: list, bands: np.ndarray, documents: np.ndarray, befor
     pairs = []
     for band, (sorted_keys, order) in enumerate(tables):
         queries = np.asarray(bands[band])[documents]
-        low = np.searchsorted(sorted_keys, queries, side="left")
-        counts = np.searchsorted(sorted_keys, queries, side="right") - low
+        by_key = np.argsort(queries)  # sorted queries search in cache-friendly order
+        low, counts = np.empty_like(by_key), np.empty_like(by_key)
+        low[by_key] = np.searchsorted(sorted_keys, queries[by_key], side="left")
+        counts[by_key] = np.searchsorted(sorted_keys, queries[by_key], side="right") - low[by_key]
         document = np.repeat(documents, counts)
         at = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         candidate = order[np.repeat(low, counts) + at].astype(np.int64)
