@@ -159,6 +159,18 @@ def test_a_blend_of_folders_with_different_tokenizers_is_refused_naming_both(dat
               "--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "64"])
 
 
+def test_a_folder_with_an_empty_split_is_refused_before_work(data, tmp_path):
+    from tupe_ds.train.config import CPU_CONFIG, load
+
+    empty = tmp_path / "no-valid"
+    shutil.copytree(data, empty)
+    (empty / "valid.bin").write_bytes(b"")
+    with pytest.raises(SystemExit, match=rf"--data {empty}: its valid split holds no document; "
+                                         "prepare it again with more text or a --valid-fraction"):
+        load(["--data", "0.5", data, "0.5", str(empty), "--model", "tiny", "--ds-config",
+              CPU_CONFIG, "--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "64"])
+
+
 def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, tmp_path):
     """Two ranks, 6 steps of 16 samples on 0.75 / 0.25: valid/loss is the blend of the sources'
     validation losses, train/share/NAME the shares of each logged step's samples; resuming

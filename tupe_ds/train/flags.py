@@ -133,6 +133,11 @@ def data_sources(args: argparse.Namespace) -> list:
             if not os.path.exists(os.path.join(source.folder, name)):
                 fail(f"--data {source.folder}: no {name}; run tupe-prep --output "
                      f"{source.folder} first")
+        for split in ("train", "valid"):
+            if os.path.getsize(os.path.join(source.folder, f"{split}.bin")) == 0:
+                fail(f"--data {source.folder}: its {split} split holds no document; prepare it "
+                     "again with more text" + (" or a --valid-fraction above 0 (the default "
+                                               "is 0.01)" if split == "valid" else ""))
     first = sources[0]
     for source in sources[1:]:
         if file_digest(os.path.join(source.folder, "tokenizer.json")) != file_digest(
