@@ -147,6 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=os.path.join(ROOT, "build", "bench-gpu-all.json"))
     p.add_argument("--markdown", default=os.path.join(ROOT, "build", "bench-gpu-all.md"))
+    p.add_argument("--layers", type=int,
+                   help="the depth of the step-time models (default: the plan's, 24: "
+                        "BERT-Large's); fewer for a quick check of the whole run")
     p.add_argument("--budget-s", type=float, default=570,
                    help="the last part (the ZeRO sweep) runs only if its estimate fits in what "
                         "is left of this (default: a 10-minute device call, less margin)")
@@ -182,6 +185,8 @@ def main(argv=None) -> None:
     begun = time.perf_counter()
     kind = "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
     plan = PLANS[kind]
+    if paths.layers:
+        plan = {**plan, "gpu": [*plan["gpu"], "--layers", str(paths.layers)]}
     gpu_settings = gpu.parse_args(plan["gpu"])
     estimate = estimate_s(gpu_settings, kind)
     print(f"bench/gpu_all.py, {kind} plan: estimated {sum(estimate.values()) / 60:.1f} min "

@@ -287,16 +287,28 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
             "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), timeout)
 
     def stop(self) -> None:
-        for pid_file in reversed(self.pid_files):  # the slurmds, slurmctld, then munged
+        """SIGTERM to the Slurm daemons at once, then to munged once they are gone."""
+        munged, daemons = [], []
+        for pid_file in self.pid_files:
             try:
                 pid = int(pid_file.read_text().split()[0])
-                os.kill(pid, signal.SIGTERM)
-            except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+            except (FileNotFoundError, ValueError, IndexError):
                 continue
-            deadline = time.time() + 20
-            while time.time() < deadline:
+            (munged if pid_file.name == "munged.pid" else daemons).append(pid)
+        for group in (daemons, munged):
+            for pid in group:
                 try:
-                    os.kill(pid, 0)
+                    os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
-                    break
-                time.sleep(0.2)
+                    continue
+            deadline = time.time() + 20
+            while time.time() < deadline and any(running(pid) for pid in group):
+                time.sleep(0.1)
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

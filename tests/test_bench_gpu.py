@@ -16,6 +16,9 @@ PADDINGS = {"real": "real padding", "none": "no padding"}
 KEY_PADDINGS = ["auto", "mask", "column", "unpadded"]
 
 
+LAYERS = 12  # half the plan's 24 (BERT-Large's depth): deep enough for fewer ops than HF's
+
+
 def run_gpu_all(tmp_path) -> tuple:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
@@ -25,7 +28,8 @@ def run_gpu_all(tmp_path) -> tuple:
         env.pop(name, None)
     paths = tmp_path / "all.json", tmp_path / "all.md"
     result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_all.py"),
-                             "--json", str(paths[0]), "--markdown", str(paths[1])],
+                             "--json", str(paths[0]), "--markdown", str(paths[1]),
+                             "--layers", str(LAYERS)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert not os.path.exists(str(paths[0]) + ".tmp")
@@ -34,7 +38,7 @@ def run_gpu_all(tmp_path) -> tuple:
 
 def check_step_rows(gpu: dict) -> None:
     seqs = gpu["args"]["seqs"]
-    assert gpu["args"]["layers"] == 24 and gpu["args"]["padding"] == ["real", "none"]
+    assert gpu["args"]["layers"] == LAYERS and gpu["args"]["padding"] == ["real", "none"]
     rows = {(r["model"], r["seq"], r["padding"]): r for r in gpu["rows"]}
     assert set(rows) == {(model, seq, padding) for model in ["hf-bert", *ENCODINGS]
                          for seq in seqs for padding in PADDINGS}
@@ -60,7 +64,8 @@ def check_verdicts(report: dict, seqs: list) -> None:
             for encoding, target in (("tupe-a", 1.05), ("tupe-r", 1.15)):
                 assert verdicts[(f"{encoding} / bert-a step time", seq, padding)]["target"] \
                     == target
-            # Deterministic: at BERT-Large's depth our step runs fewer leaf operators than HF's.
+            # Deterministic: from 12 layers on (BERT-Large: 24) our step runs fewer leaf operators
+            # than HF's (at 4, tupe-r's positional work once per step weighs more: 1.03x)
             for encoding in ("bert-a", "tupe-r"):
                 ops = verdicts[(f"{encoding} / hf-bert ops per step", seq, padding)]
                 assert ops["target"] == 1.0 and ops["pass"] is True, ops
@@ -99,7 +104,7 @@ def check_attention(attention: dict) -> None:
 
 
 def test_bench_gpu_all_on_cpu(tmp_path):
-    # About 45 s on 2 idle cores: 18 rows of gpu.py at 24 layers, 33 attention candidates,
+    # 18 rows of gpu.py at LAYERS layers, 33 attention candidates,
     # the data stream of a tiny corpus (written once into build/bench-data-stream).
     report, markdown = run_gpu_all(tmp_path)
     assert set(report["elapsed_s"]) == {"gpu", "attention", "data_stream", "sweep"}
