@@ -102,10 +102,11 @@ def duplicates(parts: List[Part], threshold: float = 0.0, near: bool = True) -> 
     """What to remove from each part: exact duplicates of any earlier part's document, then
     (`near`) documents whose signature agrees on at least `threshold` of its values with a kept
     document of an earlier part that shares an LSH band with it. Fixed parts lose nothing."""
-    sizes = [len(part.keys()) for part in parts]
+    keys = [part.keys() for part in parts]
+    sizes = [len(part_keys) for part_keys in keys]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     fixed = np.repeat([part.fixed for part in parts], sizes)
-    first_copy = first_copies(np.concatenate([part.keys() for part in parts]))
+    first_copy = first_copies(np.concatenate(keys))
     result = []
     for part, first, size in zip(parts, offsets[:-1], sizes):
         copy = first_copy[first:first + size]

@@ -139,9 +139,9 @@ def data_sources(args: argparse.Namespace) -> list:
                      "again with more text" + (" or a --valid-fraction above 0 (the default "
                                                "is 0.01)" if split == "valid" else ""))
     first = sources[0]
+    vocabulary = file_digest(os.path.join(first.folder, "tokenizer.json"))
     for source in sources[1:]:
-        if file_digest(os.path.join(source.folder, "tokenizer.json")) != file_digest(
-                os.path.join(first.folder, "tokenizer.json")):
+        if file_digest(os.path.join(source.folder, "tokenizer.json")) != vocabulary:
             fail(f"--data: {first.folder}/tokenizer.json and {source.folder}/tokenizer.json "
                  "differ; a blend needs every folder prepared with one tokenizer (tupe-prep "
                  f"--tokenizer {first.folder}/tokenizer.json)")
