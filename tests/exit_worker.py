@@ -8,21 +8,10 @@ finalizes can abort the process after the work is done (tupe_ds.parallel.end_dis
 Prints "exit worker: rank R, exit code C, gloo threads left N" and fails when N > 0.
 """
 
-import glob
 import os
 import sys
 
-
-def gloo_threads() -> int:
-    """Threads of this process that belong to a live gloo process group."""
-    names = []
-    for comm in glob.glob("/proc/self/task/*/comm"):
-        try:
-            with open(comm) as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
+from tupe_ds.parallel import gloo_threads
 
 
 def main() -> int:
