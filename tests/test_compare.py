@@ -192,9 +192,11 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
     assert difference["difference"] == pytest.approx(table["scores"]["tupe-r"]["stsb"]["mean"]
                                                      - base["stsb"])
     assert difference["low"] <= difference["difference"] <= difference["high"]
-    assert difference["method"] == "bootstrap over 3 fine-tuning seeds"
+    assert difference["method"] == ("Welch t over 3 fine-tuning seeds of one pretraining seed "
+                                    "(fine-tuning noise only)")
     markdown = (out / "report.md").read_text()
     assert "GLUE average minus bert-a's: tupe-r" in markdown and "| bert-a | " in markdown
+    assert "| tupe-r, lr held out | " in markdown and "The rule: paired t" in markdown
     assert "Pretraining: bert-a's final validation loss" in markdown
 
     written = {path: path.stat().st_mtime_ns for path in (out / "finetune").glob("*/*.json")}

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -120,7 +121,18 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
     combined = json.loads((tmp_path / "out" / "results.json").read_text())["tasks"]
     assert set(combined) == {"sst2", "rte"}
     assert combined["sst2"]["dev"]["accuracy"] == summary["best_median"]["dev"]["accuracy"]
-    assert "sst2 dev (accuracy) | rte rte_dev (accuracy)" in (tmp_path / "out" / "results.md").read_text()
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert "sst2 dev (accuracy) | rte rte_dev (accuracy)" in results
+    def accuracy(configuration, seeds):
+        return statistics.median(configuration["seeds"][s]["dev"]["accuracy"] for s in seeds)
+
+    halves, by_hand = (("1", "3"), ("2",)), 0.0  # alternate seeds; each half chooses for the other
+    for choose, report in (halves, halves[::-1]):
+        chosen = max(grown["configurations"].values(), key=lambda c: accuracy(c, choose))
+        by_hand += accuracy(chosen, report) / 2
+    held_out = grown["held_out_median"]["dev"]["accuracy"]
+    assert held_out == pytest.approx(by_hand)
+    assert f"| held out (half the seeds) | {held_out:.4f} | - |" in results  # rte: one seed
 
 
 def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):

@@ -1,12 +1,14 @@
 """tupe_ds.compare.glue: Table 1 from made-up tupe-finetune summaries (TASK.json) — the scores
-(the paper's BERT-A row among them), the paired t intervals over pretraining seeds against a
-direct numpy computation, the bootstrap over fine-tuning seeds against a loop-by-loop one, and
-the sentences and markdown made from them."""
+(the paper's BERT-A row among them) and the held-out learning-rate choice, the paired t intervals
+over pretraining seeds against a direct numpy computation, the bootstrap over fine-tuning seeds
+against a loop-by-loop one, Welch's t against scipy's, the coverage of the intervals by
+simulation, and the sentences and markdown made from them."""
 
 import statistics
 
 import numpy as np
 import pytest
+import scipy.stats
 
 from tupe_ds.compare import glue
 from tupe_ds.finetune.tasks import TASKS
@@ -101,7 +103,8 @@ def test_paired_differences_over_pretraining_seeds(pretraining_seeds):
         assert found[name]["difference"] == pytest.approx(d.mean())
         assert [found[name]["low"], found[name]["high"]] == pytest.approx(
             [d.mean() - half, d.mean() + half])
-        assert f"paired over {pretraining_seeds} pretraining seeds" in found[name]["method"]
+        assert found[name]["method"] == (f"paired t over {pretraining_seeds} pretraining seeds "
+                                         "(pretraining and fine-tuning noise)")
         assert found[name]["contains_zero"] == (d.mean() - half <= 0 <= d.mean() + half)
 
 
@@ -151,7 +154,8 @@ def test_bootstrap_over_fine_tuning_seeds_matches_a_loop_by_loop_one():
         found = made["differences"]["tupe"][name]
         assert found["difference"] == pytest.approx(difference)
         assert [found["low"], found["high"]] == pytest.approx([low, high])
-        assert found["method"] == "bootstrap over 5 fine-tuning seeds"
+        assert found["method"] == ("bootstrap over 5 fine-tuning seeds of one pretraining seed "
+                                   "(fine-tuning noise only)")
         assert found["contains_zero"] == (low <= 0 <= high)
 
 
@@ -192,4 +196,114 @@ def test_headline_names_the_average_difference_and_its_interval():
     assert sentence.startswith("GLUE average minus bert-a's:")
     assert "tupe" in sentence and f"{average['difference']:+.2f}" in sentence
     assert f"{average['low']:+.2f}" in sentence and f"{average['high']:+.2f}" in sentence
-    assert "bootstrap over 5 fine-tuning seeds" in sentence
+    assert "bootstrap over 5 fine-tuning seeds of one pretraining seed" in sentence
+
+
+def test_one_fine_tuning_seed_on_either_side_gives_no_interval():
+    """The seed count is the fewer of the two sides' (it was the baseline's alone)."""
+    rng = np.random.default_rng(7)
+    tasks = ["rte"]
+    one, three = made_up(rng, tasks, seeds=1), made_up(rng, tasks, seeds=3)
+    for encoding, baseline in ((one, three), (three, one)):
+        made = one_seed_each(encoding, baseline, tasks)
+        assert made["differences"]["tupe"] == {"rte": None, "average": None}
+    five = made_up(rng, tasks, seeds=5)
+    found = one_seed_each(three, five, tasks)["differences"]["tupe"]["rte"]
+    assert found["method"] == ("Welch t over 3 to 5 fine-tuning seeds of one pretraining seed "
+                               "(fine-tuning noise only)")
+
+
+def test_welch_interval_below_five_fine_tuning_seeds_matches_scipy():
+    rng = np.random.default_rng(8)
+    tasks = ["mnli", "rte"]
+    encoding = made_up(rng, tasks, lrs=(1e-5, 2e-5), seeds=3)
+    baseline = made_up(rng, tasks, lrs=(1e-5, 2e-5, 3e-5), seeds=4)
+    found = one_seed_each(encoding, baseline, tasks)["differences"]["tupe"]
+    point = {c: column_scores(encoding)[c] - column_scores(baseline)[c] for c in found}
+
+    def chosen(summaries, task, dev_set):  # per seed, at the task's best learning rate
+        s = summaries[task]
+        return [100 * v[dev_set][s["metric"]] for v in s["configurations"][s["best"]]["seeds"]
+                .values()]
+
+    for task, dev_set, name in [("mnli", "m", "mnli-m"), ("mnli", "mm", "mnli-mm"),
+                                ("rte", "dev", "rte")]:
+        x, y = chosen(encoding, task, dev_set), chosen(baseline, task, dev_set)
+        low, high = scipy.stats.ttest_ind(x, y, equal_var=False).confidence_interval(0.95)
+        half = (high - low) / 2  # scipy's is around the difference of means, ours the scores'
+        assert found[name]["difference"] == pytest.approx(point[name])
+        assert [found[name]["low"], found[name]["high"]] == pytest.approx(
+            [point[name] - half, point[name] + half])
+        assert found[name]["method"].startswith("Welch t over 3 to 4 fine-tuning seeds")
+        assert found[name]["low"] > point[name] - 3 * half  # an interval, not the whole line
+    assert found["average"]["difference"] == pytest.approx(point["average"])
+    assert found["average"]["low"] < point["average"] < found["average"]["high"]
+
+
+def simulated(rng, tasks, seeds, lrs, shift, noise=0.02):
+    """{task: TASK.json} of fine-tunes scoring 0.80 + shift + N(0, noise) a seed, each learning
+    rate 0.01 below the one before (so the choice matters, as in a real grid)."""
+    return {task: summary(task, {1e-5 * (i + 1): (
+        0.80 - 0.01 * i + shift + rng.normal(0, noise, (seeds, len(dev_sets(task))))).tolist()
+        for i in range(lrs)}) for task in tasks}
+
+
+def coverage(seeds, lrs, shift, trials, rng, noise=0.02):
+    """{column: share of the trials whose 95% interval holds the true difference (100 x shift)}
+    between an encoding (shift, noise) and a baseline (0, 0.02)."""
+    tasks, held = ["rte", "mrpc"], {"rte": 0, "average": 0}
+    for _ in range(trials):
+        made = one_seed_each(simulated(rng, tasks, seeds, lrs, shift, noise),
+                             simulated(rng, tasks, seeds, lrs, 0.0), tasks)
+        for name in held:
+            found = made["differences"]["tupe"][name]
+            held[name] += found["low"] - 1e-9 <= 100 * shift <= found["high"] + 1e-9
+    return {name: count / trials for name, count in held.items()}
+
+
+# 95% less 2.5 points (600 trials' standard error is 0.9), and conservative up to 99.7%: the
+# bootstrap's learning-rate choice in every resample widens it (5x4's average: 99.2% in 1,500)
+COVERAGE_BAND = (0.925, 0.997)
+
+
+@pytest.mark.parametrize("seeds, lrs", [(2, 2), (3, 2), (5, 4)])  # 3x2: make compare's grid
+@pytest.mark.parametrize("shift, noise", [(0.0, 0.02), (0.03, 0.03)])
+def test_intervals_cover_the_true_difference_95_percent_of_the_time(seeds, lrs, shift, noise):
+    """No difference, and 3 points with noisier fine-tunes; 5x4: tupe-finetune's default grid
+    (the paper's)."""
+    rng = np.random.default_rng([seeds, lrs, int(100 * shift)])
+    found = coverage(seeds, lrs, shift, 600, rng, noise)
+    assert all(COVERAGE_BAND[0] <= value <= COVERAGE_BAND[1] for value in found.values()), found
+
+
+def test_coverage_check_fails_for_a_bootstrap_of_three_seeds(monkeypatch):
+    """The simulation can fail: the bootstrap this replaced below 5 seeds covers about 90%."""
+    monkeypatch.setattr(glue, "BOOTSTRAP_SEEDS", 2)
+    found = coverage(3, 2, 0.0, 600, np.random.default_rng(32))
+    assert found["rte"] < COVERAGE_BAND[0], found
+
+
+def test_a_clear_difference_is_found_with_three_seeds():
+    rng = np.random.default_rng(9)
+    excluded = [one_seed_each(simulated(rng, ["rte"], 3, 2, 0.10),
+                              simulated(rng, ["rte"], 3, 2, 0.0), ["rte"])
+                ["differences"]["tupe"]["rte"]["low"] > 0 for _ in range(200)]
+    assert np.mean(excluded) > 0.95  # 10 points against a seed's 2 points of noise: 97%
+
+
+def test_held_out_learning_rate_choice():
+    """Seeds 1 3 5 (one half) favour lr 1e-5, seeds 2 4 (the other) 2e-5: each half's choice is
+    scored on the other half, and the paper's choice (all seeds) is higher."""
+    rte = summary("rte", {1e-5: [[0.9], [0.5], [0.9], [0.5], [0.9]],
+                          2e-5: [[0.6], [0.8], [0.6], [0.8], [0.6]]})
+    assert rte["best"] == "lr=1e-05" and rte["best_median"]["dev"]["accuracy"] == 0.9
+    # chosen on 1 3 5: 1e-5, scored on 2 4: 0.5; chosen on 2 4: 2e-5, scored on 1 3 5: 0.6
+    made = glue.table({"x": {1: {"rte": rte}}}, "x", ["rte"])
+    assert made["held_out"]["x"]["rte"]["mean"] == pytest.approx(55)
+    assert made["scores"]["x"]["rte"]["mean"] == pytest.approx(90)
+    lines = glue.markdown(made)
+    assert "| x, lr held out | 55.00 | 55.00 |" in lines
+    assert any("favours every score" in line for line in lines)
+    one = summary("rte", {1e-5: [[0.9]]})
+    assert glue.table({"x": {1: {"rte": one}}}, "x", ["rte"])["held_out"]["x"]["rte"]["mean"] \
+        is None

@@ -46,7 +46,8 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--encodings", required=True, type=comma_list(str),
                    help=f"comma-separated, from: {', '.join(ENCODINGS)}")
     p.add_argument("--seeds", type=comma_list(int), default=(1,),
-                   help="comma-separated; each seed fixes the initialisation and the data order")
+                   help="comma-separated; a seed fixes the data order and masking (the "
+                        "encodings' layer weights still start differently)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps of every run")
     p.add_argument("--model", required=True, help="a preset (an ELECTRA pair with --objective "
                                                   "electra)")
