@@ -72,10 +72,14 @@ bench-gpu: venv
 	$(BIN)/python bench/gpu.py $(ARGS)
 
 # Every GPU measurement in one go (bench/gpu_all.py: step time against HF at seq 128 and 512, padded
-# and unpadded, ELECTRA, the ZeRO sweep, the attention candidates, the data stream), written to
-# build/bench-gpu-all.json and .md. On the GPU machine, with ../shared/gpu/wheels.sh's .whl carried:
-# `source .whl/setup.sh && make bench-gpu-all` (its python3; under 10 minutes by its estimate,
-# not measured yet).
+# and unpadded, ELECTRA, the attention candidates, the data stream, the ZeRO sweep). Each row is
+# appended to build/bench-gpu-all.rows.jsonl as it is measured (an earlier run's file is moved
+# aside, stamped); build/bench-gpu-all.json and .md are made from it after each part, and a cut
+# run's with `python3 bench/gpu_all.py --report-only`. Each model build and part runs only if its
+# estimate fits in what is left of --budget-s (570 s since the process started); what is skipped
+# is named in the report with its command. On the GPU machine, with ../shared/gpu/wheels.sh's .whl
+# carried: `source .whl/setup.sh && make bench-gpu-all` (its python3). Its time estimate is from
+# guessed timings, not measured.
 # Without nvidia-smi: the tiny CPU plan in the venv (about 45 s).
 bench-gpu-all: $(if $(HAVE_GPU),,venv)
 	$(if $(HAVE_GPU),python3,$(BIN)/python) bench/gpu_all.py

@@ -219,19 +219,27 @@ def measure_padding(settings, padding_name: str, layers: dict) -> list:
     return rows
 
 
-def run(settings) -> dict:
-    """Every candidate, each --padding in turn; the JSON's content."""
-    arguments = dict(vars(settings))
-    layers = {encoding: core_attentions(settings, encoding) for encoding in settings.encodings}
-    rows = [row for padding in settings.padding
-            for row in measure_padding(settings, padding, layers)]
+def head(settings) -> dict:
+    """The result before any row: the setup and the flags."""
     device = get_device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     setup = (f"{name} ({device}), torch {torch.__version__}; {settings.layers} layers, batch "
              f"{settings.batch}, seq {settings.seq}, {settings.heads} heads of "
              f"{settings.hidden // settings.heads}, {settings.dtype}, dropout {settings.dropout}; "
              f"median of {settings.steps} calls after {settings.warmup}")
-    return {"setup": setup, "args": arguments, "rows": rows}
+    return {"setup": setup, "args": dict(vars(settings)), "rows": []}
+
+
+def run(settings, on_rows=lambda rows: None) -> dict:
+    """Every candidate, each --padding in turn; the JSON's content. `on_rows` is given each
+    padding's rows as soon as they are timed."""
+    result = head(settings)
+    layers = {encoding: core_attentions(settings, encoding) for encoding in settings.encodings}
+    for padding in settings.padding:
+        rows = measure_padding(settings, padding, layers)
+        on_rows(rows)
+        result["rows"] += rows
+    return result
 
 
 def report(result: dict) -> str:

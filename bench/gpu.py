@@ -42,8 +42,8 @@ from typing import Optional
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from gpu_measure import init_distributed, matmul_peak, run_electra, run_sweep, run_table
-from gpu_report import electra_verdicts, header, report, table_verdicts
+from gpu_measure import BUILDS, init_distributed, matmul_peak
+from gpu_report import header, report, result_verdicts
 from gpu_runners import PADDINGS, ds_config, fused_adamw_supported, model_config
 from tupe_ds.cuda_arch import fit_cuda_arch_list
 from tupe_ds.files import write_atomically
@@ -150,13 +150,13 @@ def check(parser: argparse.ArgumentParser, settings: argparse.Namespace, cuda: b
                 parser.error(str(error))
 
 
-PARTS = ("table", "electra", "sweep")
+PARTS = {"table": "rows", "electra": "electra", "sweep": "sweep"}  # each part's list in the JSON
 
 
-def run(settings: argparse.Namespace, save=lambda result: None, parts=PARTS) -> dict:
-    """The measurements of `parts`, as the JSON holds them; `save` is given the result so far
-    after each part. Sets the machine's facts on `settings` (device, cuda, peak_flops,
-    fused_adamw): the measurements read them there."""
+def start(settings: argparse.Namespace) -> dict:
+    """The process group, the matmul peak and the header (printed); the result with no rows yet.
+    Sets the machine's facts on `settings` (device, cuda, peak_flops, fused_adamw): the
+    measurements read them there."""
     arguments = {key: value for key, value in vars(settings).items() if key != "local_rank"}
     accelerator = get_accelerator()
     accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -171,18 +171,16 @@ def run(settings: argparse.Namespace, save=lambda result: None, parts=PARTS) -> 
     if arch_note:
         print(arch_note)
     print("measuring:", flush=True)
-    result = {"header": head, "peak_flops": settings.peak_flops, "args": arguments, "rows": [],
-              "electra": [], "sweep": [], "verdicts": []}
-    if "table" in parts:
-        result["rows"] = run_table(settings)
-        result["verdicts"] += table_verdicts(settings, result["rows"])
-        save(result)
-    if "electra" in parts:
-        result["electra"] = run_electra(settings)
-        result["verdicts"] += electra_verdicts(result["electra"])
-        save(result)
-    if "sweep" in parts:
-        result["sweep"] = run_sweep(settings)
+    return {"header": head, "peak_flops": settings.peak_flops, "args": arguments,
+            **{rows: [] for rows in PARTS.values()}}
+
+
+def run(settings: argparse.Namespace, parts=tuple(PARTS)) -> dict:
+    """The measurements of `parts` and their verdicts, as the JSON holds them."""
+    result = start(settings)
+    for part in parts:
+        result[PARTS[part]] = [build.measure(settings) for build in BUILDS[part](settings)]
+    result["verdicts"] = result_verdicts(settings, result)
     return result
 
 

@@ -1,5 +1,6 @@
 """bench/gpu.py's measurements: the process group, the matmul peak, and the rows (build a runner,
-time it, count what one step asks for, free it): the table, the ELECTRA pair, the ZeRO sweep."""
+time it, count what one step asks for, free it): the table, the ELECTRA pair, the ZeRO sweep,
+each a generator of Builds, so that a caller can measure (or skip) one row at a time."""
 
 import functools
 import gc
@@ -9,6 +10,8 @@ import socket
 import statistics
 import time
 import weakref
+from dataclasses import dataclass, field
+from typing import Callable
 
 import deepspeed
 import torch
@@ -143,44 +146,57 @@ def batches_for(settings, seq: int, micro: int, padding: str) -> list:
     return make_batches(settings, seq, micro, settings.global_batch // micro, padding)
 
 
-def run_table(settings) -> list:
+@dataclass
+class Build:
+    """One row to measure: its model, padding and shape, how to build its runner, and the fields
+    its row adds (ELECTRA's config, the sweep's ZeRO stage)."""
+
+    model: str
+    padding: str
+    seq: int
+    micro: int
+    make_runner: Callable
+    profile: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def measure(self, settings) -> dict:
+        return {**measure(settings, self.model, self.padding, self.seq, self.micro,
+                          self.make_runner, self.profile), **self.extra}
+
+
+def table_builds(settings):
     """HF and each of our encodings at each seq, once per --padding."""
-    rows = []
     for seq, micro in zip(settings.seqs, settings.micro_batches):
         config = ds_config(settings, micro)
         for padding in settings.padding:
             batches = batches_for(settings, seq, micro, padding)
-            rows.append(measure(settings, HF, padding, seq, micro, functools.partial(
-                HFRunner, settings, seq, batches, config)))
+            yield Build(HF, padding, seq, micro,
+                        functools.partial(HFRunner, settings, seq, batches, config))
             for attention in settings.attention:
                 for encoding in settings.encodings:
-                    rows.append(measure(
-                        settings, ours_name(settings, encoding, attention), padding, seq, micro,
-                        functools.partial(OursRunner, settings, seq, batches, encoding,
-                                          attention, config)))
-    return rows
+                    yield Build(ours_name(settings, encoding, attention), padding, seq, micro,
+                                functools.partial(OursRunner, settings, seq, batches, encoding,
+                                                  attention, config))
 
 
-def run_sweep(settings) -> list:
+def sweep_builds(settings):
     """bert-a at the shortest seq for each ZeRO stage x micro-batch, with the first --padding."""
-    seq, padding, rows = min(settings.seqs), settings.padding[0], []
+    seq, padding = min(settings.seqs), settings.padding[0]
     for stage in settings.sweep_zero_stages:
         for micro in settings.sweep_micro_batches:
             batches = batches_for(settings, seq, micro, padding)
             config = ds_config(settings, micro, zero_stage=stage)
-            row = measure(settings, f"bert-a zero{stage}", padding, seq, micro, functools.partial(
+            yield Build(f"bert-a zero{stage}", padding, seq, micro, functools.partial(
                 OursRunner, settings, seq, batches, "bert-a", settings.attention[0], config),
-                profile=False)
-            rows.append({**row, "zero_stage": stage})
-    return rows
+                profile=False, extra={"zero_stage": stage})
 
 
-def run_electra(settings) -> list:
+def electra_builds(settings):
     """ELECTRA and the BERT of its discriminator's size at the shortest seq, once per --padding,
     each with its shipped config's micro-batch (on a CPU: the tiny pair, --micro-batches)."""
     if not settings.electra_encoding:
-        return []
-    seq, rows = min(settings.seqs), []
+        return
+    seq = min(settings.seqs)
     pairs = ELECTRA_ROWS["cuda" if settings.cuda else "cpu"].items()
     for padding in settings.padding:
         for name, (objective, presets, path) in pairs:
@@ -188,7 +204,10 @@ def run_electra(settings) -> list:
                                path=path)
             micro = config["train_micro_batch_size_per_gpu"]
             batches = batches_for(settings, seq, micro, padding)
-            rows.append({**measure(settings, name, padding, seq, micro, functools.partial(
-                TrainingStepRunner, settings, objective, presets, seq, batches, config)),
-                "config": path})
-    return rows
+            yield Build(name, padding, seq, micro, functools.partial(
+                TrainingStepRunner, settings, objective, presets, seq, batches, config),
+                extra={"config": path})
+
+
+# bench/gpu.py's parts, in the order it runs them: the rows each measures, one Build at a time.
+BUILDS = {"table": table_builds, "electra": electra_builds, "sweep": sweep_builds}

@@ -21,16 +21,21 @@ def target_seq(settings) -> int:
 
 def table_verdicts(settings, rows: list) -> list:
     """Per seq and padding: ours / HF samples/s >= 1.1; tupe-a, tupe-r / bert-a step time <= 1.05,
-    1.15 (at target_seq; elsewhere informational); bert-a's, tupe-r's operators <= HF's."""
+    1.15 (at target_seq; elsewhere informational); bert-a's, tupe-r's operators <= HF's (rows
+    with operator counts). Each verdict whose rows were measured (gpu_all.py skips what does not
+    fit its time budget)."""
     by = {(r["model"], r["seq"], r["padding"]): r for r in rows}
     out = []
     for seq in settings.seqs:
         for padding in settings.padding:
             where = dict(seq=seq, padding=padding)
-            hf = by[(HF, seq, padding)]
+            hf = by.get((HF, seq, padding))
+            if hf is None:
+                continue
             for attention in settings.attention:
                 names = {e: ours_name(settings, e, attention) for e in settings.encodings}
-                ours = {e: by[(name, seq, padding)] for e, name in names.items()}
+                ours = {e: by[(name, seq, padding)] for e, name in names.items()
+                        if (name, seq, padding) in by}
                 for encoding, row in ours.items():
                     out.append(verdict(f"{names[encoding]} / {HF} samples/s",
                                        row["samples_per_s"] / hf["samples_per_s"], 1.1, False,
@@ -42,7 +47,7 @@ def table_verdicts(settings, rows: list) -> list:
                             f"{names[encoding]} / {names['bert-a']} step time", ratio,
                             target if seq == target_seq(settings) else None, True, **where))
                 for encoding in ("bert-a", "tupe-r"):
-                    if encoding in ours:
+                    if encoding in ours and "ops" in ours[encoding] and "ops" in hf:
                         ops = ours[encoding]["ops"]
                         out.append({**verdict(f"{names[encoding]} / {HF} ops per step",
                                               ops / hf["ops"], 1.0, True, **where),
@@ -61,17 +66,23 @@ def electra_verdicts(electra: list) -> list:
     return out
 
 
+def result_verdicts(settings, result: dict) -> list:
+    """The verdicts of bench/gpu.py's result: the table's, then the ELECTRA pair's."""
+    return table_verdicts(settings, result["rows"]) + electra_verdicts(result["electra"])
+
+
 def step_table(settings, rows: list) -> list:
     hf = {(r["seq"], r["padding"]): r for r in rows if r["model"] == HF}
     header = ["row", "seq", "micro x acc", "ms/step", "min ms", "samples/s", "TFLOPS", "MFU",
               "ops/step"] + (["launches", "peak GiB", "host syncs"] if settings.cuda else [])
     lines = []
-    for r in rows:
-        cuda = [r["launches"], f"{r['peak_gib']:.1f}", r["syncs"]] if settings.cuda else []
+    for r in rows:  # the counts: "-" in the rows of an unprofiled padding (--profiled-paddings)
+        cuda = ([r.get("launches", "-"), f"{r['peak_gib']:.1f}", r.get("syncs", "-")]
+                if settings.cuda else [])
         lines.append([r["name"], r["seq"], f"{r['micro_batch']} x {r['accumulation']}",
                       f"{r['ms_per_step']:.1f}", f"{r['min_ms']:.1f}",
                       f"{r['samples_per_s']:.1f}", f"{r['tflops']:.3g}", f"{r['mfu']:.1%}",
-                      r["ops"]] + cuda)
+                      r.get("ops", "-")] + cuda)
     out = table(header + ["samples/s / HF's"], [
         line + [f"{r['samples_per_s'] / hf[(r['seq'], r['padding'])]['samples_per_s']:.3f}"]
         for line, r in zip(lines, rows)])
@@ -84,11 +95,13 @@ def step_table(settings, rows: list) -> list:
 
 
 def op_excess(rows: list) -> list:
-    """Where bert-a's and tupe-r's steps have more operators than HF's: the largest excesses."""
-    hf = {(r["seq"], r["padding"]): r["op_names"] for r in rows if r["model"] == HF}
+    """Where bert-a's and tupe-r's steps have more operators than HF's: the largest excesses
+    (profiled rows)."""
+    hf = {(r["seq"], r["padding"]): r["op_names"] for r in rows
+          if r["model"] == HF and "op_names" in r}
     lines = []
     for r in rows:
-        if r["model"].split("/")[0] in ("bert-a", "tupe-r"):
+        if r["model"].split("/")[0] in ("bert-a", "tupe-r") and "op_names" in r:
             theirs = hf[(r["seq"], r["padding"])]
             excess = {name: count - theirs.get(name, 0) for name, count in r["op_names"].items()
                       if count > theirs.get(name, 0)}
@@ -102,7 +115,8 @@ def sync_lines(settings, rows: list) -> list:
     if not settings.cuda:
         return ["Host synchronisations: not counted, this needs CUDA."]
     lines = [[r["name"], r["seq"], r["syncs"], ", ".join(
-        f"{where} x{n}" for where, n in list(r["sync_locations"].items())[:6])] for r in rows]
+        f"{where} x{n}" for where, n in list(r["sync_locations"].items())[:6])] for r in rows
+        if "syncs" in r]
     return table(["row", "seq", "host syncs in one step", "by the first frame outside torch"],
                  lines)
 
@@ -114,7 +128,8 @@ def electra_lines(settings, electra: list) -> list:
     out += table(["row", "config", "micro x acc", "ms/step", "samples/s", "ops", "host syncs",
                   "device busy ms", "phases of one profiled step: host ms (calls)"], [
         [r["name"], r["config"], f"{r['micro_batch']} x {r['accumulation']}",
-         f"{r['ms_per_step']:.1f}", f"{r['samples_per_s']:.1f}", r["ops"], r.get("syncs", "-"),
+         f"{r['ms_per_step']:.1f}", f"{r['samples_per_s']:.1f}", r.get("ops", "-"),
+         r.get("syncs", "-"),
          f"{r['device_busy_ms']:.1f}" if "device_busy_ms" in r else "-",
          ", ".join(f"{name} {p['host_ms']:.1f} ({p['calls']})"
                    for name, p in r.get("phases", {}).items())] for r in electra])
@@ -130,7 +145,8 @@ def sweep_lines(settings, sweep: list) -> list:
             "samples/s (TFLOPS)", ""] + table(
         ["ZeRO stage"] + [f"micro {m}" for m in micros],
         [[stage] + [f"{cells[(stage, m)]['samples_per_s']:.1f} "
-                    f"({cells[(stage, m)]['tflops']:.3g})" for m in micros]
+                    f"({cells[(stage, m)]['tflops']:.3g})" if (stage, m) in cells else "-"
+                    for m in micros]
          for stage in settings.sweep_zero_stages]) + [
         "", f"Fastest: ZeRO stage {best['zero_stage']}, micro-batch {best['micro_batch']} "
             f"({best['samples_per_s']:.1f} samples/s)."]

@@ -1,39 +1,83 @@
 """bench/gpu_all.py's tiny CPU plan, one timed step per row: every part of its JSON and markdown,
-the verdicts that are deterministic there (operator counts at BERT-Large's depth), and that the
-GPU benchmarks do nothing at import."""
+the verdicts that are deterministic there (operator counts at BERT-Large's depth), the rows file
+written row by row while the run goes on, the report of a cut run's rows, the time budget's
+skips; and that the GPU benchmarks do nothing at import."""
 
 import json
 import math
 import os
 import subprocess
 import sys
+import time
+import types
 
+import pytest
 import torch.distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENCODINGS = ["bert-a", "tupe-a", "tupe-r", "bert-r"]
 PADDINGS = {"real": "real padding", "none": "no padding"}
 KEY_PADDINGS = ["auto", "mask", "column", "unpadded"]
-
-
+TABLE_ROWS = 10  # 5 models x 2 paddings at seq 32
 LAYERS = 12  # half the plan's 24 (BERT-Large's depth): deep enough for fewer ops than HF's
 
 
-def run_gpu_all(tmp_path) -> tuple:
+def complete_lines(text: str) -> list:
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+
+
+def table_rows(lines: list) -> list:
+    return [line["row"] for line in lines if line.get("key") == "rows"]
+
+
+def rows_while_running(process, path, enough, timeout=600) -> str:
+    """The rows file's text as soon as `enough(its complete lines)`, the run still going."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the run ended before its rows were seen"
+        text = path.read_text() if path.exists() else ""
+        if enough(complete_lines(text)):
+            return text
+        time.sleep(0.05)
+    raise AssertionError(f"no such rows in {path} after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def gpu_all_run(tmp_path_factory) -> types.SimpleNamespace:
+    """One run of the CPU plan: its report, markdown and rows, and its rows file as it was when
+    it held two rows of the step-time table (what a kill at that moment leaves: every line is
+    flushed to the file when written)."""
+    folder = tmp_path_factory.mktemp("gpu_all")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   os.path.join(ROOT, "build", "torch_extensions"))}
     for name in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a 1-process group of its own
         env.pop(name, None)
-    paths = tmp_path / "all.json", tmp_path / "all.md"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_all.py"),
-                             "--json", str(paths[0]), "--markdown", str(paths[1]),
-                             "--layers", str(LAYERS)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    paths = folder / "all.json", folder / "all.md", folder / "all.rows.jsonl"
+    with open(folder / "output.txt", "w+") as output:
+        process = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "gpu_all.py"),
+                                    "--json", str(paths[0]), "--layers", str(LAYERS)],
+                                   cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            cut = rows_while_running(process, paths[2], lambda lines: len(table_rows(lines)) >= 2)
+            returncode = process.wait(timeout=900)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        output.seek(0)
+        assert returncode == 0, output.read()[-8000:]
     assert not os.path.exists(str(paths[0]) + ".tmp")
-    return json.loads(paths[0].read_text()), paths[1].read_text()
+    return types.SimpleNamespace(report=json.loads(paths[0].read_text()),
+                                 markdown=paths[1].read_text(),
+                                 lines=complete_lines(paths[2].read_text()), cut=cut)
+
+
+@pytest.fixture
+def gpu_all(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import gpu_all
+    return gpu_all
 
 
 def check_step_rows(gpu: dict) -> None:
@@ -103,14 +147,25 @@ def check_attention(attention: dict) -> None:
         assert math.isfinite(row["median_ms"]) and row["median_ms"] > 0, row
 
 
-def test_bench_gpu_all_on_cpu(tmp_path):
+def test_gpu_benchmarks_do_nothing_at_import(monkeypatch):  # first: before they are imported
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.setattr(sys, "argv", ["pytest", "--no-such-flag"])  # parsed at import: an error
+    initialized = torch.distributed.is_initialized()
+    import attention  # noqa: F401
+    import gpu  # noqa: F401
+    import gpu_all  # noqa: F401
+    assert torch.distributed.is_initialized() == initialized
+
+
+def test_bench_gpu_all_on_cpu(gpu_all_run):
     # 18 rows of gpu.py at LAYERS layers, 33 attention candidates,
     # the data stream of a tiny corpus (written once into build/bench-data-stream).
-    report, markdown = run_gpu_all(tmp_path)
-    assert set(report["elapsed_s"]) == {"gpu", "attention", "data_stream", "sweep"}
-    assert set(report["estimate_s"]) == {"start", "gpu", "attention", "data_stream", "sweep"}
+    report, markdown = gpu_all_run.report, gpu_all_run.markdown
+    parts = ["table", "electra", "attention", "data_stream", "sweep"]
+    assert list(report["elapsed_s"]) == parts and report["finished_s"] > 0
+    assert list(report["estimate_s"]) == ["start", *parts]
     assert all(seconds > 0 for seconds in report["estimate_s"].values())
-    assert report["skipped"] == []  # the sweep fits the default budget at the tiny size
+    assert report["skipped"] == []  # everything fits the default budget at the tiny size
     check_step_rows(report["gpu"])
     check_verdicts(report, report["gpu"]["args"]["seqs"])
     check_electra_and_sweep(report["gpu"])
@@ -121,15 +176,89 @@ def test_bench_gpu_all_on_cpu(tmp_path):
                  "## Data stream", "| bert-a, real padding | 32 |", "| tupe-r, no padding | 32 |",
                  "tupe-r / hf-bert ops per step", "electra-tiny / bert-tiny step time",
                  "Host synchronisations: not counted", "ZeRO stage x micro-batch",
-                 "bert-a fast pad=unpadded"):
+                 "bert-a fast pad=unpadded", "Estimated (guessed timings, not measured)",
+                 "BERT-Large measured (../shared/gpu/RESULTS.md, 2026-11-23), base sizes "
+                 "estimated"):
         assert text in markdown, text
 
 
-def test_gpu_benchmarks_do_nothing_at_import(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
-    monkeypatch.setattr(sys, "argv", ["pytest", "--no-such-flag"])  # parsed at import: an error
-    initialized = torch.distributed.is_initialized()
-    import attention  # noqa: F401
-    import gpu  # noqa: F401
-    import gpu_all  # noqa: F401
-    assert torch.distributed.is_initialized() == initialized
+def test_rows_are_written_as_measured_and_a_cut_run_is_reported(gpu_all_run, gpu_all, tmp_path):
+    # While the run went on, the rows file held some of the step-time table: the rows that were
+    # finished, each one whole JSON line, the same as the run's final rows.
+    lines = complete_lines(gpu_all_run.cut)
+    cut_rows = table_rows(lines)
+    assert 2 <= len(cut_rows) < TABLE_ROWS
+    assert cut_rows == gpu_all_run.report["gpu"]["rows"][:len(cut_rows)]
+    assert "run" in lines[0] and not any("elapsed_s" in line for line in lines)
+    # A kill leaves those lines and perhaps one cut mid-write: --report-only reports the rows
+    rows = tmp_path / "cut.rows.jsonl"
+    rows.write_text(gpu_all_run.cut.rstrip("\n") + "\n" + '{"part": "gpu", "key": "rows", "ro')
+    gpu_all.main(["--report-only", "--rows", str(rows), "--json", str(tmp_path / "cut.json")])
+    report = json.loads((tmp_path / "cut.json").read_text())
+    markdown = (tmp_path / "cut.md").read_text()
+    assert report["gpu"]["rows"] == cut_rows and "finished_s" not in report
+    assert "unfinished" in markdown and "## Attention candidates" not in markdown
+    for i, row in enumerate(gpu_all_run.report["gpu"]["rows"]):
+        assert (f"| {row['name']} | 32 |" in markdown) == (i < len(cut_rows)), row["name"]
+    assert any(v["name"] == "bert-a / hf-bert samples/s" for v in report["verdicts"])
+
+
+def test_budget_skips_the_builds_that_do_not_fit(gpu_all_run, gpu_all, tmp_path, capsys):
+    # A clock of our own: each build takes 5 s, the guess is 2 s, the budget 8 s. The first build
+    # fits its guess; then 3 s are left for the second, whose estimate is now the measured 5 s.
+    now, built = [0.0], []
+
+    def build(row):
+        def measure(settings):
+            now[0] += 5
+            return row
+        built.append(row["name"])
+        return types.SimpleNamespace(model=row["model"], seq=row["seq"],
+                                     padding=row["padding"], measure=measure)
+
+    paths = gpu_all.parse_args(["--json", str(tmp_path / "all.json")])
+    with open(paths.rows, "w") as earlier:  # an earlier run's rows: moved aside, not replaced
+        earlier.write('{"finished": 1}\n')
+    budget = gpu_all.Budget(8, lambda *kind: 2, clock=lambda: now[0], started=0)
+    first = gpu_all_run.lines
+    run = gpu_all.Run(paths, budget, None, first[0]["run"])
+    run.rows.write(**next(line for line in first if "head" in line and line["part"] == "gpu"))
+    run.measure_rows("table", (build(row) for row in gpu_all_run.report["gpu"]["rows"]))
+    assert built == ["hf-bert, real padding", "bert-a, real padding"]  # no later build made
+    printed = capsys.readouterr().out
+    assert "skipped: table rows from bert-a, real padding, seq 32 on (5 s estimated, " \
+        "3 s of the 8 s budget left); to run table alone: `python3 bench/gpu_all.py --parts " \
+        "table --json build/bench-gpu-all-table.json`" in printed
+    report = json.loads((tmp_path / "all.json").read_text())
+    assert [row["name"] for row in report["gpu"]["rows"]] == ["hf-bert, real padding"]
+    assert report["skipped"] == [printed.split("skipped: ")[1].strip()]
+    assert "Skipped: table rows from bert-a" in (tmp_path / "all.md").read_text()
+    aside = [name for name in os.listdir(tmp_path) if name.startswith("all.rows.2")]
+    assert len(aside) == 1 and (tmp_path / aside[0]).read_text() == '{"finished": 1}\n'
+
+
+def test_report_of_unprofiled_rows_on_cuda(gpu_all_run, gpu_all):
+    # The CUDA plan profiles the real-padding rows only (--profiled-paddings real): the others
+    # have no operator, launch or synchronisation counts, and the report says "-" for them.
+    lines = []
+    for line in gpu_all_run.lines:
+        if "run" in line:
+            line = {"run": {**line["run"], "kind": "cuda"}}
+        elif line.get("part") == "gpu" and line.get("key") in ("rows", "electra"):
+            row = {**line["row"], "peak_gib": 1.0}
+            if row["padding"] == "real":
+                row.update(launches=row["ops"], syncs=2, sync_locations={"here.py:1": 2})
+            else:
+                row = {key: value for key, value in row.items()
+                       if key not in ("ops", "op_names", "phases")}
+            line = {**line, "row": row}
+        lines.append(line)
+    content = gpu_all.content_of(lines)
+    markdown = gpu_all.markdown(content)
+    assert "| bert-a, no padding | 32 | 4 x 2 |" in markdown
+    unprofiled = next(line for line in markdown.splitlines()
+                      if line.startswith("| bert-a, no padding | 32 | 4 x 2 |"))
+    assert unprofiled.count("| - |") >= 1 and "| 1.0 |" in unprofiled
+    ops = [v for v in content["verdicts"] if v["name"] == "bert-a / hf-bert ops per step"]
+    assert [v["padding"] for v in ops] == ["real"]
+    assert "| bert-a, real padding | 32 | 2 | here.py:1 x2 |" in markdown
