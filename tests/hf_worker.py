@@ -26,7 +26,9 @@ def logits(folder, inputs):
     classes give for the same batch."""
     batch = torch.load(inputs)
     ids, mask = batch["ids"], batch["mask"]
-    kind = AutoConfig.from_pretrained(folder, trust_remote_code=True).tupe_ds["kind"]
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    kind = config.tupe_ds["kind"]
+    tokens = config.tokenizer_vocab_size if kind != "electra-discriminator" else None
     result = {}
     for implementation in ("sdpa", "eager"):
         model = HEADS[kind].from_pretrained(folder, trust_remote_code=True,
@@ -34,7 +36,13 @@ def logits(folder, inputs):
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask, output_attentions=True,
                         output_hidden_states=True)
-        result[implementation] = (out.logits - batch["logits"]).abs().max().item()
+        # the real vocabulary's logits; its padding rows are masked (the tupe_ds model's are not)
+        result[implementation] = (out.logits[..., :tokens]
+                                  - batch["logits"][..., :tokens]).abs().max().item()
+    if tokens is not None:
+        padding = out.logits[..., tokens:]
+        result["padding_rows"] = [padding.shape[-1],
+                                  bool((padding == torch.finfo(padding.dtype).min).all())]
     result["attentions"] = [list(a.shape) for a in out.attentions]
     result["hidden_states"] = len(out.hidden_states)
     base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()

@@ -134,6 +134,51 @@ def test_half_precision_layouts_match_fp32(encoding, dtype):
             assert error <= limit, f"{layout}: {name} off by {error:.4f} > {limit} in {dtype}"
 
 
+def non_finite_layouts(encoding, monkeypatch) -> list:
+    """The half-precision layouts that hand SDPA a mask with -inf, or whose logits or gradients
+    are not all finite, for a batch with a row of padding only (every key masked), in fp16.
+    (torch's SDPA returns zeros for a row of -inf; a kernel or an eager softmax gives NaN.)"""
+    ids, mask, labels = inputs(padded=True)
+    mask[1] = 0
+    labels[1] = -100
+    masks = []
+    original = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, *args, **kwargs):
+        masks.append(attn_mask)
+        return original(q, k, v, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    found = []
+    for layout, overrides in HALF_LAYOUTS.items():
+        torch.manual_seed(0)
+        extra = {"causal_layers": 1} if encoding == "mask-nope" else {}
+        model = tupe_ds.build_model("tiny", pos_encoding=encoding, num_layers=2, dtype="fp16",
+                                    hidden_dropout=0.0, attention_dropout=0.0, **extra,
+                                    **overrides)
+        masks.clear()
+        loss, logits = model(ids, mask, labels)
+        loss.backward()
+        tensors = [logits, *(m for m in masks if m is not None),
+                   *(p.grad for p in model.parameters() if p.grad is not None)]
+        if not all(t.isfinite().all() for t in tensors):
+            found.append(layout)
+    return found
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_a_row_of_padding_only_stays_finite_in_fp16(encoding, monkeypatch):
+    assert non_finite_layouts(encoding, monkeypatch) == []
+
+
+def test_unclamped_masks_are_not_finite(monkeypatch):
+    """The check above can fail: masks cast to fp16 without the clamp (fp32's minimum and the
+    causal -inf become -inf)."""
+    monkeypatch.setattr(kernel_layout, "additive", lambda logits, dtype: logits.to(dtype))
+    assert "dense" in non_finite_layouts("mask-nope", monkeypatch)  # the causal -inf
+    assert "dense" in non_finite_layouts("tupe-r", monkeypatch)  # fp32's minimum
+
+
 def sdpa_calls(model, ids, mask, monkeypatch) -> list:
     """(q, k, v, attn_mask, is_causal) of every SDPA call of one forward + backward."""
     calls = []

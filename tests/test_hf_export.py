@@ -1,6 +1,7 @@
 """tupe-export --format hf: every encoding loads with transformers' Auto classes in a process
 where tupe_ds cannot be imported (tests/hf_worker.py) and gives the tupe_ds model's logits; the
-fill-mask pipeline, Trainer and tupe-finetune work on the folders; bad input is one line."""
+fill-mask pipeline, Trainer and tupe-finetune work on the folders; the export's limits (trained
+sequence length, vocabulary padding, finite fp16 masks); bad input is one line."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import random
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tupe_ds
@@ -68,8 +70,13 @@ def export_with_logits(model, data, folder, format="hf"):
     return logits
 
 
+TOKENS = 1000  # the data fixture's vocabulary; the tiny models' embedding has 1024 rows
+RELATIVE_BIAS = "encoder.positional.relative.relative_attention_bias.weight"
+
+
 def assert_transformers_match(result, layers=2, heads=4, n=40):
     assert result["sdpa"] < 1e-5 and result["eager"] < 1e-5, result
+    assert result.get("padding_rows") in (None, [1024 - TOKENS, True])  # None: no MLM head
     assert result["base"] < 1e-5 and result["hidden_states"] == layers + 1
     assert result["attentions"] == [[3, heads, n, n]] * layers
     assert result["SequenceClassification"] == [[3, 3], True]
@@ -92,11 +99,12 @@ def test_every_encoding_loads_in_transformers_with_the_same_logits(data, tmp_pat
     for result in results:
         assert_transformers_match(result)
     files = sorted(os.listdir(tmp_path / "tupe-r"))
-    assert files == ["config.json", "configuration_tupe.py", "model.safetensors",
+    assert files == ["README.md", "config.json", "configuration_tupe.py", "model.safetensors",
                      "modeling_tupe.py", "special_tokens_map.json", "tokenizer.json",
                      "tokenizer_config.json"]
     config = json.loads((tmp_path / "tupe-r" / "config.json").read_text())
     assert config["model_type"] == "tupe" and config["encoding"]["untied"] is True
+    assert config["seq_length"] == 64 and config["tokenizer_vocab_size"] == TOKENS
 
 
 def test_fill_mask_and_trainer_after_a_short_pretraining(data, tmp_path):
@@ -127,6 +135,46 @@ def test_fill_mask_and_trainer_after_a_short_pretraining(data, tmp_path):
     assert masked["ids"] == expected, masked["tokens"]
     assert trained["after"] < 0.95 * trained["before"], trained  # one epoch of 20 steps
     assert trained["reloaded"] < 1e-6, trained
+
+
+def test_exports_limit_length_mask_vocabulary_padding_and_stay_finite_in_fp16(data, tmp_path):
+    """Inputs past the pretraining's sequence length are refused (the tokenizer truncates
+    there); the vocabulary's padding rows are never predicted; a row of padding only gives
+    finite fp16 logits with eager attention and SDPA, for encodings with a positional mask and
+    a causal one."""
+    from transformers import PreTrainedTokenizerFast
+    from tupe_ds.hf.modeling_tupe import TupeForMaskedLM
+
+    for encoding in ("bert-r", "tupe-r", "mask-nope"):
+        torch.manual_seed(0)
+        model = tupe_ds.build_model("tiny", pos_encoding=encoding, vocab_size=1024,
+                                    seq_length=32, hidden_dropout=0.0, attention_dropout=0.0)
+        state = {n: t for n, t in model.state_dict().items() if torch.is_tensor(t)}
+        if RELATIVE_BIAS in state:  # v = -100: v + fp16's minimum was -inf (bert-r: a NaN row)
+            state[RELATIVE_BIAS] = torch.full_like(state[RELATIVE_BIAS], -100.0)
+        folder = tmp_path / encoding
+        save_exported(str(folder), state, model.model_config, "bert-mlm",
+                      os.path.join(data, "tokenizer.json"), source="test")
+        card = (folder / "README.md").read_text()
+        assert "Pretrained on sequences of 32 tokens" in card and "24 rows after them" in card
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        assert tokenizer.model_max_length == 32
+        assert len(tokenizer("word " * 100, truncation=True)["input_ids"]) == 32
+        ids, mask, _ = inputs(batch=3, n=32, vocab=1000)
+        mask[1] = 0  # padding only
+        for implementation in ("eager", "sdpa"):
+            exported = TupeForMaskedLM.from_pretrained(
+                str(folder), attn_implementation=implementation, dtype=torch.float16).eval()
+            with torch.no_grad():
+                logits = exported(input_ids=ids, attention_mask=mask).logits
+            assert logits.dtype == torch.float16 and logits.isfinite().all(), implementation
+            assert (logits[..., TOKENS:] == torch.finfo(torch.float16).min).all()
+            assert logits.argmax(-1).max() < TOKENS
+            with pytest.raises(ValueError, match="beyond the 32 the model was pretrained on"):
+                exported(input_ids=torch.ones(1, 33, dtype=torch.long))
+        exported.config.seq_length = None  # the way out the error names
+        with torch.no_grad():
+            assert exported(input_ids=torch.ones(1, 33, dtype=torch.long)).logits.shape[1] == 33
 
 
 def test_tupe_finetune_reads_both_folder_kinds(data, tmp_path):

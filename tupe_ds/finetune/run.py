@@ -164,7 +164,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-ratio", type=float, default=0.06)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--dropout", type=float, default=0.1, help="of the classification head")
-    p.add_argument("--max-length", type=int, default=512, help="tokens per example, [CLS] included")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="tokens per example, [CLS] included; at most the model's pretraining "
+                        "sequence length")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 
@@ -181,7 +183,10 @@ def main(argv=None) -> int:
             print(f"{task.name}: finished before with these settings ({args.out}/{task.name}.json)"
                   "; nothing to do", flush=True)
             return 0
-        max_length = min(args.max_length, model_config.max_position_embeddings)
+        max_length = min(args.max_length, model_config.seq_length)
+        if max_length < args.max_length:
+            print(f"--max-length {args.max_length} lowered to {max_length}: the model was "
+                  f"pretrained on {max_length}-token sequences", flush=True)
         tokenizer = ExampleTokenizer(os.path.join(args.model, "tokenizer.json"),
                                      model_config.vocab_size, max_length)
         data = {"tokenizer": tokenizer, "valid": {}}
@@ -213,9 +218,12 @@ def main(argv=None) -> int:
             runs.setdefault(lr, {})[seed] = results
     if writer:
         summary = write_reports(args.out, task, runs, settings)
-        print(f"best {summary['best']}: " + ", ".join(
-            f"{name} {summary['metric']} {values[summary['metric']]:.4f}"
-            for name, values in summary["best_median"].items()))
+        for label, medians in (("best " + summary["best"], summary["best_median"]),
+                               ("held-out learning-rate choice", summary["held_out_median"])):
+            if medians:
+                print(f"{label}: " + ", ".join(
+                    f"{name} {summary['metric']} {values[summary['metric']]:.4f}"
+                    for name, values in medians.items()))
         print(f"results: {args.out}/{task.name}.md (every seed), {args.out}/results.md (all tasks "
               f"in {args.out}), and their .json")
     end_distributed()

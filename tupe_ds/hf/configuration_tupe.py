@@ -28,6 +28,12 @@ class TupeConfig(PreTrainedConfig):
     intermediate_size: int = 3072
     embedding_size: int | None = None  # the word embedding's width; None: hidden_size
     max_position_embeddings: int = 512
+    # The pretraining's sequence length: longer inputs are refused (their positions were never
+    # trained; set it to None to run them anyway). None: max_position_embeddings.
+    seq_length: int | None = None
+    # The tokenizer's vocabulary: the rows from it up to vocab_size pad the embedding (to a
+    # multiple for tensor parallelism) and are masked out of the masked-LM logits.
+    tokenizer_vocab_size: int | None = None
     pos_encoding: str = "nope"
     encoding: dict | None = None  # ENCODING_TERMS -> value; None: no positional term at all
     causal_layers: int | None = None

@@ -97,7 +97,7 @@ def from_transformers(state: Dict[str, Tensor], heads: int) -> Dict[str, Tensor]
 
 
 def transformers_config(model: dict, encoding: dict, kind: str, embedding_size: int,
-                        source: str) -> dict:
+                        source: str, tokenizer_vocab_size: int) -> dict:
     """config.json for modeling_tupe.py from a ModelConfig (as a dict) and its encoding."""
     architecture, head = HEADS[kind]
     return {
@@ -116,6 +116,8 @@ def transformers_config(model: dict, encoding: dict, kind: str, embedding_size: 
         "intermediate_size": model["ffn_hidden_size"],
         "embedding_size": embedding_size,
         "max_position_embeddings": model["max_position_embeddings"],
+        "seq_length": model["seq_length"],
+        "tokenizer_vocab_size": tokenizer_vocab_size,
         "pos_encoding": model["pos_encoding"],
         "encoding": encoding,
         "causal_layers": model["causal_layers"],
@@ -132,16 +134,22 @@ def transformers_config(model: dict, encoding: dict, kind: str, embedding_size: 
     }
 
 
-def tokenizer_files(tokenizer_path: str, folder: str, max_length: int,
-                    vocab_size: int) -> None:
+def tokenizer_vocab_size(tokenizer_path: str, vocab_size: int) -> int:
+    """The tokens of the pretraining data's tokenizer, at most the model's vocabulary."""
+    tokens = Tokenizer.from_file(tokenizer_path).get_vocab_size()
+    if tokens > vocab_size:
+        raise ValueError(f"{tokenizer_path}: {tokens} tokens, more than the model's "
+                         f"vocabulary of {vocab_size}: not the model's tokenizer")
+    return tokens
+
+
+def tokenizer_files(tokenizer_path: str, folder: str, max_length: int) -> None:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for
     PreTrainedTokenizerFast: the pretraining data's tokenizer, adding "[CLS] a [SEP]" /
     "[CLS] a [SEP] b [SEP]" as the samples were, and [MASK] taking the space before it, as a
-    masked token did (byte-level BPE puts a word's space in its token)."""
+    masked token did (byte-level BPE puts a word's space in its token); `max_length`: the
+    pretraining's sequence length."""
     loaded = Tokenizer.from_file(tokenizer_path)
-    if loaded.get_vocab_size() > vocab_size:
-        raise ValueError(f"{tokenizer_path}: {loaded.get_vocab_size()} tokens, more than the "
-                         f"model's vocabulary of {vocab_size}: not the model's tokenizer")
     tokenizer = json.loads(loaded.to_str())
     ids = {token["content"]: token["id"] for token in tokenizer["added_tokens"]}
     for token in tokenizer["added_tokens"]:
@@ -178,11 +186,40 @@ def write_folder(folder: str, state: Dict[str, Tensor], config, kind: str, token
     weights = to_transformers(state, config.num_attention_heads)
     save_file({n: t.contiguous() for n, t in weights.items()},
               os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    tokens = tokenizer_vocab_size(tokenizer, config.vocab_size)
     description = transformers_config(dataclasses.asdict(config),
                                       dataclasses.asdict(config.encoding), kind, embedding_size,
-                                      source)
+                                      source, tokens)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(description, f, indent=1)
     for name in CODE_FILES:
         shutil.copy(os.path.join(HERE, name), folder)
-    tokenizer_files(tokenizer, folder, config.max_position_embeddings, config.vocab_size)
+    tokenizer_files(tokenizer, folder, config.seq_length)
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(model_card(description))
+
+
+def model_card(description: dict) -> str:
+    """README.md of the folder: what the model is and the limits its config enforces."""
+    kind, model = description["tupe_ds"]["kind"], description["tupe_ds"]["model"]
+    padding = description["vocab_size"] - description["tokenizer_vocab_size"]
+    padding_rows = (f"; the embedding's {padding} rows after them pad it to a multiple for "
+                    "tensor parallelism, and the masked-LM head never predicts them"
+                    if padding else "")
+    return f"""---
+library_name: transformers
+tags: [tupe, tupe_ds]
+---
+# {model["pos_encoding"]} {kind}, exported by tupe_ds's tupe-export
+
+Positional encoding `{model["pos_encoding"]}` (terms: {", ".join(
+        term for term, value in description["encoding"].items() if value and term != "logit_terms"
+    ) or "none"}), {description["num_hidden_layers"]} layers, hidden size
+{description["hidden_size"]}; from `{description["tupe_ds"]["source"]}`. Load it with
+`trust_remote_code=True` (the model's code is in this folder).
+
+- **Sequence length.** Pretrained on sequences of {model["seq_length"]} tokens: the tokenizer's
+  `model_max_length` is {model["seq_length"]}, and the model refuses longer inputs (the positions
+  after it were never trained; `model.config.seq_length = None` runs them anyway).
+- **Vocabulary.** {description["tokenizer_vocab_size"]} tokens{padding_rows}.
+"""

@@ -11,7 +11,10 @@ where v is the content-free positional term of `config.encoding` (Eq. 7-11: the 
 from parameters shared by all layers. v and the padding reach the attention as one additive
 mask, which eager and SDPA attention both take; flash attention cannot take it, so the model
 does not claim it. The model has no token-type embedding (neither had its pretraining):
-`token_type_ids` is accepted and ignored.
+`token_type_ids` is accepted and ignored. Inputs longer than the pretraining's sequence length
+(`config.seq_length`) are refused, and the vocabulary's padding rows never win a masked-LM
+prediction. Every additive mask is clamped to its dtype's range and eager attention takes its
+softmax in fp32, so a row of padding only (all keys masked) stays finite in fp16.
 """
 
 import math
@@ -123,8 +126,8 @@ class TupeAttention(nn.Module):
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                      scale=self.scale)
         else:
-            logits = q @ k.transpose(-1, -2) * self.scale
-            probabilities = (logits if mask is None else logits + mask).softmax(-1)
+            logits = (q @ k.transpose(-1, -2) * self.scale).float()  # fp16 + mask could be -inf
+            probabilities = (logits if mask is None else logits + mask).softmax(-1).to(v.dtype)
             context = F.dropout(probabilities, dropout, self.training) @ v
         return self.output(context.transpose(1, 2).reshape(b, n, -1)), probabilities
 
@@ -189,10 +192,16 @@ class TupeModel(TupePreTrainedModel):
         self.word_embeddings = embeddings
 
     def embed(self, input_ids):
-        n = input_ids.shape[1]
-        if n > self.config.max_position_embeddings:
+        n, config = input_ids.shape[1], self.config
+        if n > config.max_position_embeddings:
             raise ValueError(f"{n} tokens, beyond max_position_embeddings="
-                             f"{self.config.max_position_embeddings}: truncate the input")
+                             f"{config.max_position_embeddings}: truncate the input")
+        if config.seq_length is not None and n > config.seq_length:
+            raise ValueError(
+                f"{n} tokens, beyond the {config.seq_length} the model was pretrained on: the "
+                f"positions after it were never trained. Truncate the input (the tokenizer's "
+                f"model_max_length is {config.seq_length}), or set model.config.seq_length = "
+                f"None to run it anyway")
         x = self.word_embeddings(input_ids)
         if self.config.encoding["input_absolute"]:
             x = x + self.position_embeddings(torch.arange(n, device=input_ids.device))
@@ -206,7 +215,7 @@ class TupeModel(TupePreTrainedModel):
         mask = None if mask is None else mask[None].to(dtype)
         if attention_mask is not None:
             padding = (attention_mask[:, None, None, :] == 0).to(dtype) * low
-            mask = padding if mask is None else mask + padding
+            mask = padding if mask is None else (mask + padding).clamp(min=low)
         if not self.config.encoding["causal_prefix"]:
             return mask, None
         future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
@@ -254,9 +263,13 @@ class TupeLMHead(nn.Module):
         self.layer_norm = nn.LayerNorm(e, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(e, config.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.tokens = config.tokenizer_vocab_size or config.vocab_size
 
     def forward(self, x):
-        return self.decoder(self.layer_norm(F.gelu(self.dense(x)))) + self.bias
+        logits = self.decoder(self.layer_norm(F.gelu(self.dense(x)))) + self.bias
+        if self.tokens < logits.shape[-1]:  # the vocabulary's padding rows: no token
+            logits[..., self.tokens:] = torch.finfo(logits.dtype).min
+        return logits
 
 
 @dataclass

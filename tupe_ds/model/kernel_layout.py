@@ -160,6 +160,12 @@ def padding_logits(padding: Tensor) -> Tensor:
     return logits.masked_fill(padding, torch.finfo(torch.float32).min).view(b, 1, 1, n)
 
 
+def additive(logits: Tensor, dtype) -> Tensor:
+    """An additive mask in `dtype`, clamped to its range first: fp32's minimum or -inf cast to
+    fp16 is -inf, and a row of padding only (every key masked) would be NaN after the softmax."""
+    return logits.clamp(min=torch.finfo(dtype).min).to(dtype)
+
+
 def causal_logits(n: int, device: torch.device) -> Tensor:
     """[n, n]: -inf above the diagonal (a query sees no later key), 0 elsewhere."""
     future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
@@ -201,9 +207,9 @@ def dense_layout(positional, n: int, padding: Optional[Tensor], dtype,
     causal_mask = None
     if enc.causal_prefix:
         causal = causal_logits(n, device)
-        causal_mask = (causal if mask is None else mask + causal).to(dtype)
+        causal_mask = additive(causal if mask is None else mask + causal, dtype)
     if mask is not None:
-        mask = mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+        mask = additive(mask, dtype)
     return MaskedAttention(mask, causal_mask)
 
 
@@ -217,7 +223,7 @@ def unpadded(padding: Tensor, columns: Optional[WidenedAttention], causal_prefix
     if causal_prefix:
         n = padding.shape[1]
         logits = padding_logits(padding) + causal_logits(n, padding.device)
-        causal = MaskedAttention(causal_mask=logits.to(dtype))
+        causal = MaskedAttention(causal_mask=additive(logits, dtype))
     return UnpaddedAttention(real.flatten().nonzero().squeeze(1), offsets, columns, causal)
 
 
@@ -238,7 +244,7 @@ def fast_layout(positional, n: int, padding: Optional[Tensor], dtype,
     if enc.untied and not enc.relative and untied_as_columns(config, device):
         columns.append(positional.untied_columns(n))
     elif enc.untied or enc.relative:
-        mask = positional.content_free_logits(n).unsqueeze(0).to(dtype)
+        mask = additive(positional.content_free_logits(n).unsqueeze(0), dtype)
     how = None if padding is None else key_padding(config.key_padding, bool(columns),
                                                    mask is not None)
     heads = config.num_attention_heads // config.tensor_parallel_size
@@ -251,10 +257,10 @@ def fast_layout(positional, n: int, padding: Optional[Tensor], dtype,
         columns.append(padding_columns(padding, positional.scale))
     elif how == "mask":
         mask = padding_logits(padding) if mask is None else mask.float() + padding_logits(padding)
-        mask = mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+        mask = additive(mask, dtype)
     if columns:
         return join_columns(columns, heads, config.head_size, dtype, multiple, mask)
     causal_mask = None
     if enc.causal_prefix and mask is not None:
-        causal_mask = (mask + causal_logits(n, device)).to(dtype)
+        causal_mask = additive(mask.float() + causal_logits(n, device), dtype)
     return MaskedAttention(mask, causal_mask)
