@@ -11,14 +11,16 @@ HAVE_GPU := $(if $(shell command -v nvidia-smi 2>/dev/null),1,)
 VENV_FLAGS := $(if $(HAVE_GPU),--system-site-packages,)
 CPU_TORCH := $(if $(HAVE_GPU),,torch==2.13.0)
 
-DEMO_STEPS ?= 300
+DEMO_STEPS ?= 2500
+DEMO_OUT ?= build/demo-run
+SAMPLE_PREP := build/sample-prep-2048
 COMPARE_STEPS ?= 200
 COMPARE_ENCODINGS ?= bert-a,tupe-r
 COMPARE_FINETUNE ?=
 COMPARE_FINETUNE_FLAGS ?= --tasks rte,mrpc,stsb,cola --finetune-lr 1e-4,3e-4 \
   --finetune-seeds 1,2,3 --finetune-epochs 3 --finetune-max-length 128
 
-.PHONY: venv test demo compare smoke bench bench-gpu bench-gpu-all clean
+.PHONY: venv test demo compare smoke bench bench-gpu bench-gpu-all docs clean
 
 venv: $(VENV)/.installed
 
@@ -26,7 +28,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(if $(CPU_TORCH),$(BIN)/pip install -q $(CPU_TORCH))
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	touch $@
 
 # The CPU suite, on a GPU machine too (its GPUs hidden).
@@ -35,21 +37,24 @@ test: venv
 
 # The main job on the bundled corpus: prepare it, then pretrain a tiny TUPE-R BERT under the
 # deepspeed launcher: on every GPU found (up to 8, bf16 where they have it, else fp16), else with 2
-# CPU ranks (ZeRO-2, fp32). Run again to resume; DEMO_STEPS=600 to go on.
-demo: venv build/sample-prep/train.idx
-	$(BIN)/python -m tupe_ds.demo --steps $(DEMO_STEPS)
+# CPU ranks (ZeRO-2, fp32); then its validation against the most-frequent-token baseline and
+# masks filled in held-out sentences. Run again to resume; DEMO_STEPS=4000 to go on, DEMO_OUT for
+# another run folder.
+demo: venv $(SAMPLE_PREP)/train.idx
+	$(BIN)/python -m tupe_ds.demo --data $(SAMPLE_PREP) --steps $(DEMO_STEPS) --out $(DEMO_OUT)
 
-# The bundled corpus, prepared once for demo and compare.
-build/sample-prep/train.idx: | venv
-	$(BIN)/tupe-prep --input data/sample --output build/sample-prep --vocab-size 8192 --workers 2
+# The bundled corpus, prepared once for demo and compare (a small vocabulary: a tiny model learns
+# more than word frequencies from 1 MB of text in minutes).
+$(SAMPLE_PREP)/train.idx: | venv
+	$(BIN)/tupe-prep --input data/sample --output $(SAMPLE_PREP) --vocab-size 2048 --workers 2
 
 # The second demo: BERT-A against TUPE-R, one tiny run each on the same batches (2 CPU ranks, or
 # every GPU), then build/compare/report.md with its figures. Run again to resume or re-report;
 # COMPARE_STEPS=400 to go on, COMPARE_ENCODINGS=bert-a,tupe-r,rope for more.
-# COMPARE_FINETUNE=GLUE_DIR (README, "GLUE data") fine-tunes every run on GLUE's small tasks with
+# COMPARE_FINETUNE=GLUE_DIR (docs/export-finetune.md, "GLUE data") fine-tunes every run on GLUE's small tasks with
 # a grid for the tiny model (COMPARE_FINETUNE_FLAGS; "" for the paper's) and adds Table 1.
-compare: venv build/sample-prep/train.idx
-	$(BIN)/tupe-compare run --data build/sample-prep --encodings $(COMPARE_ENCODINGS) \
+compare: venv $(SAMPLE_PREP)/train.idx
+	$(BIN)/tupe-compare run --data $(SAMPLE_PREP) --encodings $(COMPARE_ENCODINGS) \
 	  --model tiny --steps $(COMPARE_STEPS) $(if $(HAVE_GPU),,--nproc 2) --out build/compare \
 	  --ds-config ds_configs/cpu_zero2.json --seq-len 128 --eval-interval 25 --save-interval 50 \
 	  --log-interval 10 \
@@ -83,6 +88,10 @@ bench-gpu: venv
 # Without nvidia-smi: the tiny CPU plan in the venv (about 45 s).
 bench-gpu-all: $(if $(HAVE_GPU),,venv)
 	$(if $(HAVE_GPU),python3,$(BIN)/python) bench/gpu_all.py
+
+# The documentation site (docs/, mkdocs.yml) into build/site; broken links and missing pages fail.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,13 +5,11 @@
     tupe-prep merge --output data/all data/shard0 data/shard1 data/shard2 data/shard3
 """
 
+from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import sys
-import warnings
 
 # megatron-core's import says, once per process, that it falls back from Apex/TE: not our news.
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-
 from data_prep.merge import merge
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.read import InputError
@@ -28,6 +26,7 @@ def shard(value: str):
 def prep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tupe-prep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_verbose_flag(p)
     defaults = PrepConfig(inputs=[], output="")
     p.add_argument("--input", nargs="+", required=True, dest="inputs", metavar="PATH",
                    help=".txt, .jsonl[.gz], .parquet files, folders of them, or a saved HF dataset")
@@ -68,6 +67,7 @@ def merge_parser() -> argparse.ArgumentParser:
                                 description="Merge shard outputs, removing duplicates across "
                                             "shards: exact ones, and near ones where the shards "
                                             "were prepared with --dedup minhash.")
+    add_verbose_flag(p)
     p.add_argument("shards", nargs="+", metavar="SHARD_DIR")
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--dedup-against", nargs="+", default=(), metavar="DIR",
@@ -129,6 +129,7 @@ def main(argv=None) -> int:
         else:
             args = vars(prep_parser().parse_args(argv))
             args["dedup_against"] = tuple(args["dedup_against"])
+            del args["verbose"]  # read at import (tupe_ds.third_party_warnings)
             manifest = prepare(PrepConfig(**args))
             output = args["output"]
     except (InputError, ValueError) as error:

@@ -348,7 +348,7 @@ def test_make_compare_passes_the_glue_folder_and_the_grid():
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     command = " ".join(made.stdout.replace("\\\n", " ").split())
-    assert "tupe-compare run --data build/sample-prep" in command
+    assert "tupe-compare run --data build/sample-prep-2048" in command
     assert command.endswith("--log-interval 10 --finetune /glue --tasks rte --finetune-seeds 1,2")
     plain = subprocess.run(["make", "-n", "-C", root, "compare"], capture_output=True, text=True,
                            timeout=60)

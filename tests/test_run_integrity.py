@@ -1,5 +1,5 @@
 """A run never loses its work (tupe_ds/train/checkpoint/, tupe_ds/train/nonfinite.py): the fault
-matrix of the README's "What a run survives", with real processes under torchrun (2 CPU ranks,
+matrix of docs/reliability.md's "What a run survives", with real processes under torchrun (2 CPU ranks,
 ZeRO-2, fp32, dropout off) and faults injected by tests/fault_worker.py. Each test checks what is
 kept, what is resumed and what is said, and, where the fault allows, that the run ends with the
 losses and weights of an uninterrupted one."""

@@ -13,6 +13,7 @@ holds (every run would wait on it forever). `tupe-pretrain --check-only` prints 
 its nodes (tupe_ds/cluster_check.py). Exit code 1 when a finding would stop the run.
 """
 
+from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import json
 import os
@@ -203,6 +204,7 @@ def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tupe-doctor", description=__doc__.split("\n")[0])
+    add_verbose_flag(p)
     p.add_argument("--ds-config", help="a DeepSpeed config to check against this machine")
     p.add_argument("--nproc", type=int, help="processes to start on this machine")
     p.add_argument("--slurm", action="store_true",

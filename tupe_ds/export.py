@@ -19,6 +19,7 @@ fine-tune) or, for transformers, the generator.
 installed).
 """
 
+from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import dataclasses
 import glob
@@ -232,6 +233,7 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tupe-export", description=__doc__.split("\n")[0])
+    add_verbose_flag(p)
     p.add_argument("checkpoint", help="RUN_DIR, RUN_DIR/checkpoints (its newest) or .../stepN")
     p.add_argument("--out", required=True, help="folder to write (replaced when complete)")
     p.add_argument("--format", choices=FORMATS, default="hf",

@@ -7,6 +7,7 @@ Every model sees the same fixed masked-LM batch, so the loss must fall as it mem
 that does not fall, or is not finite, makes the command exit non-zero.
 """
 
+from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import math
 import sys
@@ -62,6 +63,7 @@ def train(encoding: str, args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_verbose_flag(parser)
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=list(ENCODINGS))
     parser.add_argument("--steps", type=int, default=30)

@@ -13,6 +13,7 @@ Flags tupe-compare does not know go to every tupe-pretrain run. The same command
 what is unfinished and starts nothing that is done.
 """
 
+from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import contextlib
 import os
@@ -40,6 +41,7 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
                                 epilog="Other flags (--ds-config, --seq-len, --global-batch, "
                                        "--lr, --eval-interval, ...) go to every tupe-pretrain run.")
+    add_verbose_flag(p)
     p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
                    help="a folder written by tupe-prep, or a weighted blend of several "
                         "(tupe-pretrain's --data)")

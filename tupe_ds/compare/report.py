@@ -167,8 +167,8 @@ def markdown(report: dict) -> str:
                   + ".", ""]
         lines += glue.markdown(finetune["table"])
     else:
-        lines.append("Not fine-tuned: run the comparison again with --finetune GLUE_DIR (the "
-                     "README's \"GLUE\" section).")
+        lines.append("Not fine-tuned: run the comparison again with --finetune GLUE_DIR "
+                     "(docs/export-finetune.md, \"GLUE data\").")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ final dev-set metric, and the task the best configuration. OUT gets TASK.md / TA
 seed, the medians) and results.md / results.json: the best of every task fine-tuned into OUT.
 """
 
+from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import math
 import os
@@ -149,6 +150,7 @@ def stop_for_requeue(progress: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tupe-finetune", description=__doc__.split("\n")[0])
+    add_verbose_flag(p)
     p.add_argument("--model", required=True, help="a folder written by tupe-export")
     p.add_argument("--task", required=True, choices=sorted(TASKS))
     p.add_argument("--train", required=True,

@@ -18,7 +18,7 @@ from tupe_ds.parallel import accelerator_device
 
 @dataclass(frozen=True)
 class Encoding:
-    """The pieces one positional encoding is made of (the README's table of encodings)."""
+    """The pieces one positional encoding is made of (docs/model.md's table of encodings)."""
 
     input_absolute: bool = False  # learned p added to the word embedding (BERT)
     untied: bool = False  # (LN(p) U^Q)(LN(p) U^K)^T added to the logits (TUPE Eq. 7)

@@ -11,7 +11,7 @@ The positional module (p, its LayerNorm, U^Q/U^K, theta, the relative table) is 
 of parameters: each stage holds a tied copy (DeepSpeed's TiedLayerSpec: the copies start equal
 and their gradients are all-reduced before each optimizer step) and computes the positional term
 once per micro-batch for its own layers, rather than receiving v [heads, n, n] (and sending its
-gradient back) from the first stage: README, "Pipeline parallelism", has the measured costs of
+gradient back) from the first stage: docs/pretraining.md, "Pipeline parallelism", has the measured costs of
 both (bench/pipeline.py) and the reasons. The word embedding matrix is tied between the first
 stage (lookup) and the last (decoder of the masked-LM head).
 

@@ -15,7 +15,7 @@ parameters shared by all layers. Under tensor parallelism each rank holds the he
 U^Q/U^K are column-parallel, the relative table and theta follow them; p is replicated and its
 gradient, which flows back through the column-parallel U, is all-reduced by megatron-core.
 
-Deliberate deviations from the public fairseq code (documented in README): theta comes from two
+Deliberate deviations from the public fairseq code (documented in docs/model.md): theta comes from two
 learned vectors p_th1/p_th2 as in appendix B (not from an extra position row), U has no bias, and
 the reset overwrites the summed v (Eq. 11) rather than using dedicated relative buckets.
 """

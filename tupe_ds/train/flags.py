@@ -9,6 +9,7 @@ from tupe_ds.data import blend
 from tupe_ds.files import file_digest
 from tupe_ds.model.config import ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
+from tupe_ds.third_party_warnings import add_verbose_flag
 from tupe_ds.train import normalization
 
 DATA_STREAMS = {
@@ -23,6 +24,7 @@ def parser() -> argparse.ArgumentParser:
         description="Masked-LM pretraining with DeepSpeed. Start it with `deepspeed --num_gpus N "
                     "--module tupe_ds.pretrain ...` or `torchrun --nproc_per_node N -m "
                     "tupe_ds.pretrain ...`.")
+    add_verbose_flag(p)
     p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
                    help="a folder written by tupe-prep, or a blend of several with their "
                         "weights: --data 0.7 wiki 0.3 books (same tokenizer)")

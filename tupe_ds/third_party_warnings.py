@@ -1,0 +1,80 @@
+"""Third-party warnings that say nothing to a tupe_ds user, silenced at tupe_ds's entry points.
+
+Every command (tupe-*, `python -m tupe_ds.X`, `python -m data_prep.cli`) imports this module
+first, before megatron-core, DeepSpeed or torch warn at their own import. Each filter names the
+message, where it comes from and why a tupe_ds user can ignore it; anything else still shows.
+`--verbose` on the command line, or TUPE_DS_VERBOSE=1, shows them all (and, exported, in every
+process a launcher starts).
+"""
+
+import logging
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+
+VERBOSE = "TUPE_DS_VERBOSE"
+
+
+@dataclass(frozen=True)
+class Quieted:
+    message: str  # a regular expression matched at the start of the message
+    origin: str  # the module that warns: a warnings module regex, or a logger's name
+    why: str
+    logger: bool = False  # a logging record (else a warnings.warn)
+
+
+QUIETED = (
+    Quieted(r"(Transformer Engine and )?Apex (is|are) not installed", r"megatron\.core",
+            "megatron-core falls back to torch's kernels, the ones tupe_ds builds its layers on "
+            "(its norms, optimizers and fused kernels come from torch and DeepSpeed)"),
+    Quieted(r"full scope is deprecated", r"megatron\.core",
+            "megatron-core's TransformerConfig warns about its own CUDA-graph default; tupe_ds "
+            "captures no CUDA graphs"),
+    Quieted(r"is_fx_tracing will return true", "torch.fx._symbolic_trace",
+            "megatron-core asks torch whether it is being traced; tupe_ds never traces it",
+            logger=True),
+    Quieted(r"The PyTorch API of nested tensors is in prototype stage", r"torch\.",
+            "tupe_ds's unpadded attention layout uses nested tensors on purpose and tests them "
+            "against the dense layout (tests/test_attention.py)"),
+)
+
+
+def verbose() -> bool:
+    """--verbose in this process's arguments (then exported to its children) or TUPE_DS_VERBOSE."""
+    if "--verbose" in sys.argv[1:]:
+        os.environ[VERBOSE] = "1"
+    return os.environ.get(VERBOSE, "") not in ("", "0")
+
+
+class MessageFilter(logging.Filter):
+    def __init__(self, quieted: Quieted):
+        super().__init__()
+        self.quieted = quieted
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return re.match(self.quieted.message, record.getMessage()) is None
+
+
+def quiet() -> None:
+    """Installs the filters of QUIETED, unless verbose."""
+    if verbose():
+        return
+    for quieted in QUIETED:
+        if quieted.logger:
+            logging.getLogger(quieted.origin).addFilter(MessageFilter(quieted))
+        else:
+            warnings.filterwarnings("ignore", message=quieted.message, module=quieted.origin)
+
+
+
+def add_verbose_flag(parser) -> None:
+    """--verbose, read by quiet() at import, listed in the command's help."""
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party warnings too (the ones tupe_ds filters say "
+                             f"nothing to a user: tupe_ds/third_party_warnings.py); {VERBOSE}=1 "
+                             "likewise")
+
+
+quiet()
