@@ -5,28 +5,20 @@ of the most frequent answer; the held-out sentences it fills are masked at a who
 import torch
 from tokenizers import Tokenizer
 
-from tupe_ds.data.loader import MaskedSamples, Vocabulary
-from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX
-from tupe_ds.data.packing import PackedSentences
+from tupe_ds.data.loader import Vocabulary
+from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds import demo_report
 
 SEQ = 64
-
-
-def eval_batch(data):
-    """The batch masked_word_accuracy evaluates, made the same way."""
-    vocab = Vocabulary.from_data_dir(data)
-    packed = PackedSentences(f"{data}/valid", SEQ, vocab.cls, vocab.sep, f"{data}/index-cache")
-    samples = MaskedSamples(packed, vocab, BERT_MASKING, seed=demo_report.EVAL_SEED)
-    return samples.global_samples(0, min(demo_report.EVAL_SAMPLES, len(packed))), vocab
 
 
 def one_hot(ids, size):
     return torch.nn.functional.one_hot(ids.clamp(min=0), size).float()
 
 
-def test_masked_word_accuracy_counts_mask_positions_only(data):
-    batch, vocab = eval_batch(data)
+def test_masked_word_accuracy_counts_mask_positions_only(data, tmp_path):
+    vocab = Vocabulary.from_data_dir(data)
+    batch = demo_report.held_out_batch(data, str(tmp_path), SEQ)
     masked = (batch["input_ids"] == vocab.mask) & (batch["labels"] != IGNORE_INDEX)
     answers = batch["labels"][masked]
     counts = torch.bincount(answers, minlength=vocab.size)
@@ -38,11 +30,12 @@ def test_masked_word_accuracy_counts_mask_positions_only(data):
         return one_hot(torch.where(batch["labels"] == IGNORE_INDEX, input_ids, batch["labels"]),
                        vocab.size)
 
-    accuracy, baseline, token, samples = demo_report.masked_word_accuracy(copying, data, SEQ)
+    out = str(tmp_path)
+    accuracy, baseline, token, samples = demo_report.masked_word_accuracy(copying, data, out, SEQ)
     assert accuracy == 0 and samples == len(batch["input_ids"])
     assert baseline == (counts.max() / counts.sum()).item() and token == int(counts.argmax())
     assert 0 < baseline < 0.2
-    assert demo_report.masked_word_accuracy(knowing, data, SEQ)[0] == 1
+    assert demo_report.masked_word_accuracy(knowing, data, out, SEQ)[0] == 1
 
 
 def test_held_out_sentences_mask_a_whole_word(data):

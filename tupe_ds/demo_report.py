@@ -1,6 +1,7 @@
 """What `make demo` shows after training: how validation went against the most-frequent-token
 baseline, the model filling masks in held-out sentences, and the TensorBoard command."""
 
+import argparse
 import contextlib
 import io
 import json
@@ -16,6 +17,7 @@ from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export import export
 from tupe_ds.exported import load_exported
+from tupe_ds.train.flags import index_cache
 
 SENTENCES = 3  # held-out sentences filled
 TOP = 3  # predictions shown per mask
@@ -34,16 +36,23 @@ def validations(out: str) -> list:
     return sorted(found.items())
 
 
-def masked_word_accuracy(model, data: str, seq_len: int) -> tuple:
-    """(the model's accuracy, always guessing the most frequent answer's, that token, samples)
-    at the [MASK] positions of up to EVAL_SAMPLES held-out samples. The training's valid/accuracy counts every
-    chosen position, 10% of which show their own token (BERT's 80/10/10): copying them is not
-    learning, so this counts the masked ones only."""
+def held_out_batch(data: str, out: str, seq_len: int):
+    """Up to EVAL_SAMPLES valid samples, masked alike in every report; their sample index from
+    where the run keeps it (flags.index_cache)."""
     vocab = Vocabulary.from_data_dir(data)
-    packed = PackedSentences(os.path.join(data, "valid"), seq_len, vocab.cls, vocab.sep,
-                             os.path.join(data, "index-cache"))
+    cache = index_cache(argparse.Namespace(index_cache=None, out=out), data)
+    packed = PackedSentences(os.path.join(data, "valid"), seq_len, vocab.cls, vocab.sep, cache)
     samples = MaskedSamples(packed, vocab, BERT_MASKING, seed=EVAL_SEED)
-    batch = samples.global_samples(0, min(EVAL_SAMPLES, len(packed)))
+    return samples.global_samples(0, min(EVAL_SAMPLES, len(packed)))
+
+
+def masked_word_accuracy(model, data: str, out: str, seq_len: int) -> tuple:
+    """(the model's accuracy, always guessing the most frequent answer's, that token, samples)
+    at the [MASK] positions of held_out_batch. The training's valid/accuracy counts every chosen
+    position, 10% of which show their own token (BERT's 80/10/10): copying them is not learning,
+    so this counts the masked ones only."""
+    vocab = Vocabulary.from_data_dir(data)
+    batch = held_out_batch(data, out, seq_len)
     with torch.no_grad():
         logits = model(batch["input_ids"], batch["attention_mask"])
     masked = (batch["input_ids"] == vocab.mask) & (batch["labels"] != IGNORE_INDEX)
@@ -55,7 +64,7 @@ def masked_word_accuracy(model, data: str, seq_len: int) -> tuple:
 
 
 def learning_lines(out: str, data: str, model, seq_len: int, tokenizer: Tokenizer) -> list:
-    accuracy, baseline, token, samples = masked_word_accuracy(model, data, seq_len)
+    accuracy, baseline, token, samples = masked_word_accuracy(model, data, out, seq_len)
     ratio = accuracy / baseline
     return ["", "Validation loss (held-out text): " + ", ".join(
                 f"step {step} {loss:.3f}" for step, loss in validations(out)),
