@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_GPUS = 8
 CPU_PROCESSES = 2
 # What a 2-layer, 64-wide model needs to learn more than word frequencies in minutes (measured on
-# 2 CPU ranks: bench/README.md, "make demo"; on GPUs not measured): short samples, many of them a step, no dropout, a high peak rate.
+# 2 CPU ranks: bench/README.md, "make demo"; on GPUs not measured): short samples, many of them a
+# step, no dropout, a high peak rate.
 TINY_MODEL_SETTINGS = ("--seq-len", "64", "--global-batch", "32", "--dropout", "0", "--lr", "3e-3",
                        "--warmup-steps", "50")
 
