@@ -41,7 +41,7 @@ test: venv
 # masks filled in held-out sentences. Run again to resume; DEMO_STEPS=4000 to go on, DEMO_OUT for
 # another run folder.
 demo: venv $(SAMPLE_PREP)/train.idx
-	$(BIN)/python -m tupe_ds.demo --data $(SAMPLE_PREP) --steps $(DEMO_STEPS) --out $(DEMO_OUT)
+	$(BIN)/python -m tupe_ds.demo.run --data $(SAMPLE_PREP) --steps $(DEMO_STEPS) --out $(DEMO_OUT)
 
 # The bundled corpus, prepared once for demo and compare (a small vocabulary: a tiny model learns
 # more than word frequencies from 1 MB of text in minutes).
@@ -74,20 +74,20 @@ bench: venv
 # HF's BERT + torch AMP next to our DeepSpeed step, BERT-Large at seq 128 and 512, on one GPU (a
 # tiny size on a CPU). Flags after ARGS=, e.g. make bench-gpu ARGS="--json build/bench-gpu.json".
 bench-gpu: venv
-	$(BIN)/python bench/gpu.py $(ARGS)
+	$(BIN)/python -m bench.gpu.step_time $(ARGS)
 
-# Every GPU measurement in one go (bench/gpu_all.py: step time against HF at seq 128 and 512, padded
+# Every GPU measurement in one go (bench/gpu/suite.py: step time against HF at seq 128 and 512, padded
 # and unpadded, ELECTRA, the attention candidates, the data stream, the ZeRO sweep). Each row is
 # appended to build/bench-gpu-all.rows.jsonl as it is measured (an earlier run's file is moved
 # aside, stamped); build/bench-gpu-all.json and .md are made from it after each part, and a cut
-# run's with `python3 bench/gpu_all.py --report-only`. Each model build and part runs only if its
+# run's with `python3 -m bench.gpu.suite --report-only`. Each model build and part runs only if its
 # estimate fits in what is left of --budget-s (570 s since the process started); what is skipped
 # is named in the report with its command. On the GPU machine, with ../shared/gpu/wheels.sh's .whl
 # carried: `source .whl/setup.sh && make bench-gpu-all` (its python3). Its time estimate is from
 # guessed timings, not measured.
 # Without nvidia-smi: the tiny CPU plan in the venv (about 45 s).
 bench-gpu-all: $(if $(HAVE_GPU),,venv)
-	$(if $(HAVE_GPU),python3,$(BIN)/python) bench/gpu_all.py
+	$(if $(HAVE_GPU),python3,$(BIN)/python) -m bench.gpu.suite
 
 # The documentation site (docs/, mkdocs.yml) into build/site; broken links and missing pages fail.
 docs: venv

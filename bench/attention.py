@@ -22,7 +22,9 @@ layout; informational, the exit code is 0.
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -32,10 +34,13 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from torch.overrides import TorchFunctionMode
 
-import tupe_ds
-from gpu_markdown import table
-from real_lengths import padding_mask, real_lengths
-from tupe_ds.model.config import DTYPES, KEY_PADDING
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script: bench.* from the repository's root
+
+import tupe_ds  # noqa: E402
+from bench.gpu.markdown import table  # noqa: E402
+from bench.real_lengths import padding_mask, real_lengths  # noqa: E402
+from tupe_ds.model.config import DTYPES, KEY_PADDING  # noqa: E402
 
 CUDA_SIZE = dict(layers=24, hidden=1024, heads=16, seq=512, batch=16, dtype="bf16",
                  head_multiples="8,64")

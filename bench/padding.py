@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary  # noqa: E402
 from tupe_ds.data.masking import BERT_MASKING  # noqa: E402
 from tupe_ds.data.packing import PackedSentences  # noqa: E402
-from tupe_ds.files import write_atomically  # noqa: E402
+from tupe_ds.tools.files import write_atomically  # noqa: E402
 
 TOKENS_PER_MICRO_BATCH = 8192
 GLOBAL_BATCH = 256

@@ -27,14 +27,14 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import p2p
 from megatron.core import parallel_state
 
+from tupe_ds.distributed.parallel import MegatronMPU, accelerator_device, end_distributed
 from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.model.positional import PositionalEncoding
-from tupe_ds.parallel import MegatronMPU, accelerator_device, end_distributed
-from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
 from tupe_ds.train.normalization import PER_TOKEN, LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
-from tupe_ds.cuda_arch import fit_cuda_arch_list
+from tupe_ds.distributed.parallel import MegatronMPU, accelerator_device, end_distributed
+from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
-from tupe_ds.parallel import MegatronMPU, accelerator_device, end_distributed
-from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.config import CPU_CONFIG
 from tupe_ds.train.monitor import flops_per_step
+from tupe_ds.train.optim import parameter_groups
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--model", default="tiny", choices=sorted(PRESETS))

@@ -5,7 +5,7 @@
     tupe-prep merge --output data/all data/shard0 data/shard1 data/shard2 data/shard3
 """
 
-from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import sys
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         else:
             args = vars(prep_parser().parse_args(argv))
             args["dedup_against"] = tuple(args["dedup_against"])
-            del args["verbose"]  # read at import (tupe_ds.third_party_warnings)
+            del args["verbose"]  # read at import (tupe_ds.tools.third_party_warnings)
             manifest = prepare(PrepConfig(**args))
             output = args["output"]
     except (InputError, ValueError) as error:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from data_prep import across
 from data_prep.output import SPLITS, publish, read_manifest, work_folder
-from tupe_ds.files import file_digest
+from tupe_ds.tools.files import file_digest
 
 SUMMED = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
           "near_duplicates_removed", "invalid_utf8_lines", "bad_lines_skipped", "bytes_in")

@@ -5,7 +5,7 @@ import json
 import os
 import shutil
 
-from tupe_ds.files import fresh_folder
+from tupe_ds.tools.files import fresh_folder
 
 SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy,minhash.npy,bands.npy}
 WORK_DIR = ".tmp-prep"

@@ -1,6 +1,7 @@
 """Runs a tupe_ds command's main() in this process, as its console script would, then checks that
 the command left no process group behind: a gloo worker thread still alive when the interpreter
-finalizes can abort the process after the work is done (tupe_ds.parallel.end_distributed).
+finalizes can abort the process after the work is done
+(tupe_ds.distributed.parallel.end_distributed).
 
     deepspeed --num_gpus 2 tests/exit_worker.py finetune ARGS...
     torchrun --nproc_per_node 2 tests/exit_worker.py pretrain ARGS...
@@ -11,7 +12,7 @@ Prints "exit worker: rank R, exit code C, gloo threads left N" and fails when N 
 import os
 import sys
 
-from tupe_ds.parallel import gloo_threads
+from tupe_ds.distributed.parallel import gloo_threads
 
 
 def main() -> int:

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tp_inputs import inputs
-from tupe_ds import launch
 from tupe_ds.data.loader import TrainBatches, Vocabulary
-from tupe_ds.parallel import accelerator_device, end_distributed, gather_tensor_parallel
-from tupe_ds.train.loop import build_engine, datasets, saved_layout, write_run_description
+from tupe_ds.distributed import launch
+from tupe_ds.distributed.parallel import accelerator_device, end_distributed, gather_tensor_parallel
 from tupe_ds.train.checkpoint.save import save
 from tupe_ds.train.config import load
+from tupe_ds.train.loop import build_engine, datasets, saved_layout, write_run_description
 from tupe_ds.train.objectives import OBJECTIVES
 
 

@@ -91,7 +91,7 @@ def install(fault: str) -> None:
 
         folder.remove_tree = remove_part_then_die
     elif kind == "node-local-locks":
-        from tupe_ds import files
+        from tupe_ds.tools import files
 
         files.fcntl = types.SimpleNamespace(flock=lambda handle, operation: None, LOCK_EX=0,
                                             LOCK_UN=0)

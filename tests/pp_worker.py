@@ -15,11 +15,11 @@ import torch
 from megatron.core import parallel_state
 
 from tp_inputs import micro_batches
+from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import masked_lm_loss
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.model.positional import PositionalEncoding
-from tupe_ds.parallel import end_distributed
 
 LR = 1.0  # large, so that a wrong gradient moves the weights visibly
 MICRO_BATCHES = 2

@@ -1,6 +1,6 @@
 """A task of a Slurm job step (tests/test_multinode.py): takes its rank, the master's address and
-port from tupe_ds.launch as tupe-pretrain does, meets the step's other tasks over gloo (an
-all-reduce of rank + 1), and prints one JSON line of what it used and the CPUs it may run on."""
+port from tupe_ds.distributed.launch as tupe-pretrain does, meets the step's other tasks over gloo
+(an all-reduce of rank + 1), and prints one JSON line of what it used and the CPUs it may run on."""
 
 import datetime
 import json
@@ -11,7 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from tupe_ds import launch
+from tupe_ds.distributed import launch
 
 launcher = launch.discover()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

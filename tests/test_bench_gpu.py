@@ -1,4 +1,4 @@
-"""bench/gpu_all.py's tiny CPU plan, one timed step per row: every part of its JSON and markdown,
+"""bench/gpu/suite.py's tiny CPU plan, one timed step per row: every part of its JSON and markdown,
 the verdicts that are deterministic there (operator counts at BERT-Large's depth), the rows file
 written row by row while the run goes on, the report of a cut run's rows, the time budget's
 skips; and that the GPU benchmarks do nothing at import."""
@@ -43,11 +43,11 @@ def rows_while_running(process, path, enough, timeout=600) -> str:
 
 
 @pytest.fixture(scope="module")
-def gpu_all_run(tmp_path_factory) -> types.SimpleNamespace:
+def suite_run(tmp_path_factory) -> types.SimpleNamespace:
     """One run of the CPU plan: its report, markdown and rows, and its rows file as it was when
     it held two rows of the step-time table (what a kill at that moment leaves: every line is
     flushed to the file when written)."""
-    folder = tmp_path_factory.mktemp("gpu_all")
+    folder = tmp_path_factory.mktemp("suite")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
@@ -56,7 +56,7 @@ def gpu_all_run(tmp_path_factory) -> types.SimpleNamespace:
         env.pop(name, None)
     paths = folder / "all.json", folder / "all.md", folder / "all.rows.jsonl"
     with open(folder / "output.txt", "w+") as output:
-        process = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "gpu_all.py"),
+        process = subprocess.Popen([sys.executable, "-m", "bench.gpu.suite",
                                     "--json", str(paths[0]), "--layers", str(LAYERS)],
                                    cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
@@ -74,10 +74,10 @@ def gpu_all_run(tmp_path_factory) -> types.SimpleNamespace:
 
 
 @pytest.fixture
-def gpu_all(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
-    import gpu_all
-    return gpu_all
+def suite(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.gpu import suite
+    return suite
 
 
 def check_step_rows(gpu: dict) -> None:
@@ -148,19 +148,18 @@ def check_attention(attention: dict) -> None:
 
 
 def test_gpu_benchmarks_do_nothing_at_import(monkeypatch):  # first: before they are imported
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(ROOT)
     monkeypatch.setattr(sys, "argv", ["pytest", "--no-such-flag"])  # parsed at import: an error
     initialized = torch.distributed.is_initialized()
-    import attention  # noqa: F401
-    import gpu  # noqa: F401
-    import gpu_all  # noqa: F401
+    from bench import attention  # noqa: F401
+    from bench.gpu import step_time, suite  # noqa: F401
     assert torch.distributed.is_initialized() == initialized
 
 
-def test_bench_gpu_all_on_cpu(gpu_all_run):
-    # 18 rows of gpu.py at LAYERS layers, 33 attention candidates,
+def test_bench_gpu_all_on_cpu(suite_run):
+    # 18 rows of step_time.py at LAYERS layers, 33 attention candidates,
     # the data stream of a tiny corpus (written once into build/bench-data-stream).
-    report, markdown = gpu_all_run.report, gpu_all_run.markdown
+    report, markdown = suite_run.report, suite_run.markdown
     parts = ["table", "electra", "attention", "data_stream", "sweep"]
     assert list(report["elapsed_s"]) == parts and report["finished_s"] > 0
     assert list(report["estimate_s"]) == ["start", *parts]
@@ -182,28 +181,28 @@ def test_bench_gpu_all_on_cpu(gpu_all_run):
         assert text in markdown, text
 
 
-def test_rows_are_written_as_measured_and_a_cut_run_is_reported(gpu_all_run, gpu_all, tmp_path):
+def test_rows_are_written_as_measured_and_a_cut_run_is_reported(suite_run, suite, tmp_path):
     # While the run went on, the rows file held some of the step-time table: the rows that were
     # finished, each one whole JSON line, the same as the run's final rows.
-    lines = complete_lines(gpu_all_run.cut)
+    lines = complete_lines(suite_run.cut)
     cut_rows = table_rows(lines)
     assert 2 <= len(cut_rows) < TABLE_ROWS
-    assert cut_rows == gpu_all_run.report["gpu"]["rows"][:len(cut_rows)]
+    assert cut_rows == suite_run.report["gpu"]["rows"][:len(cut_rows)]
     assert "run" in lines[0] and not any("elapsed_s" in line for line in lines)
     # A kill leaves those lines and perhaps one cut mid-write: --report-only reports the rows
     rows = tmp_path / "cut.rows.jsonl"
-    rows.write_text(gpu_all_run.cut.rstrip("\n") + "\n" + '{"part": "gpu", "key": "rows", "ro')
-    gpu_all.main(["--report-only", "--rows", str(rows), "--json", str(tmp_path / "cut.json")])
+    rows.write_text(suite_run.cut.rstrip("\n") + "\n" + '{"part": "gpu", "key": "rows", "ro')
+    suite.main(["--report-only", "--rows", str(rows), "--json", str(tmp_path / "cut.json")])
     report = json.loads((tmp_path / "cut.json").read_text())
     markdown = (tmp_path / "cut.md").read_text()
     assert report["gpu"]["rows"] == cut_rows and "finished_s" not in report
     assert "unfinished" in markdown and "## Attention candidates" not in markdown
-    for i, row in enumerate(gpu_all_run.report["gpu"]["rows"]):
+    for i, row in enumerate(suite_run.report["gpu"]["rows"]):
         assert (f"| {row['name']} | 32 |" in markdown) == (i < len(cut_rows)), row["name"]
     assert any(v["name"] == "bert-a / hf-bert samples/s" for v in report["verdicts"])
 
 
-def test_budget_skips_the_builds_that_do_not_fit(gpu_all_run, gpu_all, tmp_path, capsys):
+def test_budget_skips_the_builds_that_do_not_fit(suite_run, suite, tmp_path, capsys):
     # A clock of our own: each build takes 5 s, the guess is 2 s, the budget 8 s. The first build
     # fits its guess; then 3 s are left for the second, whose estimate is now the measured 5 s.
     now, built = [0.0], []
@@ -216,18 +215,18 @@ def test_budget_skips_the_builds_that_do_not_fit(gpu_all_run, gpu_all, tmp_path,
         return types.SimpleNamespace(model=row["model"], seq=row["seq"],
                                      padding=row["padding"], measure=measure)
 
-    paths = gpu_all.parse_args(["--json", str(tmp_path / "all.json")])
+    paths = suite.parse_args(["--json", str(tmp_path / "all.json")])
     with open(paths.rows, "w") as earlier:  # an earlier run's rows: moved aside, not replaced
         earlier.write('{"finished": 1}\n')
-    budget = gpu_all.Budget(8, lambda *kind: 2, clock=lambda: now[0], started=0)
-    first = gpu_all_run.lines
-    run = gpu_all.Run(paths, budget, None, first[0]["run"])
+    budget = suite.Budget(8, lambda *kind: 2, clock=lambda: now[0], started=0)
+    first = suite_run.lines
+    run = suite.Run(paths, budget, None, first[0]["run"])
     run.rows.write(**next(line for line in first if "head" in line and line["part"] == "gpu"))
-    run.measure_rows("table", (build(row) for row in gpu_all_run.report["gpu"]["rows"]))
+    run.measure_rows("table", (build(row) for row in suite_run.report["gpu"]["rows"]))
     assert built == ["hf-bert, real padding", "bert-a, real padding"]  # no later build made
     printed = capsys.readouterr().out
     assert "skipped: table rows from bert-a, real padding, seq 32 on (5 s estimated, " \
-        "3 s of the 8 s budget left); to run table alone: `python3 bench/gpu_all.py --parts " \
+        "3 s of the 8 s budget left); to run table alone: `python3 -m bench.gpu.suite --parts " \
         "table --json build/bench-gpu-all-table.json`" in printed
     report = json.loads((tmp_path / "all.json").read_text())
     assert [row["name"] for row in report["gpu"]["rows"]] == ["hf-bert, real padding"]
@@ -237,11 +236,11 @@ def test_budget_skips_the_builds_that_do_not_fit(gpu_all_run, gpu_all, tmp_path,
     assert len(aside) == 1 and (tmp_path / aside[0]).read_text() == '{"finished": 1}\n'
 
 
-def test_report_of_unprofiled_rows_on_cuda(gpu_all_run, gpu_all):
+def test_report_of_unprofiled_rows_on_cuda(suite_run, suite):
     # The CUDA plan profiles the real-padding rows only (--profiled-paddings real): the others
     # have no operator, launch or synchronisation counts, and the report says "-" for them.
     lines = []
-    for line in gpu_all_run.lines:
+    for line in suite_run.lines:
         if "run" in line:
             line = {"run": {**line["run"], "kind": "cuda"}}
         elif line.get("part") == "gpu" and line.get("key") in ("rows", "electra"):
@@ -253,8 +252,8 @@ def test_report_of_unprofiled_rows_on_cuda(gpu_all_run, gpu_all):
                        if key not in ("ops", "op_names", "phases")}
             line = {**line, "row": row}
         lines.append(line)
-    content = gpu_all.content_of(lines)
-    markdown = gpu_all.markdown(content)
+    content = suite.content_of(lines)
+    markdown = suite.markdown(content)
     assert "| bert-a, no padding | 32 | 4 x 2 |" in markdown
     unprofiled = next(line for line in markdown.splitlines()
                       if line.startswith("| bert-a, no padding | 32 | 4 x 2 |"))

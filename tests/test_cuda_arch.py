@@ -2,7 +2,7 @@
 
 import pytest
 
-from tupe_ds.cuda_arch import VARIABLE, deepspeed_arch_list, fit_cuda_arch_list
+from tupe_ds.machine.cuda_arch import VARIABLE, deepspeed_arch_list, fit_cuda_arch_list
 
 REWRITTEN = {"9.0a": "9.0", "8.0;9.0a": "8.0;9.0", "10.0f": "10.0", "9.0a+PTX": "9.0+PTX",
              "8.0 9.0a 10.0a": "8.0 9.0 10.0"}

@@ -1,4 +1,4 @@
-"""tupe_ds.demo_report: the masked-word accuracy `make demo` prints counts the [MASK] positions only
+"""tupe_ds.demo.report: the masked-word accuracy `make demo` prints counts the [MASK] positions only
 (a model that copies its input scores 0 there, one that knows the answers 1), next to the share
 of the most frequent answer; the held-out sentences it fills are masked at a whole word."""
 
@@ -7,7 +7,7 @@ from tokenizers import Tokenizer
 
 from tupe_ds.data.loader import Vocabulary
 from tupe_ds.data.masking import IGNORE_INDEX
-from tupe_ds import demo_report
+from tupe_ds.demo import report as demo_report
 
 SEQ = 64
 

@@ -7,9 +7,10 @@ import os
 import pytest
 
 from test_pretrain import CPU_CONFIG, ROOT
-from tupe_ds import doctor, launch
-from tupe_ds.demo import demo_launch
+from tupe_ds.demo.run import demo_launch
+from tupe_ds.distributed import launch
 from tupe_ds.finetune.run import main as finetune
+from tupe_ds.machine import doctor
 from tupe_ds.train.config import load
 
 HOPPER, AMPERE, VOLTA, KEPLER = (9, 0), (8, 0), (7, 0), (3, 7)
@@ -167,7 +168,7 @@ def test_check_only_prints_the_machine_report_then_the_layout(data, tmp_path, mo
 def test_doctor_for_a_slurm_job_names_each_problem_with_its_fix(tmp_path):
     """One problem planted per check: a port in the ephemeral range, the extension builds on a
     shared filesystem, --out and --data on a node's own disk; and no allocation at all."""
-    from tupe_ds.cluster_check import slurm_report
+    from tupe_ds.machine.cluster_check import slurm_report
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/home {tmp_path}/home nfs4 rw 0 0\n")

@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-from tupe_ds.parallel import ensure_model_parallel
+from tupe_ds.distributed.parallel import ensure_model_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_CONFIGS = ["bert_large_fp16.json", "bert_base_fp16.json", "bert_large_zero3_offload.json",
                "electra_base_fp16.json"]
-DEMO_CONFIGS = ["demo_bf16.json", "demo_fp16.json"]  # make demo on GPUs (tupe_ds/demo.py)
+DEMO_CONFIGS = ["demo_bf16.json", "demo_fp16.json"]  # make demo on GPUs (tupe_ds/demo/run.py)
 
 
 def read(name):

@@ -12,8 +12,8 @@ import torch
 from test_hf_export import assert_transformers_match, run_transformers
 from test_pretrain import CPU_CONFIG, ROOT, environment, free_port
 from tp_inputs import inputs
-from tupe_ds.export import ExportError, export
-from tupe_ds.exported import load_exported
+from tupe_ds.export.read import load_exported
+from tupe_ds.export.write import ExportError, export
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"zero2": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--zero-stage", "1"]}
@@ -47,7 +47,7 @@ def test_exported_model_gives_the_live_engines_logits(data, tmp_path, layout):
     assert_transformers_match(result)  # transformers' model gives the live engine's logits
     if layout == "zero2":  # the same folder loads where DeepSpeed cannot be imported
         code = ("import sys; sys.modules['deepspeed'] = None\n"
-                "from tupe_ds.exported import load_exported\n"
+                "from tupe_ds.export.read import load_exported\n"
                 f"model, config, kind = load_exported({str(tmp_path / 'exported')!r})\n"
                 "import torch; print(tuple(model(torch.ones(1, 8, dtype=torch.long)).shape))")
         result = subprocess.run([sys.executable, "-c", code], env=environment(),

@@ -1,8 +1,8 @@
-"""Outputs appear whole or not at all (tupe_ds/files.py)."""
+"""Outputs appear whole or not at all (tupe_ds/tools/files.py)."""
 
 import pytest
 
-from tupe_ds.files import replacing_folder, write_atomically
+from tupe_ds.tools.files import replacing_folder, write_atomically
 
 
 def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):

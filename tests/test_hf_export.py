@@ -19,9 +19,9 @@ from tp_inputs import inputs
 from tupe_ds.data.loader import MaskedSamples, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
-from tupe_ds.export import main as export_main
-from tupe_ds.export import save_exported
-from tupe_ds.exported import load_exported
+from tupe_ds.export.read import load_exported
+from tupe_ds.export.write import main as export_main
+from tupe_ds.export.write import save_exported
 from tupe_ds.finetune.run import main as finetune_main
 from tupe_ds.model.config import ENCODINGS
 
@@ -143,7 +143,7 @@ def test_exports_limit_length_mask_vocabulary_padding_and_stay_finite_in_fp16(da
     finite fp16 logits with eager attention and SDPA, for encodings with a positional mask and
     a causal one."""
     from transformers import PreTrainedTokenizerFast
-    from tupe_ds.hf.modeling_tupe import TupeForMaskedLM
+    from tupe_ds.export.hf.modeling_tupe import TupeForMaskedLM
 
     for encoding in ("bert-r", "tupe-r", "mask-nope"):
         torch.manual_seed(0)

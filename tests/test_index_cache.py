@@ -229,7 +229,7 @@ def test_a_filesystem_that_cannot_lock_names_the_folder_and_the_flag(tmp_path, m
     import errno
     import types
 
-    from tupe_ds import files
+    from tupe_ds.tools import files
 
     def refuse(handle, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

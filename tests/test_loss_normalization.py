@@ -19,7 +19,7 @@ import torch
 from test_pretrain import ROOT, log, train
 from tupe_ds.data.loader import MaskedSamples, Vocabulary
 from tupe_ds.data.packing import PackedSentences
-from tupe_ds.export import consolidated_state
+from tupe_ds.export.write import consolidated_state
 from tupe_ds.train.objectives import OBJECTIVES
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 3

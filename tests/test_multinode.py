@@ -76,7 +76,7 @@ def finished(cluster, job_id, out):
 
 
 def exported_weights(run, out):
-    from tupe_ds.export import export
+    from tupe_ds.export.write import export
 
     export(str(run), str(out))
     return load_file(os.path.join(out, "model.safetensors"))
@@ -223,7 +223,7 @@ def test_torchrun_on_two_nodes_with_the_rendezvous_on_node_1(two_nodes, data, on
 BUILDER = textwrap.dedent("""
     import json, os, socket, sys, time, types
     import tupe_ds.data.packing as packing
-    import tupe_ds.files as files
+    import tupe_ds.tools.files as files
     prefix, cache, ready = sys.argv[1:]
     files.fcntl = types.SimpleNamespace(  # a lock that holds on this node only
         flock=lambda handle, operation: None, LOCK_EX=0, LOCK_UN=0)

@@ -303,7 +303,7 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_before_deepspeed_reads
         reference, tmp_path):
     """A model file replaced by a pickle that runs a command, with a manifest rewritten to match
     (as its sender would): tupe-export names the file, and the command never runs."""
-    from tupe_ds.export import main as export_main
+    from tupe_ds.export.write import main as export_main
 
     run_dir = tmp_path / "sent"
     shutil.copytree(reference, run_dir)

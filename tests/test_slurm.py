@@ -18,7 +18,7 @@ from slurm_cluster import SlurmCluster, install_packages
 from test_compare import write_glue
 from test_data_prep import near_copy, run as prep, unique_document, write_txt
 from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log
-from tupe_ds import launch
+from tupe_ds.distributed import launch
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "1",
         "--eval-samples", "32"]
@@ -306,7 +306,8 @@ def test_doctor_in_the_test_clusters_allocation_says_what_the_ranks_will_use(clu
     out = tmp_path / "doctor.log"
     job = cluster.wait_until_done(cluster.sbatch(
         *SBATCH_ON_THIS_NODE, f"--output={out}", f"--chdir={ROOT}", "--wrap",
-        f"{sys.executable} -m tupe_ds.doctor --slurm --data {data} --out {tmp_path / 'run'}",
+        f"{sys.executable} -m tupe_ds.machine.doctor --slurm --data {data} "
+        f"--out {tmp_path / 'run'}",
         env=job_environment()))
     said = out.read_text()
     assert job["JobState"] == "COMPLETED", said[-3000:]

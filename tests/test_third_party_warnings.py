@@ -1,5 +1,5 @@
-"""tupe_ds.third_party_warnings: the commands start without megatron-core's import warnings, show
-them with --verbose or TUPE_DS_VERBOSE=1, and a warning that no filter names still shows."""
+"""tupe_ds.tools.third_party_warnings: the commands start without megatron-core's import
+warnings, show them with --verbose or TUPE_DS_VERBOSE=1, and a warning that no filter names still shows."""
 
 import logging
 import os
@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from test_pretrain import environment
-from tupe_ds import third_party_warnings
+from tupe_ds.tools import third_party_warnings
 
 BIN = os.path.dirname(sys.executable)
 

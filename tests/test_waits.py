@@ -11,7 +11,7 @@ import time
 import pytest
 
 from test_pretrain import CPU_CONFIG, environment, free_port
-from tupe_ds import doctor
+from tupe_ds.machine import doctor
 from tupe_ds.train import waits
 from tupe_ds.train.config import load
 
@@ -64,7 +64,7 @@ def test_extension_build_locks_no_live_build_holds_are_named_with_the_fix(tmp_pa
 def test_a_lock_on_a_shared_filesystem_is_not_called_stale(tmp_path, monkeypatch):
     """Another node's build does not show in this machine's process table: on NFS (or Lustre,
     BeeGFS...) an old lock nobody here holds is a warning saying so, not a refusal."""
-    from tupe_ds import extension_locks
+    from tupe_ds.machine import extension_locks
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/home {tmp_path / 'home'} nfs4 rw 0 0\n")

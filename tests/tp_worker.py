@@ -15,8 +15,8 @@ from megatron.core import parallel_state
 
 import tupe_ds
 from tp_inputs import inputs
+from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.model.kernel_layout import MaskedAttention
-from tupe_ds.parallel import end_distributed
 
 
 def gather_shards(param):

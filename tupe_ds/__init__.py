@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """The model API from tupe_ds.model, imported on first use, so that light modules
-    (tupe_ds.files, which data_prep uses) do not load torch and megatron-core."""
+    (tupe_ds.tools.files, which data_prep uses) do not load torch and megatron-core."""
     if name in __all__:
         return getattr(importlib.import_module("tupe_ds.model"), name)
     raise AttributeError(f"module 'tupe_ds' has no attribute {name!r}")

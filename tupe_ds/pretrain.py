@@ -13,11 +13,13 @@ SIGUSR1 saves a checkpoint and stops. Exit code 3: the run stopped itself (steps
 gradient was not finite), saying why.
 """
 
-import tupe_ds.third_party_warnings  # noqa: F401  (first: filters what others warn at import)
+import tupe_ds.tools.third_party_warnings  # noqa: F401  (first: filters what others warn at import)
 import sys
 
-from tupe_ds import doctor, launch
-from tupe_ds.parallel import end_distributed
+from tupe_ds.machine import doctor
+
+from tupe_ds.distributed import launch
+from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import TrainingStopped, train
 

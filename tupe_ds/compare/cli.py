@@ -13,7 +13,7 @@ Flags tupe-compare does not know go to every tupe-pretrain run. The same command
 what is unfinished and starts nothing that is done.
 """
 
-from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import contextlib
 import os

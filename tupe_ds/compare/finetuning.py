@@ -18,11 +18,11 @@ from tqdm import tqdm
 
 from tupe_ds.compare.launching import follow, launcher_command, read_status, record_status
 from tupe_ds.compare.plan import CompareError, Plan, Run
-from tupe_ds.exported import ExportError, read_export_description
-from tupe_ds.files import locked
+from tupe_ds.export.read import ExportError, read_export_description
 from tupe_ds.finetune import run as tupe_finetune
 from tupe_ds.finetune.progress import finetune_settings, finished
 from tupe_ds.finetune.tasks import TASKS
+from tupe_ds.tools.files import locked
 
 EPOCH_LINE = re.compile(r"^\S+ lr \S+ seed \S+ epoch \d+/\d+ train loss ")
 REUSED_LINE = re.compile(r"^\S+ lr \S+ seed \S+: done before ")
@@ -30,7 +30,7 @@ REUSED_LINE = re.compile(r"^\S+ lr \S+ seed \S+: done before ")
 
 def latest_checkpoint(plan: Plan, run: Run):
     """The run's latest checkpoint folder, None when it has none."""
-    from tupe_ds.export import find_checkpoint
+    from tupe_ds.export.write import find_checkpoint
 
     try:
         return find_checkpoint(plan.run_dir(run))[1]
@@ -41,7 +41,7 @@ def latest_checkpoint(plan: Plan, run: Run):
 def export_for(plan: Plan, run: Run) -> str:
     """OUT/exports/NAME: the run's latest checkpoint through tupe-export, redone only when the
     run has a newer checkpoint; one process exports at a time (Slurm array tasks share it)."""
-    from tupe_ds.export import export
+    from tupe_ds.export.write import export
 
     exported = plan.export_dir(run)
     os.makedirs(os.path.dirname(exported), exist_ok=True)

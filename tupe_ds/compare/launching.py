@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from tupe_ds.files import locked, write_atomically
+from tupe_ds.tools.files import locked, write_atomically
 
 LAUNCHERS = ("deepspeed", "torchrun")
 STATUS_FILE = "status.json"

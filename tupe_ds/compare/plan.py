@@ -8,9 +8,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from tupe_ds.doctor import probe
-from tupe_ds.files import write_atomically
 from tupe_ds.finetune.tasks import TASKS, TaskDataError, check_glue_task, glue_files
+from tupe_ds.machine.doctor import probe
+from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import latest_step
 from tupe_ds.train.config import load
 

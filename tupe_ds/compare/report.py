@@ -14,8 +14,8 @@ from tupe_ds.compare.launching import read_status
 from tupe_ds.compare.plan import Plan, Run
 from tupe_ds.compare.results import (encoding_curve, race_to_baseline, read_description,
                                      run_record)
-from tupe_ds.files import write_atomically
 from tupe_ds.model.config import ENCODINGS
+from tupe_ds.tools.files import write_atomically
 
 POSITIONS_SHOWN = 128  # the first positions of the positional-logit heatmaps
 
@@ -23,7 +23,7 @@ POSITIONS_SHOWN = 128  # the first positions of the positional-logit heatmaps
 def positional_figures(plan: Plan, records: list) -> dict:
     """For each encoding with content-free positional logits: the first seed with a checkpoint,
     exported, its [heads, n, n] logits drawn to figures/positional-ENCODING.png."""
-    from tupe_ds.exported import load_exported
+    from tupe_ds.export.read import load_exported
 
     found = {}
     for encoding in plan.encodings:

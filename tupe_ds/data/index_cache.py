@@ -21,7 +21,7 @@ from typing import Callable, Tuple
 
 import numpy as np
 
-from tupe_ds.files import locked, temporary_name
+from tupe_ds.tools.files import locked, temporary_name
 
 
 def content_digest(*arrays: np.ndarray) -> str:

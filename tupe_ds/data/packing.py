@@ -22,7 +22,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from tupe_ds.data.index_cache import LOCK_FIX, cached_array, content_digest
-from tupe_ds.files import locked, write_atomically
+from tupe_ds.tools.files import locked, write_atomically
 
 PACKING_RULE = "full-sentences/1"  # change it whenever pack() would return something else
 

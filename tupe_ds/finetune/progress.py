@@ -11,7 +11,7 @@ import json
 import os
 from typing import Optional
 
-from tupe_ds.files import write_atomically
+from tupe_ds.tools.files import write_atomically
 
 
 def finetune_settings(args, task, model_source: Optional[str], valid: dict) -> dict:

@@ -5,8 +5,8 @@ import json
 import os
 import statistics
 
-from tupe_ds.files import locked, write_atomically
 from tupe_ds.finetune.tasks import TASKS, Task
+from tupe_ds.tools.files import locked, write_atomically
 
 
 def write_reports(out: str, task: Task, runs: dict, settings: dict) -> dict:

@@ -13,7 +13,7 @@ final dev-set metric, and the task the best configuration. OUT gets TASK.md / TA
 seed, the medians) and results.md / results.json: the best of every task fine-tuned into OUT.
 """
 
-from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import math
 import os
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tupe_ds import launch
-from tupe_ds.exported import ExportError, exported_config, load_exported
+from tupe_ds.distributed import launch
+from tupe_ds.distributed.parallel import accelerator_device, end_distributed
+from tupe_ds.export.read import ExportError, exported_config, load_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.progress import Progress, finetune_settings, finished
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
 from tupe_ds.model.layers import embed
-from tupe_ds.parallel import accelerator_device, end_distributed
 from tupe_ds.train.optim import parameter_groups
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]

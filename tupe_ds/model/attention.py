@@ -17,9 +17,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from tupe_ds.distributed.parallel import tensor_parallel_rng
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.kernel_layout import Layout
-from tupe_ds.parallel import tensor_parallel_rng
 
 
 class BiasedCoreAttention(MegatronModule):

@@ -13,8 +13,8 @@ from torch import Tensor
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import (Encoder, MaskedLMHead, at_labelled, embed, masked_lm_loss,
                                   token_embedding)
-from tupe_ds.parallel import (accelerator_device, ensure_model_parallel, gather_tensor_parallel,
-                              seed_tensor_parallel_rng)
+from tupe_ds.distributed.parallel import (accelerator_device, ensure_model_parallel,
+                                          gather_tensor_parallel, seed_tensor_parallel_rng)
 
 
 class BertForMaskedLM(MegatronModule):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from tupe_ds.parallel import accelerator_device
+from tupe_ds.distributed.parallel import accelerator_device
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from torch.profiler import record_function
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import (Encoder, MaskedLMHead, at_labelled, embed, labelled_positions,
                                   masked_lm_loss, token_embedding)
-from tupe_ds.parallel import (accelerator_device, ensure_model_parallel, gather_tensor_parallel,
-                              seed_tensor_parallel_rng)
+from tupe_ds.distributed.parallel import (accelerator_device, ensure_model_parallel,
+                                          gather_tensor_parallel, seed_tensor_parallel_rng)
 
 DISCRIMINATOR_WEIGHT = 50.0
 PAIRS = {  # --model with --objective electra: (discriminator preset, generator preset)

@@ -12,10 +12,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 from tupe_ds.data.masking import IGNORE_INDEX
+from tupe_ds.distributed.parallel import gather_tensor_parallel
 from tupe_ds.model.attention import encoder_layer_spec
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.positional import PositionalEncoding
-from tupe_ds.parallel import gather_tensor_parallel
 
 
 def token_embedding(config: ModelConfig, tconfig: TransformerConfig) -> LanguageModelEmbedding:

@@ -27,11 +27,11 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 from torch import Tensor, nn
 
+from tupe_ds.distributed.parallel import gather_tensor_parallel
 from tupe_ds.model.bert import BertForMaskedLM
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import embed
 from tupe_ds.model.pipeline_names import POSITIONAL, WORD_EMBEDDINGS
-from tupe_ds.parallel import gather_tensor_parallel
 
 
 class EmbeddingPipe(nn.Module):

@@ -10,7 +10,7 @@ from typing import Optional
 
 from tokenizers import Tokenizer
 
-from tupe_ds import doctor
+from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.train import nonfinite

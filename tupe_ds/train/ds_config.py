@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Tuple
 
-from tupe_ds import doctor
-from tupe_ds.launch import processes_on_this_node
+from tupe_ds.distributed.launch import processes_on_this_node
+from tupe_ds.machine import doctor
 from tupe_ds.train.flags import fail
 
 

@@ -6,10 +6,10 @@ import dataclasses
 import os
 
 from tupe_ds.data import blend
-from tupe_ds.files import file_digest
 from tupe_ds.model.config import ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
-from tupe_ds.third_party_warnings import add_verbose_flag
+from tupe_ds.tools.files import file_digest
+from tupe_ds.tools.third_party_warnings import add_verbose_flag
 from tupe_ds.train import normalization
 
 DATA_STREAMS = {

@@ -12,16 +12,16 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
-from tupe_ds.cuda_arch import fit_cuda_arch_list
 from tupe_ds.data import blend
 from tupe_ds.data.blend import BlendedSamples
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import made_ahead
-from tupe_ds.extension_locks import extension_locks, extensions_root, lock_text
-from tupe_ds.files import write_atomically
+from tupe_ds.distributed.parallel import MegatronMPU, accelerator_device, seed_tensor_parallel_rng
+from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
+from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
-from tupe_ds.parallel import MegatronMPU, accelerator_device, seed_tensor_parallel_rng
+from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import reshard, resume
 from tupe_ds.train.checkpoint.save import NonFiniteWeights, save

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from tupe_ds.parallel import to_device
+from tupe_ds.distributed.parallel import to_device
 
 PER_TOKEN, MICRO_BATCH = "per-token", "micro-batch"
 MODES = (PER_TOKEN, MICRO_BATCH)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch.profiler import record_function
 
+from tupe_ds.distributed.parallel import gather_tensor_parallel, to_device
 from tupe_ds.model.layers import labelled_positions, masked_lm_loss
-from tupe_ds.parallel import gather_tensor_parallel, to_device
 from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import add
 
@@ -44,7 +44,7 @@ class EngineSteps:
         return batch, loss, output
 
     def train(self, micro_batches, totals: dict) -> None:
-        """The phases are named for torch.profiler (`step/...`): bench/gpu.py times them."""
+        """The phases are named for torch.profiler (`step/...`): bench/gpu/step_time.py times them."""
         micro_batches = list(micro_batches)
         denominators, share = self.normalization.divisors(micro_batches, per_token=False)
         for batch in micro_batches:

@@ -15,7 +15,7 @@ import shutil
 import time
 from typing import List, Optional
 
-from tupe_ds.files import write_atomically
+from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import manifest
 
 TAG = re.compile(r"^step(\d+)$")

@@ -12,7 +12,7 @@ from typing import List, Sequence
 
 from tupe_ds.data.blend import Source, whole_shares
 from tupe_ds.data.packing import dataset_digest
-from tupe_ds.files import file_digest
+from tupe_ds.tools.files import file_digest
 
 # ModelConfig fields that choose how the same model is computed or split, not what it is
 HOW_COMPUTED = ("tensor_parallel_size", "attention", "key_padding", "untied_as_columns",

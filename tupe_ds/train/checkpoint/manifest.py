@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import xxhash
 
-from tupe_ds.files import write_atomically
+from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import safe_load
 
 MANIFEST = "manifest.json"

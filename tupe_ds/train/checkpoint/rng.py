@@ -6,7 +6,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from megatron.core import tensor_parallel
 
-from tupe_ds.parallel import seed_tensor_parallel_rng
+from tupe_ds.distributed.parallel import seed_tensor_parallel_rng
 from tupe_ds.train.checkpoint import safe_load
 
 

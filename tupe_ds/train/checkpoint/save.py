@@ -16,7 +16,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from tupe_ds.files import write_atomically
+from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import manifest, reshard
 from tupe_ds.train.checkpoint.rng import file_name, rng_state

@@ -8,8 +8,9 @@ table of this node.
 
 from typing import List, Optional
 
-from tupe_ds.extension_locks import SHARED_FILESYSTEMS, extensions_root, filesystem_type
-from tupe_ds.launch import SRUN_PORTS, first_host, srun_port
+from tupe_ds.distributed.launch import SRUN_PORTS, first_host, srun_port
+from tupe_ds.machine.extension_locks import SHARED_FILESYSTEMS, extensions_root, filesystem_type
+from tupe_ds.machine.findings import Finding
 
 NETWORK_VARIABLES = ("NCCL_", "GLOO_", "UCX_", "FI_")  # prefixes of the interface settings
 
@@ -18,8 +19,6 @@ def slurm_report(environ, backend: str, data: Optional[str], out: Optional[str],
                  mounts: str = "/proc/mounts") -> tuple:
     """(lines describing what the ranks will use, findings [(fatal, text)]) for the allocation
     `environ` describes."""
-    from tupe_ds.doctor import Finding
-
     if "SLURM_JOB_ID" not in environ:
         return [], [Finding(True, "--slurm: no Slurm allocation here (SLURM_JOB_ID is not set); "
                                   "run it in the batch script or under salloc")]

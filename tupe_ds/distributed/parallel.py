@@ -215,4 +215,5 @@ def tensor_parallel_rng():
         return contextlib.nullcontext()
     raise RuntimeError("dropout under tensor parallelism needs a generator per tensor-parallel "
                        "rank: build the model with tupe_ds.build_model, or call "
-                       "tupe_ds.parallel.seed_tensor_parallel_rng(seed) before training")
+                       "tupe_ds.distributed.parallel.seed_tensor_parallel_rng(seed) "
+                       "before training")

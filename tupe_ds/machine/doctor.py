@@ -10,10 +10,10 @@ optimizer that needs a compiler that is not there, more processes than GPUs, env
 variables known to break DeepSpeed, a lock in the torch extensions folder that no live build
 holds (every run would wait on it forever). `tupe-pretrain --check-only` prints the same. With
 --slurm, also what the ranks of a job in this allocation will use and what will go wrong across
-its nodes (tupe_ds/cluster_check.py). Exit code 1 when a finding would stop the run.
+its nodes (tupe_ds/machine/cluster_check.py). Exit code 1 when a finding would stop the run.
 """
 
-from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import json
 import os
@@ -22,8 +22,10 @@ import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from tupe_ds.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
-from tupe_ds.extension_locks import extension_locks, is_stale, lock_text
+from tupe_ds.machine.cluster_check import slurm_report
+from tupe_ds.machine.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
+from tupe_ds.machine.extension_locks import extension_locks, is_stale, lock_text
+from tupe_ds.machine.findings import Finding
 
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
 FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
@@ -75,12 +77,6 @@ def probe(environ=os.environ) -> Machine:
                 "deepspeed": version("deepspeed"), "megatron-core": version("megatron-core")}
     return Machine(accelerator=accelerator, gpus=gpus, capabilities=capabilities,
                    versions=versions)
-
-
-@dataclass(frozen=True)
-class Finding:
-    fatal: bool  # the run would fail; else a warning
-    text: str  # what is wrong and what to change
 
 
 def precision(ds_config: dict) -> str:
@@ -220,8 +216,6 @@ def main(argv=None) -> int:
         print(f"tupe-doctor: error: --ds-config {args.ds_config}: {error}", file=sys.stderr)
         return 2
     if args.slurm:
-        from tupe_ds.cluster_check import slurm_report
-
         backend = "nccl" if machine.accelerator == "cuda" and machine.gpus else "gloo"
         lines, slurm_findings = slurm_report(os.environ, backend, args.data, args.out)
         print("\n".join(["slurm:", *(f"  {line}" for line in lines)]))

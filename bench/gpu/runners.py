@@ -1,4 +1,4 @@
-"""bench/gpu.py's batches and the three steps it times, each as a runner with step(), module()
+"""bench/gpu/step_time.py's batches and the three steps it times, each as a runner with step(), module()
 and close(): Hugging Face's BERT with torch AMP, our model under deepspeed.initialize, and
 tupe_ds.pretrain's own step (EngineSteps) for the ELECTRA-vs-BERT rows."""
 
@@ -12,19 +12,19 @@ import torch
 from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
-from real_lengths import padding_mask, real_lengths
+from bench.real_lengths import padding_mask, real_lengths
 from tupe_ds.data.masking import generator_draws
+from tupe_ds.distributed.parallel import MegatronMPU
 from tupe_ds.model import ModelConfig, build_model
 from tupe_ds.model.config import DTYPES
 from tupe_ds.model.layers import labelled_positions
-from tupe_ds.parallel import MegatronMPU
 from tupe_ds.train.monitor import flops_per_step
 from tupe_ds.train.normalization import PER_TOKEN, LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import EngineSteps
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # --padding values: how the samples of a batch are padded, and the words a row's name gets.
 PADDINGS = {"real": "real padding", "none": "no padding"}
 

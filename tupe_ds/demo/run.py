@@ -1,5 +1,5 @@
 """`make demo`: pretrain a tiny TUPE-R BERT on the bundled corpus with what this machine has,
-then show what it learned (tupe_ds/demo_report.py).
+then show what it learned (tupe_ds/demo/report.py).
 
 On GPUs: every GPU it finds (up to 8) in bf16 where they all have it, else fp16
 (ds_configs/demo_bf16.json, demo_fp16.json); without one: 2 CPU processes in fp32 with ZeRO-2
@@ -9,16 +9,16 @@ The tiny model's settings are TINY_MODEL_SETTINGS, on the corpus prepared with a
 vocabulary of 8,192, 300 steps) it learned word frequencies and nothing else.
 """
 
-from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import os
 import subprocess
 import sys
 
-from tupe_ds import doctor
-from tupe_ds.demo_report import report
+from tupe_ds.demo.report import report
+from tupe_ds.machine import doctor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_GPUS = 8
 CPU_PROCESSES = 2
 # What a 2-layer, 64-wide model needs to learn more than word frequencies in minutes (measured on
@@ -40,7 +40,8 @@ def demo_launch(machine: doctor.Machine) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tupe_ds.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tupe_ds.demo.run",
+                                description=__doc__.split("\n")[0])
     add_verbose_flag(p)
     p.add_argument("--data", default="build/sample-prep-2048")
     p.add_argument("--out", default="build/demo-run")

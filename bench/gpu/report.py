@@ -1,4 +1,4 @@
-"""bench/gpu.py's verdicts (the issue's ratios with their targets) and its report, as markdown:
+"""bench/gpu/step_time.py's verdicts (the issue's ratios with their targets) and its report, as markdown:
 the header, the step-time table, the verdicts, the operators ours has more of than HF's, the
 host synchronisations, the ELECTRA pair and the ZeRO sweep."""
 
@@ -7,9 +7,9 @@ from importlib.metadata import version
 import deepspeed
 import torch
 
-from gpu_markdown import table, verdict, verdict_table
-from gpu_measure import HF, machine_name, ours_name
-from gpu_runners import PADDINGS
+from bench.gpu.markdown import table, verdict, verdict_table
+from bench.gpu.measure import HF, machine_name, ours_name
+from bench.gpu.runners import PADDINGS
 
 ELECTRA_TARGET = 1.5  # ELECTRA step time at most this times BERT's of the discriminator's size
 
@@ -22,7 +22,7 @@ def target_seq(settings) -> int:
 def table_verdicts(settings, rows: list) -> list:
     """Per seq and padding: ours / HF samples/s >= 1.1; tupe-a, tupe-r / bert-a step time <= 1.05,
     1.15 (at target_seq; elsewhere informational); bert-a's, tupe-r's operators <= HF's (rows
-    with operator counts). Each verdict whose rows were measured (gpu_all.py skips what does not
+    with operator counts). Each verdict whose rows were measured (suite.py skips what does not
     fit its time budget)."""
     by = {(r["model"], r["seq"], r["padding"]): r for r in rows}
     out = []
@@ -67,7 +67,7 @@ def electra_verdicts(electra: list) -> list:
 
 
 def result_verdicts(settings, result: dict) -> list:
-    """The verdicts of bench/gpu.py's result: the table's, then the ELECTRA pair's."""
+    """The verdicts of bench/gpu/step_time.py's result: the table's, then the ELECTRA pair's."""
     return table_verdicts(settings, result["rows"]) + electra_verdicts(result["electra"])
 
 
@@ -185,7 +185,7 @@ def header(settings, config: dict) -> dict:
 
 
 def report(settings, result: dict) -> str:
-    """The whole report of one run of bench/gpu.py (`result` as its JSON holds it)."""
+    """The whole report of one run of bench/gpu/step_time.py (`result` as its JSON holds it)."""
     lines = [f"- {key}: {value}" for key, value in result["header"].items()]
     lines += ["", *step_table(settings, result["rows"]), "",
               f"Verdicts (informational: the exit code is 0 either way; step-time targets at "

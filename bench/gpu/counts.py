@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Leaf aten operators that launch no kernel: views and metadata, allocations without a fill, and
 # contiguous/reshape/to when they copy nothing (when they copy, the copy is their aten child and is
 # counted instead). DeepSpeed's compiled extensions (FusedAdam) are no aten operators: not counted.

@@ -73,8 +73,8 @@ def add_verbose_flag(parser) -> None:
     """--verbose, read by quiet() at import, listed in the command's help."""
     parser.add_argument("--verbose", action="store_true",
                         help="show third-party warnings too (the ones tupe_ds filters say "
-                             f"nothing to a user: tupe_ds/third_party_warnings.py); {VERBOSE}=1 "
-                             "likewise")
+                             "nothing to a user: tupe_ds/tools/third_party_warnings.py); "
+                             f"{VERBOSE}=1 likewise")
 
 
 quiet()

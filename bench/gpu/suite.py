@@ -1,24 +1,24 @@
 """Every GPU measurement in one go, on one GPU: each row written as it is measured, one JSON and
 one markdown report made from them.
 
-    source .whl/setup.sh && python3 bench/gpu_all.py # on the H100 (../shared/gpu/wheels.sh)
+    source .whl/setup.sh && python3 -m bench.gpu.suite # on the H100 (../shared/gpu/wheels.sh)
     make bench-gpu-all                               # the same; without nvidia-smi: tiny plan
-    python3 bench/gpu_all.py --report-only           # the reports of the rows file alone
+    python3 -m bench.gpu.suite --report-only           # the reports of the rows file alone
 
 Parts (--parts), in this order:
-1. table: bench/gpu.py's step time, our DeepSpeed step against Hugging Face's BertForMaskedLM +
+1. table: bench/gpu/step_time.py's step time, our DeepSpeed step against Hugging Face's BertForMaskedLM +
    torch AMP, BERT-Large at seq 128 and 512, every encoding, padded as the training loader pads
    (real) and unpadded;
-2. electra: bench/gpu.py's ELECTRA-Base against BERT-Base (both paddings);
+2. electra: bench/gpu/step_time.py's ELECTRA-Base against BERT-Base (both paddings);
 3. attention: bench/attention.py's kernel-layout candidates (key padding, TUPE-A's columns, head
    multiples 8 and 64) at BERT-Large shapes, seq 512;
 4. data_stream: bench/data_stream.py's samples/s on one core of this machine (its tiny synthetic
    corpus: the rate, not the start-up at BERT's size);
-5. sweep: bench/gpu.py's ZeRO stage x micro-batch sweep of bert-a at seq 128 (real padding).
-Without CUDA the tiny plan: gpu.py at its tiny width but BERT-Large's depth (24 layers, where
+5. sweep: bench/gpu/step_time.py's ZeRO stage x micro-batch sweep of bert-a at seq 128 (real padding).
+Without CUDA the tiny plan: step_time.py at its tiny width but BERT-Large's depth (24 layers, where
 the operator counts per step are BERT-Large's), one step each; the other parts at tiny sizes.
 
-Each row (a model build of gpu.py, a padding's attention candidates, the data stream's figures)
+Each row (a model build of step_time.py, a padding's attention candidates, the data stream's figures)
 is appended to the rows file (--rows, JSON lines) and flushed to disk as soon as it is measured;
 the JSON and markdown are made from that file after each part, and by --report-only from the file
 alone: a run cut at any point keeps every finished row. A rows file of an earlier run is moved
@@ -43,19 +43,18 @@ import time
 import psutil
 from deepspeed.accelerator import get_accelerator
 
-import attention
-import data_stream
-import gpu
-from gpu_markdown import table, verdict, verdict_table
-from gpu_measure import BUILDS
-from gpu_report import report as gpu_report
-from gpu_report import result_verdicts
-from gpu_runners import PADDINGS
-from tupe_ds.files import write_atomically
-from tupe_ds.parallel import end_distributed
+from bench import attention, data_stream
+from bench.gpu import step_time
+from bench.gpu.markdown import table, verdict, verdict_table
+from bench.gpu.measure import BUILDS
+from bench.gpu.report import report as gpu_report
+from bench.gpu.report import result_verdicts
+from bench.gpu.runners import PADDINGS
+from tupe_ds.distributed.parallel import end_distributed
+from tupe_ds.tools.files import write_atomically
 
 PARTS = ("table", "electra", "attention", "data_stream", "sweep")  # in the order they run
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLANS = {  # the flags of each part, per device kind
     "cuda": {"gpu": ["--steps", "3", "--warmup", "1", "--sweep-zero-stages", "0,1,2",
                      "--sweep-micro-batches", "64,128", "--profiled-paddings", "real"],
@@ -86,7 +85,7 @@ DATA_STREAM_TARGETS = {128: 20_000, 512: 6_000}
 
 
 def guess_s(settings, kind: str, part: str, seq: int = None, padding: str = None) -> float:
-    """GUESSES' seconds for one row of `part` (gpu.py's: its build, warm-up, timed steps and, for
+    """GUESSES' seconds for one row of `part` (step_time.py's: its build, warm-up, timed steps and, for
     a profiled padding, the profiled steps and reading their events), or for the whole of
     attention or data_stream."""
     guess = GUESSES[kind]
@@ -216,13 +215,13 @@ def content_of(lines: list) -> dict:
 
 
 def gpu_settings_of(content: dict) -> argparse.Namespace:
-    """gpu.py's settings as its report reads them, from the flags its result holds."""
+    """step_time.py's settings as its report reads them, from the flags its result holds."""
     return argparse.Namespace(**content["gpu"]["args"], cuda=content["kind"] == "cuda")
 
 
 def markdown(content: dict) -> str:
     estimate = content["estimate_s"]
-    lines = [f"# bench/gpu_all.py, {content['date']}, commit {content['commit']}", "",
+    lines = [f"# bench/gpu/suite.py, {content['date']}, commit {content['commit']}", "",
              f"Estimated (guessed timings, not measured): {sum(estimate.values()) / 60:.1f} min ("
              + ", ".join(f"{part} {s:.0f} s" for part, s in estimate.items())
              + f"); budget {content['budget_s']:.0f} s.", "",
@@ -233,7 +232,7 @@ def markdown(content: dict) -> str:
              "", *[f"Skipped: {why}\n" for why in content["skipped"]],
              "## All verdicts", "", *verdict_table(content["verdicts"])]
     if "gpu" in content:
-        lines += ["", "## Step time, ELECTRA, ZeRO sweep (bench/gpu.py)", "",
+        lines += ["", "## Step time, ELECTRA, ZeRO sweep (bench/gpu/step_time.py)", "",
                   gpu_report(gpu_settings_of(content), content["gpu"])]
     if "attention" in content:
         lines += ["## Attention candidates (bench/attention.py)", "",
@@ -275,7 +274,7 @@ class Budget:
 
 
 class Run:
-    """One run: its rows file, its budget, gpu.py's settings, and the report files made from the
+    """One run: its rows file, its budget, step_time.py's settings, and the report files made from the
     rows after each part."""
 
     def __init__(self, paths: argparse.Namespace, budget: Budget, gpu_settings, facts: dict):
@@ -294,7 +293,7 @@ class Run:
         layers = f" --layers {self.paths.layers}" if self.paths.layers else ""
         why = (f"{what} ({estimate:.0f} s estimated, {max(left, 0):.0f} s of the "
                f"{self.budget.seconds:.0f} s budget left); to run {part} alone: "
-               f"`python3 bench/gpu_all.py --parts {part}{layers} "
+               f"`python3 -m bench.gpu.suite --parts {part}{layers} "
                f"--json build/bench-gpu-all-{part}.json`")
         print(f"skipped: {why}", flush=True)
         self.rows.write(skipped=why)
@@ -309,7 +308,7 @@ class Run:
         write_reports(self.paths)
 
     def measure_rows(self, part: str, builds) -> None:
-        """gpu.py's `part`, one Build at a time while the next fits, each row written when
+        """step_time.py's `part`, one Build at a time while the next fits, each row written when
         measured."""
         started = time.perf_counter()
         for build in builds:
@@ -318,7 +317,7 @@ class Run:
             if not self.fits(kind, f"{part} rows from {where} on"):
                 break
             row = self.budget.timed(kind, lambda: build.measure(self.gpu_settings))
-            self.write_rows("gpu", gpu.PARTS[part], [row])
+            self.write_rows("gpu", step_time.PARTS[part], [row])
         self.done(part, started)
 
     def attention(self, argv: list) -> None:
@@ -374,20 +373,20 @@ def main(argv=None) -> None:
     plan = PLANS[kind]
     if paths.layers:
         plan = {**plan, "gpu": [*plan["gpu"], "--layers", str(paths.layers)]}
-    gpu_settings = gpu.parse_args(plan["gpu"])
+    gpu_settings = step_time.parse_args(plan["gpu"])
     estimate = estimate_s(gpu_settings, kind, paths.parts)
     parts_s = ", ".join(f"{part} {s:.0f} s" for part, s in estimate.items())
-    print(f"bench/gpu_all.py, {kind} plan: estimated {sum(estimate.values()) / 60:.1f} min, from "
+    print(f"bench/gpu/suite.py, {kind} plan: estimated {sum(estimate.values()) / 60:.1f} min, from "
           f"guessed timings: not measured ({parts_s}); budget {paths.budget_s:.0f} s; rows to "
           f"{paths.rows}", flush=True)
     budget = Budget(paths.budget_s, functools.partial(guess_s, gpu_settings, kind))
     run = Run(paths, budget, gpu_settings, dict(
         date=time.strftime("%Y-%m-%d"), commit=commit(), kind=kind, plan=plan, parts=paths.parts,
         estimate_s=estimate, budget_s=paths.budget_s))
-    if set(paths.parts) & set(gpu.PARTS):
-        run.rows.write(part="gpu", head=gpu.start(gpu_settings))
+    if set(paths.parts) & set(step_time.PARTS):
+        run.rows.write(part="gpu", head=step_time.start(gpu_settings))
     for part in paths.parts:
-        if part in gpu.PARTS:
+        if part in step_time.PARTS:
             run.measure_rows(part, BUILDS[part](gpu_settings))
         elif part == "attention":
             run.attention(plan["attention"])

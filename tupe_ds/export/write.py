@@ -19,7 +19,7 @@ fine-tune) or, for transformers, the generator.
 installed).
 """
 
-from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import dataclasses
 import glob
@@ -35,21 +35,21 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from tupe_ds.files import replacing_folder
-from tupe_ds.exported import ExportError
-from tupe_ds.hf.convert import write_folder
+from tupe_ds.distributed.parallel import end_distributed, ensure_model_parallel
+from tupe_ds.export.hf.convert import write_folder
+from tupe_ds.export.read import ExportError
 from tupe_ds.model.bert import BertForMaskedLM
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
-from tupe_ds.parallel import end_distributed, ensure_model_parallel
+from tupe_ds.tools.files import replacing_folder
 from tupe_ds.train.checkpoint import manifest, safe_load
 from tupe_ds.train.checkpoint.folder import latest_step, tag_of
 
 FORMATS = {
     "hf": "a transformers model (AutoModel* with trust_remote_code=True, AutoTokenizer): "
           "config.json, configuration_tupe.py, modeling_tupe.py, model.safetensors, tokenizer "
-          "files (tupe_ds/hf/)",
+          "files (tupe_ds/export/hf/)",
     "tupe": "tupe_ds's own, as earlier versions wrote it: model.safetensors with tupe_ds's "
             "names, config.json (the ModelConfig), tokenizer.json",
 }

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 from tupe_ds.data.loader import MaskedSamples, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX
 from tupe_ds.data.packing import PackedSentences
-from tupe_ds.export import export
-from tupe_ds.exported import load_exported
+from tupe_ds.export.read import load_exported
+from tupe_ds.export.write import export
 from tupe_ds.train.flags import index_cache
 
 SENTENCES = 3  # held-out sentences filled

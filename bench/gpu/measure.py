@@ -1,4 +1,4 @@
-"""bench/gpu.py's measurements: the process group, the matmul peak, and the rows (build a runner,
+"""bench/gpu/step_time.py's measurements: the process group, the matmul peak, and the rows (build a runner,
 time it, count what one step asks for, free it): the table, the ELECTRA pair, the ZeRO sweep,
 each a generator of Builds, so that a caller can measure (or skip) one row at a time."""
 
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
-from gpu_counts import count_ops, count_syncs
-from gpu_runners import (PADDINGS, HFRunner, OursRunner, TrainingStepRunner, ds_config,
+from bench.gpu.counts import count_ops, count_syncs
+from bench.gpu.runners import (PADDINGS, HFRunner, OursRunner, TrainingStepRunner, ds_config,
                          make_batches)
 from tupe_ds.model.config import DTYPES
 from tupe_ds.model.electra import PAIRS
@@ -39,7 +39,7 @@ ELECTRA_ROWS = {
 
 
 def init_distributed(cuda: bool) -> None:
-    """A 1-process group when started without a launcher (`python bench/gpu.py`)."""
+    """A 1-process group when started without a launcher (`python -m bench.gpu.step_time`)."""
     if not dist.is_initialized():
         if "MASTER_PORT" not in os.environ:
             with socket.socket() as s:
@@ -51,7 +51,7 @@ def init_distributed(cuda: bool) -> None:
         backend = get_accelerator().communication_backend_name() if cuda else "gloo"
         deepspeed.init_distributed(dist_backend=backend)
     if dist.get_world_size() != 1:
-        raise SystemExit("bench/gpu.py measures one GPU: run it with deepspeed --num_gpus 1")
+        raise SystemExit("bench/gpu/step_time.py measures one GPU: run it with deepspeed --num_gpus 1")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 
@@ -209,5 +209,5 @@ def electra_builds(settings):
                 extra={"config": path})
 
 
-# bench/gpu.py's parts, in the order it runs them: the rows each measures, one Build at a time.
+# bench/gpu/step_time.py's parts, in the order it runs them: the rows each measures, one Build at a time.
 BUILDS = {"table": table_builds, "electra": electra_builds, "sweep": sweep_builds}

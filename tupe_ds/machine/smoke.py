@@ -7,7 +7,7 @@ Every model sees the same fixed masked-LM batch, so the loss must fall as it mem
 that does not fall, or is not finite, makes the command exit non-zero.
 """
 
-from tupe_ds.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
 import argparse
 import math
 import sys
@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 from tupe_ds.data.masking import IGNORE_INDEX
+from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.model import ENCODINGS, PRESETS, build_model
-from tupe_ds.parallel import accelerator_device
 
 MASK_PROBABILITY = 0.15
 

@@ -1,6 +1,6 @@
 """One GPU, one run: Hugging Face's BERT with torch AMP next to our full DeepSpeed step, BERT-Large.
 
-    deepspeed --num_gpus 1 bench/gpu.py [--json build/bench-gpu.json]   # or: python bench/gpu.py
+    deepspeed --num_gpus 1 --module bench.gpu.step_time [--json build/bench-gpu.json]   # or: python -m bench.gpu.step_time
     make bench-gpu                                                         # CPU: a tiny size
 
 In one process, one model at a time (each engine and model freed, with the accelerator's cache,
@@ -42,13 +42,13 @@ from typing import Optional
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from gpu_measure import BUILDS, init_distributed, matmul_peak
-from gpu_report import header, report, result_verdicts
-from gpu_runners import PADDINGS, ds_config, fused_adamw_supported, model_config
-from tupe_ds.cuda_arch import fit_cuda_arch_list
-from tupe_ds.files import write_atomically
+from bench.gpu.measure import BUILDS, init_distributed, matmul_peak
+from bench.gpu.report import header, report, result_verdicts
+from bench.gpu.runners import PADDINGS, ds_config, fused_adamw_supported, model_config
+from tupe_ds.distributed.parallel import end_distributed
+from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.model.config import DTYPES
-from tupe_ds.parallel import end_distributed
+from tupe_ds.tools.files import write_atomically
 
 SHIPPED_CONFIG = "ds_configs/bert_large_fp16.json"
 CUDA_SIZE = dict(layers=24, hidden=1024, heads=16, ffn=4096, vocab=32768, seqs="128,512",

@@ -9,7 +9,7 @@ import os
 
 from safetensors.torch import load_file
 
-from tupe_ds.hf.convert import from_transformers
+from tupe_ds.export.hf.convert import from_transformers
 from tupe_ds.model.bert import build_model
 from tupe_ds.model.config import ModelConfig
 

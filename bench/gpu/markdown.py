@@ -1,4 +1,5 @@
-"""Markdown tables and verdicts for the GPU benchmarks (bench/gpu.py, attention.py, gpu_all.py).
+"""Markdown tables and verdicts for the GPU benchmarks (bench/gpu/step_time.py, suite.py and
+bench/attention.py).
 
 A verdict is a dict: name, value, target (None: informational), at_most (the value must stay at
 or below the target, else at or above), pass (None without a target), and optionally seq,

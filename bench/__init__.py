@@ -1,0 +1,3 @@
+"""Benchmarks: each prints the ratios it measures in one run (bench/README.md has the
+figures). The CPU ones run as scripts (`python bench/NAME.py`), the GPU ones as modules of
+bench.gpu (`python -m bench.gpu.suite`)."""

@@ -1,0 +1,1 @@
+"""`make demo`: pretrain a tiny TUPE-R BERT (run), then show what it learned (report)."""

@@ -1,0 +1,1 @@
+"""Small helpers every part uses: atomic files (files) and quiet output (third_party_warnings)."""
