@@ -16,10 +16,9 @@ gradient was not finite), saying why.
 import tupe_ds.tools.third_party_warnings  # noqa: F401  (first: filters what others warn at import)
 import sys
 
-from tupe_ds.machine import doctor
-
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
+from tupe_ds.machine import doctor
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import TrainingStopped, train
 

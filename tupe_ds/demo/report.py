@@ -119,14 +119,19 @@ def fill_mask_lines(model, data: str, tokenizer: Tokenizer, folder: str) -> list
     return lines
 
 
-def report(out: str, data: str) -> str:
-    """The latest checkpoint exported (OUT/export, the Hugging Face format) and read back, and
-    what it shows."""
+def exported_model(out: str) -> tuple:
+    """(model in eval mode, its ModelConfig, the folder): the run's latest checkpoint exported
+    (OUT/export, the Hugging Face format) and read back."""
     folder = os.path.join(out, "export")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         export(out, folder)  # DeepSpeed's lines and progress bar while it reads ZeRO's shards
     model, config, _ = load_exported(folder)
-    model.eval()
+    return model.eval(), config, folder
+
+
+def report(out: str, data: str) -> str:
+    """What the run's latest checkpoint, exported and read back, shows."""
+    model, config, folder = exported_model(out)
     tokenizer = Tokenizer.from_file(os.path.join(data, "tokenizer.json"))
     tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
     lines = [*learning_lines(out, data, model, config.seq_length, tokenizer),
