@@ -2,13 +2,16 @@
 
 `data` (conftest.py) is a small corpus prepared once per test session."""
 
+import glob
 import json
 import os
+import pickletools
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -64,6 +67,23 @@ def losses(out):
     return {step: e["train/loss"] for step, e in log(out).items() if "train/loss" in e}
 
 
+def pickled_classes(folder) -> set:
+    """The "module name" of every class the .pt files under `folder` pickle (torch's zip format)."""
+    found = set()
+    for path in glob.glob(os.path.join(folder, "**", "*.pt"), recursive=True):
+        with zipfile.ZipFile(path) as archive:
+            pickle = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
+            strings = []
+            for opcode, argument, _ in pickletools.genops(archive.read(pickle)):
+                if opcode.name == "GLOBAL":
+                    found.add(argument)
+                elif opcode.name == "STACK_GLOBAL":
+                    found.add(" ".join(strings[-2:]))
+                if isinstance(argument, str):
+                    strings.append(argument)
+    return found
+
+
 @pytest.mark.parametrize("encoding", ["tupe-r", "bert-a"])
 def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     out = tmp_path / encoding
@@ -75,6 +95,10 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     valid = {s: e["valid/loss"] for s, e in log(out).items() if "valid/loss" in e}
     assert valid[30] < valid[15], valid
     assert "final valid loss" in stdout and f"tensorboard --logdir {out}/tensorboard" in stdout
+    # Checkpoints name no tupe_ds module (they load whatever tupe_ds's folders are called), and
+    # the scan sees what they do name
+    classes = pickled_classes(out / "checkpoints")
+    assert "collections OrderedDict" in classes and not any("tupe_ds" in c for c in classes)
 
     events = EventAccumulator(str(out / "tensorboard" / "tupe"), size_guidance={"images": 0}).Reload()
     tags = events.Tags()

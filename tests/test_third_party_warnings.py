@@ -23,11 +23,13 @@ def help_stderr(command: str, *flags, **env) -> str:
     return result.stderr
 
 
-@pytest.mark.parametrize("command", ["tupe-pretrain", "tupe-prep"])
-def test_commands_start_quietly_and_verbose_shows_everything(command):
+@pytest.mark.parametrize("command, flag, variable", [("tupe-pretrain", "--verbose", ""),
+                                                     ("tupe-prep", "--help", "1")])
+def test_commands_start_quietly_and_verbose_shows_everything(command, flag, variable):
+    """Each command quiet, then verbose one way: --verbose, or TUPE_DS_VERBOSE=1 (both go
+    through add_verbose_flag and quiet(), the same for every command)."""
     assert "Apex" not in help_stderr(command, TUPE_DS_VERBOSE="")
-    assert "Apex" in help_stderr(command, "--verbose", TUPE_DS_VERBOSE="")  # megatron-core's
-    assert "Apex" in help_stderr(command, TUPE_DS_VERBOSE="1")
+    assert "Apex" in help_stderr(command, flag, TUPE_DS_VERBOSE=variable)  # megatron-core's
 
 
 def warned(message: str, module: str) -> bool:
