@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: bench.* from the repository's root
 
+import tupe_ds.tools.third_party_warnings  # noqa: F401,E402  (first: filters import warnings)
 import tupe_ds  # noqa: E402
 from bench.gpu.markdown import table  # noqa: E402
 from bench.real_lengths import padding_mask, real_lengths  # noqa: E402

@@ -33,6 +33,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import tupe_ds.tools.third_party_warnings  # noqa: F401,E402  (first: filters import warnings)
 from tupe_ds.train.checkpoint import manifest  # noqa: E402
 
 BERT_LARGE_BYTES = 335e6 * (2 + 12)

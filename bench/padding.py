@@ -29,6 +29,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import tupe_ds.tools.third_party_warnings  # noqa: F401,E402  (first: filters import warnings)
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary  # noqa: E402
 from tupe_ds.data.masking import BERT_MASKING  # noqa: E402
 from tupe_ds.data.packing import PackedSentences  # noqa: E402

@@ -14,6 +14,7 @@ ranks and the same global batch, one run measures:
   one rank to the other and its gradient back: the two ways of sharing it across stages.
 """
 
+import tupe_ds.tools.third_party_warnings  # noqa: F401  (first: filters import warnings)
 import argparse
 import json
 import os

@@ -15,6 +15,7 @@ adds a row "ENCODING micro-batch" that divides by each micro-batch's own count (
 before), so that the cost of per-token normalisation is measured in the same run.
 """
 
+import tupe_ds.tools.third_party_warnings  # noqa: F401  (first: filters import warnings)
 import argparse
 import os
 import platform

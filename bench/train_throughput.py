@@ -11,6 +11,7 @@ Megatron's formula. On a CPU it also measures, in the same run, the FLOP/s of a 
 on each rank and prints the fraction of it the training step achieves.
 """
 
+import tupe_ds.tools.third_party_warnings  # noqa: F401  (first: filters import warnings)
 import argparse
 import json
 import os
