@@ -14,8 +14,6 @@ Measured (2 CPU cores, 2026-11-25): 7.0x to 7.6x for seeds 1 to 5 (the most freq
 0.028, the model 0.199 to 0.218), validation loss 5.4 -> 2.7; the 5 runs take 27 s.
 """
 
-import json
-import os
 import random
 import subprocess
 import sys
@@ -24,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from test_pretrain import CPU_CONFIG, environment, free_port
-from tupe_ds.demo.report import exported_model, masked_word_accuracy
+from tupe_ds.demo.report import exported_model, masked_word_accuracy, validations
 from tupe_ds.demo.run import TINY_MODEL_SETTINGS
 
 STEPS = 60
@@ -71,11 +69,6 @@ def pretrain(data: str, out: str, seed: int) -> subprocess.CompletedProcess:
         capture_output=True, text=True, timeout=300)
 
 
-def validation_losses(out: str) -> list:
-    with open(os.path.join(out, "train_log.jsonl")) as f:
-        return [row["valid/loss"] for row in map(json.loads, f) if "valid/loss" in row]
-
-
 def test_the_demos_settings_learn_context_in_a_few_dozen_steps_for_every_seed(topic_data,
                                                                                tmp_path):
     outs = {seed: str(tmp_path / f"seed{seed}") for seed in SEEDS}
@@ -87,7 +80,7 @@ def test_the_demos_settings_learn_context_in_a_few_dozen_steps_for_every_seed(to
         model, config, _ = exported_model(outs[seed])
         accuracy, baseline, _, samples = masked_word_accuracy(model, topic_data, outs[seed],
                                                               config.seq_length)
-        results[seed] = accuracy, baseline, validation_losses(outs[seed])
+        results[seed] = accuracy, baseline, [loss for _, loss in validations(outs[seed])]
     print("\nseed: masked words right, most frequent answer's share, validation losses")
     for seed, (accuracy, baseline, losses) in results.items():
         print(f"{seed}: {accuracy:.3f} {baseline:.3f} ({accuracy / baseline:.1f}x) {losses}")

@@ -68,7 +68,6 @@ def quiet() -> None:
             warnings.filterwarnings("ignore", message=quieted.message, module=quieted.origin)
 
 
-
 def add_verbose_flag(parser) -> None:
     """--verbose, read by quiet() at import, listed in the command's help."""
     parser.add_argument("--verbose", action="store_true",
