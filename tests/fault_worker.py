@@ -8,6 +8,18 @@
         retention's removal of an old checkpoint, in the save of that step
     TUPE_DS_FAULT="nan-loss:1:3,7" / "nan-grad:0:5"   the loss of rank 1 at steps 3 and 7, or
         one gradient element of rank 0 at step 5, made NaN
+    TUPE_DS_FAULT="kill-mid-step:5"   the same in the middle of step 5 (after a forward pass)
+    TUPE_DS_FAULT="usr1:1:5"   SIGUSR1 to rank 1 in the middle of step 5 (Slurm's preemption
+        warning): the run saves at the end of the step and stops
+    TUPE_DS_FAULT="disk-full:4"   every checkpoint file of the save of step 4 fails with ENOSPC,
+        as on a full disk; "disk-full:4:1": rank 1's only; "disk-full:4:manifest": the manifest
+        only (rank 0, after every rank wrote its files)
+    TUPE_DS_FAULT="hold:5:PATH"   rank 0 writes PATH.waiting in the middle of step 5, then waits
+        until PATH exists (the run stays alive while a test does something beside it)
+    TUPE_DS_FAULT="stale-view:1"   rank 1 plans its resume from a folder view one checkpoint
+        behind rank 0's (as on a filesystem that shows another node's files late)
+    TUPE_DS_FAULT="steal-lock:3"   at step 3 another job's record replaces OUT/run.lock (this run
+        was presumed gone and taken over)
     TUPE_DS_FAULT="nan-weight:1:4"   one weight of rank 1 made NaN just before the save of step 4
     TUPE_DS_FAULT="node-local-locks"   file locks (the index cache's) are no-ops, as a lock that
         holds on one node only (NFS local_lock, BeeGFS, Lustre localflock) is across nodes
@@ -15,11 +27,14 @@
 Several faults are separated by ';'.
 """
 
+import dataclasses
+import errno
 import fnmatch
 import glob
 import os
 import signal
 import sys
+import time
 import types
 import weakref
 
@@ -48,6 +63,16 @@ def kill_everything():
             os.kill(pid, signal.SIGKILL)
     os.kill(launcher, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_until(path: str, seconds: float = 300) -> None:
+    if os.path.exists(path):
+        return
+    with open(path + ".waiting", "w"):
+        pass
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def step_in_progress() -> int:
@@ -90,6 +115,76 @@ def install(fault: str) -> None:
             original(path)
 
         folder.remove_tree = remove_part_then_die
+    elif kind in ("kill-mid-step", "usr1", "hold"):
+        rank, step = (int(rest[0]), int(rest[1])) if kind == "usr1" else (0, int(rest[0]))
+        if kind != "kill-mid-step" and int(os.environ.get("RANK", "0")) != rank:
+            return
+        forward = EngineSteps._forward
+
+        def forward_then_fault(self, *args, **kwargs):
+            result = forward(self, *args, **kwargs)
+            if self.engine.training and step_in_progress() == step:
+                if kind == "usr1":
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                elif kind == "hold":
+                    hold_until(rest[1])
+                else:
+                    kill_everything()
+            return result
+
+        EngineSteps._forward = forward_then_fault
+    elif kind == "stale-view":
+        if int(os.environ.get("RANK", "0")) != int(rest[0]):
+            return
+        from tupe_ds.train import config
+        plan_resume = config.plan_resume
+
+        def one_behind(*args, **kwargs):
+            plan = plan_resume(*args, **kwargs)
+            return dataclasses.replace(plan, candidates=plan.candidates[1:])
+
+        config.plan_resume = one_behind
+    elif kind == "steal-lock":
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        forward = EngineSteps._forward
+
+        def forward_then_steal(self, *args, **kwargs):
+            if self.engine.training and step_in_progress() == int(rest[0]):
+                out = sys.argv[sys.argv.index("--out") + 1]
+                with open(os.path.join(out, "run.lock"), "w") as f:
+                    f.write('{"token": "another job", "host": "elsewhere", "pid": 1}')
+            return forward(self, *args, **kwargs)
+
+        EngineSteps._forward = forward_then_steal
+    elif kind == "disk-full":
+        step, which = int(rest[0]), rest[1] if len(rest) > 1 else "every rank"
+
+        def full(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        if which == "manifest":
+            write = manifest.write
+
+            def write_or_full(folder_path, record):
+                if record["step"] == step:
+                    full(os.path.join(folder_path, manifest.MANIFEST))
+                return write(folder_path, record)
+
+            manifest.write = write_or_full
+            return
+        if which != "every rank" and int(os.environ.get("RANK", "0")) != int(which):
+            return
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import \
+            TorchCheckpointEngine
+        save = TorchCheckpointEngine.save
+
+        def save_or_full(self, state_dict, path, *args, **kwargs):
+            if os.path.basename(os.path.dirname(path)) == f"step{step}":
+                full(path)
+            return save(self, state_dict, path, *args, **kwargs)
+
+        TorchCheckpointEngine.save = save_or_full
     elif kind == "node-local-locks":
         from tupe_ds.tools import files
 

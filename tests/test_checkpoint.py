@@ -1,12 +1,16 @@
 """The checkpoint folder's rules on made-up folders (the real runs: test_run_integrity.py):
 completeness is the manifest's, retention removes only this lineage's older checkpoints, what is
-in the way is set aside; and the non-finite guard's counting, fp16's scaler included."""
+in the way is set aside; and the configs the non-finite guard refuses (its counting, on real
+engines: test_nonfinite.py)."""
 
 import os
-from types import SimpleNamespace
 
 from tupe_ds.train import nonfinite
 from tupe_ds.train.checkpoint import folder, identity, manifest
+
+
+LAYOUT = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "zero_stage": 2, "micro_batch": 8,
+          "gradient_accumulation": 1, "vocab_size": 1024}
 
 
 def checkpoint(directory, step, lineage="mine"):
@@ -15,7 +19,8 @@ def checkpoint(directory, step, lineage="mine"):
     (step_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * step)
     if lineage is not None:
         files = manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"])
-        manifest.write(str(step_dir), {"step": step, "lineage": lineage, "files": files})
+        manifest.write(str(step_dir), {"tag": f"step{step}", "step": step, "lineage": lineage,
+                                       "files": files, "identity": {}, "layout": LAYOUT})
 
 
 def test_completeness_is_the_manifests_not_latest(tmp_path):
@@ -79,39 +84,6 @@ def test_a_checkpoint_from_before_the_loss_normalization_was_recorded_counts_as_
         "(--loss-normalization)"]
     assert identity.differences(earlier, {"seq_len": 128, "loss_normalization": "micro-batch"}) \
         == []
-
-
-def engine(fp16=False, scale=1.0, min_scale=1.0):
-    scaler = SimpleNamespace(dynamic=fp16, cur_scale=scale, min_scale=min_scale,
-                             raise_error_at_min_scale=True)
-    return SimpleNamespace(skipped_steps=0, optimizer=SimpleNamespace(loss_scaler=scaler),
-                           fp16_enabled=lambda: fp16)
-
-
-def test_the_guard_counts_skipped_steps_in_a_row():
-    run = engine()
-    guard = nonfinite.NonFiniteGuard(run, limit=2)
-    assert run.optimizer.loss_scaler.raise_error_at_min_scale is False  # the guard stops instead
-    assert guard.after_step(1) is None
-    run.skipped_steps = 1
-    assert "step 2: loss or gradient not finite" in guard.after_step(2)
-    assert guard.after_step(3) is None and not guard.exhausted  # applied: the row is broken
-    run.skipped_steps = 2
-    guard.after_step(4)
-    run.skipped_steps = 3
-    guard.after_step(5)
-    assert guard.exhausted and guard.state() == {"in_a_row": 2, "total": 3}
-    assert "stopping at step 5: 2 steps in a row" in guard.stop_message(5, "step4")
-
-
-def test_fp16_skips_count_only_once_the_loss_scale_is_at_its_minimum():
-    run = engine(fp16=True, scale=2.0 ** 16, min_scale=1.0)
-    guard = nonfinite.NonFiniteGuard(run, limit=1)
-    run.skipped_steps = 1
-    assert guard.after_step(1) is None and not guard.exhausted  # the scaler finding its scale
-    run.optimizer.loss_scaler.cur_scale = 1.0
-    run.skipped_steps = 2
-    assert guard.after_step(2) is not None and guard.exhausted
 
 
 def test_configs_that_would_apply_a_step_that_is_not_finite_are_refused():

@@ -9,20 +9,22 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log, losses
-from tupe_ds.train.checkpoint import manifest, safe_load
+from tupe_ds.train.checkpoint import manifest, resume, safe_load
 
 FAULT_WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
 FLAGS = ["--steps", "12", "--save-interval", "2", "--eval-interval", "12", "--dropout", "0",
          "--lr", "2e-3", "--warmup-steps", "2"]
 
 
-def command(data, out, *flags):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+def command(data, out, *flags, processes=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
             "--master_port", free_port(), FAULT_WORKER, "pretrain", "--data", data, "--model",
             "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
             "--log-interval", "1", "--eval-samples", "32", *flags]
@@ -142,9 +144,8 @@ def test_damaged_checkpoints_are_reported_and_the_run_falls_back(data, reference
     shard.write_bytes(shard.read_bytes()[:1000])
     stray = checkpoints / "step4"  # another run's checkpoint (its lineage), copied in
     shutil.copytree(checkpoints / "step6", stray)
-    record = manifest.read(stray)
+    record = manifest.read(checkpoints / "step6")
     record.update(lineage="another run", step=4, tag="step4")
-    del record["format"]
     manifest.write(stray, record)
 
     said = run(data, out, *FLAGS, "--keep-checkpoints", "2")
@@ -190,6 +191,8 @@ def test_steps_that_are_not_finite_are_not_applied_and_a_run_of_them_stops(data,
     assert "step 5: loss or gradient not finite" in said
     assert "stopping at step 9: 3 steps in a row had a loss or gradient that is not finite" in said
     assert "Last good checkpoint: step8" in said
+    assert "exit worker: rank 0, exit code 3" in said and "exit worker: rank 1, exit code 3" in said
+    assert entries[9]["train/nonfinite_steps"] == 5  # the stop's count reaches TensorBoard too
     assert steps_in(out) == ["step4", "step6", "step8"]
     for step in ("step6", "step8"):
         for name, tensor in weights(out / "checkpoints" / step).items():
@@ -290,9 +293,9 @@ def test_another_run_is_refused_before_any_process_starts_naming_each_difference
     stray = tmp_path / "stray"  # a newer checkpoint of another run, copied in
     shutil.copytree(reference, stray)
     shutil.copytree(reference / "checkpoints" / "step12", stray / "checkpoints" / "step14")
-    record = manifest.read(stray / "checkpoints" / "step14")
+    record = manifest.read(stray / "checkpoints" / "step12")
+    record.update(step=14, tag="step14")
     record["identity"]["seed"] = 7
-    del record["format"]
     manifest.write(stray / "checkpoints" / "step14", record)
     said = refusal(flags_of(data, stray), monkeypatch)
     assert "step14 is another run than this command's: seed: 7 in the checkpoint, 1234 now" in said
@@ -318,9 +321,332 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_before_deepspeed_reads
     torch.save({"module": Payload()}, path)
     record = manifest.read(step_dir)
     record["files"].update(manifest.describe(str(step_dir), [path.name]))
-    del record["format"]
     manifest.write(step_dir, record)
     assert export_main([str(run_dir), "--out", str(tmp_path / "exported")]) == 2
     assert not witness.exists()
     assert safe_load.scan(str(path)).startswith(f"{path}: holds more than tensors")
     assert safe_load.scan(str(reference / "checkpoints" / "step12" / path.name)) is None
+
+
+def start(data, out, *flags, fault=""):
+    """A run in the background: (process, its output file)."""
+    output = open(out.parent / f"{out.name}-{len(os.listdir(out.parent))}.log", "w+")
+    process = subprocess.Popen(command(data, out, *flags), env={**environment(),
+                               "TUPE_DS_FAULT": fault}, stdout=output,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return process, output
+
+
+def wait_for(path, process, seconds=240):
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert process.poll() is None and time.monotonic() < deadline, "the run never got there"
+        time.sleep(0.2)
+
+
+def test_one_job_per_run_folder(data, reference, tmp_path, monkeypatch):
+    """A second job (and --check-only) on a folder whose run trains is refused before any work,
+    naming the holder; the first goes on and logs each step once. Killed, its lock is taken over
+    by the next job, saying so; a run whose lock another job took stops before its next save."""
+    out, flags = tmp_path / "run", [*FLAGS, "--keep-checkpoints", "4"]
+    hold = tmp_path / "hold"
+    first, output = start(data, out, *flags, fault=f"hold:3:{hold}")
+    wait_for(f"{hold}.waiting", first)
+    holder = json.loads((out / "run.lock").read_text())
+    said = run(data, out, *flags, expect=1)
+    assert f"this run folder is in use by process {holder['pid']} on {holder['host']}" in said
+    assert "Wait for that job to end, or give this one another --out" in said
+    assert "starting step" not in said and "resumed at" not in said
+    said = refusal(flags_of(data, out, "--check-only"), monkeypatch)
+    assert "this run folder is in use by process" in said
+    hold.touch()
+    assert first.wait(240) == 0
+    assert not (out / "run.lock").exists()
+    entries = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert sorted(e["step"] for e in entries if "train/loss" in e) == list(range(1, 13))
+    assert_same_losses(out, reference)
+
+    again = tmp_path / "again"
+    run(data, again, *flags, fault="kill-mid-step:5", expect=None)
+    dead = json.loads((again / "run.lock").read_text())["pid"]
+    said = run(data, again, *flags)
+    assert f"took over {again}/run.lock from process {dead} on" in said
+    assert "its process has ended" in said and "resumed at step 4 of 12" in said
+    assert_same_losses(again, reference)
+    assert_same_weights(again / "checkpoints" / "step12", reference / "checkpoints" / "step12")
+
+    stolen = tmp_path / "stolen"
+    said = run(data, stolen, *flags, fault="steal-lock:3", expect=1)
+    assert "this run no longer holds its run folder" in said and "stopping without saving" in said
+    assert "exit worker: rank 0, exit code 3" in said
+    assert steps_in(stolen) == ["step2"]  # nothing written after the lock was lost
+
+
+def plant_payload(path, witness):
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {witness}",)
+
+    torch.save({"optimizer_state_dict": Payload()}, path)
+
+
+def list_in_manifest(step_dir, *names):
+    record = manifest.read(step_dir)
+    record["files"].update(manifest.describe(str(step_dir), list(names)))
+    manifest.write(step_dir, record)
+
+
+def test_a_file_that_would_run_code_never_runs_listed_unlisted_or_renamed(data, reference,
+                                                                            tmp_path):
+    """Planted pickles that would create a file: in step12 in place of an optimizer shard with
+    the manifest rewritten to match, in step10 beside it unlisted, in step8 listed under a name
+    of its own. The resume names each and falls back to step6; --init-from refuses such a
+    checkpoint; a conversion for another layout holding one is made anew; tupe-export refuses
+    each; and torch.load with weights_only=False, as DeepSpeed calls it, is made safe in these
+    commands' processes. The witness file never appears."""
+    from tupe_ds.export.write import main as export_main
+
+    out, witness = tmp_path / "run", tmp_path / "code-ran"
+    shutil.copytree(reference, out)
+    checkpoints = out / "checkpoints"
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    plant_payload(checkpoints / "step12" / shard, witness)
+    list_in_manifest(checkpoints / "step12", shard)
+    plant_payload(checkpoints / "step10" / f"bf16_{shard}", witness)
+    renamed = "zero_pp_rank_7_mp_rank_00_optim_states.pt"
+    plant_payload(checkpoints / "step8" / renamed, witness)
+    list_in_manifest(checkpoints / "step8", renamed)
+    for step_dir in ("step12", "step10", "step8"):
+        assert export_main([str(checkpoints / step_dir), "--out", str(tmp_path / "x")]) == 2
+    said = run(data, tmp_path / "new", *FLAGS, "--steps", "1", "--init-from",
+               str(checkpoints / "step12"), expect=1)
+    assert f"--init-from {checkpoints}/step12 does not verify" in said
+    assert f"{checkpoints}/step12/{shard}: holds more than tensors" in said
+
+    said = run(data, out, *FLAGS, "--keep-checkpoints", "4")
+    assert f"{checkpoints}/step12/{shard}: holds more than tensors" in said
+    assert f"{checkpoints}/step10/bf16_{shard}: not listed in its manifest" in said
+    assert f"{checkpoints}/step8/{renamed}: holds more than tensors" in said
+    assert "resumed at step 6 of 12" in said
+    assert_same_weights(checkpoints / "step12", reference / "checkpoints" / "step12")
+
+    converted = checkpoints / "universal" / "step12"
+    for attempt in range(2):  # the second finds a payload in the conversion: converted anew
+        result = subprocess.run(command(data, out, *FLAGS, processes=1), env=environment(),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "converted for 1 processes" in result.stdout and "reused" not in result.stdout
+        plant_payload(next(converted.rglob("exp_avg.pt")), witness)
+    assert not witness.exists()
+
+    probe = ("import torch, sys; from tupe_ds.train.checkpoint import safe_load; "
+             "safe_load.weights_only_everywhere(); torch.load(sys.argv[1], weights_only=False)")
+    plant_payload(tmp_path / "payload.pt", witness)
+    result = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "payload.pt")],
+                            env=environment(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Weights only load failed" in result.stderr
+    assert not witness.exists()
+
+
+def rewrite_manifest(step_dir, source=None, **fields):
+    """step_dir's manifest: `source`'s (default its own) with `fields` changed."""
+    record = manifest.read(source or step_dir)
+    record.update(fields)
+    manifest.write(step_dir, record)
+
+
+def test_damage_means_fallback_never_a_refusal(data, reference, tmp_path):
+    """A flipped character in step12's manifest (its vocabulary digest: read as such, another
+    run's), step10's layout.json rewritten, the older step6's manifest unreadable, run.json,
+    `latest` and the lock garbage: the run resumes step8, saying why each is passed over, and
+    ends as the uninterrupted run; the old damaged checkpoint is kept."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    checkpoints = out / "checkpoints"
+    text = (checkpoints / "step12" / "manifest.json").read_text()
+    vocabulary = manifest.read(checkpoints / "step12")["identity"]["vocabulary"]
+    flipped = vocabulary[:5] + ("0" if vocabulary[5] != "0" else "1") + vocabulary[6:]
+    (checkpoints / "step12" / "manifest.json").write_text(text.replace(vocabulary, flipped))
+    (checkpoints / "step10" / "layout.json").write_text("{}")
+    (checkpoints / "step6" / "manifest.json").write_bytes(b"\xff\xfe\x00")
+    (out / "run.json").write_text("[")
+    (checkpoints / "latest").write_bytes(os.urandom(8))
+    (out / "run.lock").write_bytes(b"\x00 damaged")
+    said = run(data, out, *FLAGS, "--keep-checkpoints", "4")
+    assert f"checkpoint step12: {checkpoints}/step12/manifest.json: not a manifest tupe-pretrain " \
+           "wrote (format 1): its checksum differs from its content" in said
+    assert "not complete, not resumed" in said and "another run than" not in said
+    assert f"{checkpoints}/step10/layout.json: 2 bytes where the manifest says" in said
+    assert f"{out}/run.json: not readable as a run description" in said
+    assert f"took over {out}/run.lock from an unknown holder: the lock file is damaged" in said
+    assert "resumed at step 8 of 12" in said
+    assert_same_losses(out, reference, range(9, 13))
+    assert_same_weights(checkpoints / "step12", reference / "checkpoints" / "step12")
+    assert (checkpoints / "step6").is_dir()  # neither retired nor a fallback
+    assert {"step10", "step12"} <= set(set_aside(out))
+
+
+def test_ranks_that_see_different_checkpoints_stop_before_loading(data, reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    said = run(data, out, *FLAGS, "--steps", "14", fault="stale-view:1", expect=1)
+    assert "the ranks see different checkpoints" in said
+    assert "rank 0 would resume step12, rank 1 on" in said and "would resume step10" in said
+    assert steps_in(out) == steps_in(reference)
+
+
+def test_resume_refusals_name_what_to_change_and_accept_it(data, reference, tmp_path,
+                                                           monkeypatch):
+    """Before any process starts: ZeRO 2 <-> 3; a newer checkpoint of another run (lineage);
+    changed optimizer or schedule settings unless --allow-training-changes; --resume-from outside
+    --out. Each message's suggestion is then accepted."""
+    from tupe_ds.train.config import load
+
+    def accepted(argv, world=2):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        return load(argv)
+
+    said = refusal(flags_of(data, reference, "--zero-stage", "3"), monkeypatch)
+    assert "ZeRO stage 3 partitions the weights themselves" in said
+    assert "resume with --zero-stage 2" in said
+    said = refusal(flags_of(data, tmp_path / "new", "--init-from", str(reference),
+                            "--zero-stage", "3"), monkeypatch)
+    assert "under ZeRO stage 3 the weights are partitioned" in said
+    stage3 = tmp_path / "stage3"
+    shutil.copytree(reference, stage3)
+    for step in ("step10", "step12"):
+        rewrite_manifest(stage3 / "checkpoints" / step,
+                         layout={**manifest.read(stage3 / "checkpoints" / step)["layout"],
+                                 "zero_stage": 3})
+    said = refusal(flags_of(data, stage3), monkeypatch)
+    assert "resume with --zero-stage 3" in said
+    assert accepted(flags_of(data, stage3, "--zero-stage", "3")).resume_plan.tag == "step12"
+
+    stray = tmp_path / "stray"
+    shutil.copytree(reference, stray)
+    shutil.copytree(stray / "checkpoints" / "step12", stray / "checkpoints" / "step14")
+    rewrite_manifest(stray / "checkpoints" / "step14", stray / "checkpoints" / "step12",
+                     tag="step14", step=14, lineage="another run")
+    said = refusal(flags_of(data, stray), monkeypatch)
+    assert f"{stray}/checkpoints/step14 is another run's checkpoint (lineage another run; " \
+           "this run's is" in said
+    assert "--resume-from step12" in said
+    plan = accepted(flags_of(data, stray, "--resume-from", "step12")).resume_plan
+    assert plan.candidates == (12,) and plan.by_hand
+
+    said = refusal(flags_of(data, reference, "--lr", "1e-3", "--warmup-steps", "3"), monkeypatch)
+    assert "optimizer.params.lr: 0.002 in the checkpoint, 0.001 now (--lr)" in said
+    assert "scheduler.params.warmup_num_steps: 2 in the checkpoint, 3 now (--warmup-steps)" \
+        in said and "add --allow-training-changes" in said
+    betas = tmp_path / "betas.json"
+    config = json.loads(open(CPU_CONFIG).read())
+    config["optimizer"]["params"]["betas"] = [0.8, 0.99]
+    betas.write_text(json.dumps(config))
+    said = refusal(flags_of(data, reference, "--ds-config", str(betas)), monkeypatch)
+    assert "optimizer.params.betas[0]: 0.9 in the checkpoint, 0.8 now" in said
+    step12 = str(reference / "checkpoints" / "step12")
+    changed = accepted(flags_of(data, reference, "--lr", "1e-3", "--allow-training-changes"))
+    assert "optimizer.params.lr: 0.002 in the checkpoint, 0.001 now (--lr)" in \
+        "\n".join(resume.training_changes(step12, changed.training, allow=True))
+    longer = accepted(flags_of(data, reference, "--steps", "14"))  # the decay follows --steps
+    assert resume.training_changes(step12, longer.training, allow=False) == []
+    config["optimizer"]["params"].update(betas=[0.9, 0.999], amsgrad=True)
+    amsgrad = tmp_path / "amsgrad.json"
+    amsgrad.write_text(json.dumps(config))
+    said = refusal(flags_of(data, reference, "--ds-config", str(amsgrad),
+                            "--allow-training-changes"), monkeypatch)
+    assert "which its optimizer state was made with and a resumed run cannot change: " \
+           "optimizer.params.amsgrad: None in the checkpoint, True now" in said
+    assert f"--out NEW --init-from {step12}" in said
+    assert accepted(flags_of(data, tmp_path / "new", "--ds-config", str(amsgrad), "--init-from",
+                             step12)).init_plan.step_dir == step12
+
+    said = refusal(flags_of(data, stray, "--resume-from", str(reference / "checkpoints" /
+                                                                "step12")), monkeypatch)
+    assert "is not a checkpoint of this run folder" in said and "--init-from" in said
+    plan = accepted(flags_of(data, reference, "--resume-from",
+                             str(reference / "checkpoints" / "step10"))).resume_plan
+    assert plan.candidates == (10,)
+
+
+def test_allowed_training_changes_hold_from_the_first_step(data, reference, tmp_path):
+    """--lr and betas changed at a resume, with --allow-training-changes: said, and the
+    optimizer uses them (DeepSpeed restores the checkpoint's parameter groups)."""
+    unchanged, changed = tmp_path / "unchanged", tmp_path / "changed"
+    for out in (unchanged, changed):
+        shutil.copytree(reference, out)
+    run(data, unchanged, *FLAGS, "--steps", "14")
+    config = json.loads(open(CPU_CONFIG).read())
+    config["optimizer"]["params"]["betas"] = [0.8, 0.99]
+    betas = tmp_path / "betas.json"
+    betas.write_text(json.dumps(config))
+    said = run(data, changed, *FLAGS, "--steps", "14", "--lr", "1e-3", "--ds-config", str(betas),
+               "--allow-training-changes")
+    assert "resuming step12 with changed training settings (--allow-training-changes): " \
+           "optimizer.params.lr: 0.002 in the checkpoint, 0.001 now (--lr)" in said
+    lr_unchanged, lr_changed = log(unchanged)[13]["train/lr"], log(changed)[13]["train/lr"]
+    assert lr_changed == pytest.approx(lr_unchanged / 2, rel=1e-6)
+    shard = safe_load.load(changed / "checkpoints" / "step14" /
+                           "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    groups = shard["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert [tuple(g["betas"]) for g in groups] == [(0.8, 0.99)] * len(groups)
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    # step14 damaged: the fallback, step12, was trained otherwise, which this command must allow
+    (changed / "checkpoints" / "step14" / "rng_rank0.pt").write_bytes(b"")
+    said = run(data, changed, *FLAGS, "--steps", "16", "--lr", "1e-3", "--ds-config", str(betas),
+               expect=1)  # step14's settings
+    assert f"tupe-pretrain: error: {changed}/checkpoints/step12 was trained with other optimizer " \
+           "or schedule settings: optimizer.params.betas[0]: 0.9 in the checkpoint, 0.8 now" in said
+    assert "exit worker: rank 0, exit code 2" in said and "[rank0]: Traceback" not in said
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_nothing(data, reference,
+                                                                            tmp_path):
+    """A full disk: for rank 0's manifest alone (after every rank wrote its files), every rank
+    stops alike (exit 3), naming the file and the last complete checkpoint; for rank 1's files
+    alone, rank 1 stops so and the launcher ends the rank that waits for it. Each time the same
+    command then sets the cut-short save aside and ends as the uninterrupted run."""
+    out, flags = tmp_path / "run", [*FLAGS, "--keep-checkpoints", "4"]
+    said = run(data, out, *flags, fault="disk-full:4:manifest", expect=1)
+    assert said.count("could not commit checkpoint step4 (rank 0: [Errno 28] No space left on "
+                      f"device: '{out}/checkpoints/step4/manifest.json'); the last complete "
+                      "checkpoint is step2") == 2  # said by both ranks
+    assert "exit worker: rank 0, exit code 3" in said and "exit worker: rank 1, exit code 3" in said
+    said = run(data, out, *flags, fault="disk-full:8:1", expect=1)
+    assert "step4 (newer than step2" in said and "resumed at step 2 of 12" in said
+    assert "could not write checkpoint step8 (rank 1: [Errno 28] No space left on device" in said
+    assert "the last complete checkpoint is step6" in said
+    said = run(data, out, *flags)
+    assert "step8 (newer than step6" in said and "resumed at step 6 of 12" in said
+    assert_same_losses(out, reference)
+    assert_same_weights(out / "checkpoints" / "step12", reference / "checkpoints" / "step12")
+
+
+def test_an_export_ships_the_tokenizer_the_run_was_trained_with(data, reference, tmp_path,
+                                                                capsys):
+    """run.json's data folder holding another tokenizer, or none: refused, naming it; the right
+    one given with --tokenizer: exported with it."""
+    from tupe_ds.export.write import main as export_main
+
+    run_dir, other = tmp_path / "run", tmp_path / "other-data"
+    shutil.copytree(reference, run_dir)
+    other.mkdir()
+    description = json.loads((run_dir / "run.json").read_text())
+    description["data"] = str(other)
+    (run_dir / "run.json").write_text(json.dumps(description))
+    assert export_main([str(run_dir), "--out", str(tmp_path / "x")]) == 2
+    assert f"{other}/tokenizer.json: no tokenizer there" in capsys.readouterr().err
+    tokenizer = json.loads((Path(data) / "tokenizer.json").read_text())
+    tokenizer["added_tokens"][0]["content"] = "[NOT-PAD]"
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert export_main([str(run_dir), "--out", str(tmp_path / "x")]) == 2
+    assert f"{other}/tokenizer.json is not the tokenizer {run_dir}/checkpoints/step12 was " \
+           "trained with" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert export_main([str(run_dir), "--out", str(tmp_path / "x"), "--tokenizer",
+                        str(Path(data) / "tokenizer.json")]) == 0
+    shipped = json.loads((tmp_path / "x" / "tokenizer.json").read_text())
+    trained = json.loads((Path(data) / "tokenizer.json").read_text())
+    assert shipped["model"]["vocab"] == trained["model"]["vocab"]
+    assert [t["content"] for t in shipped["added_tokens"]][:5] == ["[PAD]", "[UNK]", "[CLS]",
+                                                                   "[SEP]", "[MASK]"]

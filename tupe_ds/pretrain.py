@@ -10,22 +10,37 @@
 Run again with the same --out (and a larger --steps to train on): it resumes from the newest
 complete checkpoint, verified, data position included (tupe_ds/train/checkpoint/). SIGTERM or
 SIGUSR1 saves a checkpoint and stops. Exit code 3: the run stopped itself (steps whose loss or
-gradient was not finite), saying why.
+gradient was not finite, a checkpoint it could not write, or its run folder taken over by another
+job), saying why. Exit code 2: refused (the command, or what --out holds), saying what to change.
+One job per --out: a second one is refused before any work (tupe_ds/train/run_lock.py).
 """
 
 import tupe_ds.tools.third_party_warnings  # noqa: F401  (first: filters what others warn at import)
+import os
 import sys
 
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.machine import doctor
+from tupe_ds.train.checkpoint import safe_load
 from tupe_ds.train.config import load
+from tupe_ds.train.flags import Refused
 from tupe_ds.train.loop import TrainingStopped, train
 
 
 def main(argv=None) -> int:
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
-    run = load(argv)  # everything checkable is checked before any process group starts
+    safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
+    # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock
+    run = load(argv, take_lock=os.environ.get("RANK", "0") == "0")
+    try:
+        return run_or_check(run, launcher)
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+
+
+def run_or_check(run, launcher: str) -> int:
     if run.check_only:
         machine = doctor.probe()
         findings = doctor.all_findings(machine, run.ds_config_path,
@@ -36,8 +51,18 @@ def main(argv=None) -> int:
         return 0
     try:
         train(run, launcher)
+    except Refused as refused:  # every rank alike, once the process group existed
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tupe-pretrain: error: {refused}", file=sys.stderr, flush=True)
+        end_distributed()
+        return 2
     except TrainingStopped as stopped:
         print(f"tupe-pretrain: {stopped}", file=sys.stderr, flush=True)
+        if not stopped.everywhere:  # the other ranks wait in a collective: none to end with them
+            if run.lock is not None:
+                run.lock.release()
+            sys.stdout.flush()
+            os._exit(3)  # before gloo's threads could abort the interpreter's exit
         end_distributed()
         return 3
     end_distributed()  # after train() returned: its engine and model are garbage by now

@@ -5,9 +5,10 @@
     tupe-export runs/electra --out exported/electra-gen --electra-network generator
 
 RUN_DIR/run.json (written by tupe-pretrain) says which model and layout the checkpoint holds.
-The checkpoint's files are checked first (the manifest's sizes and checksums, every pickle read
-with weights_only: tupe_ds/train/checkpoint/safe_load.py), since DeepSpeed's zero_to_fp32
-unpickles them without that guard.
+The checkpoint's files are checked first (the manifest's sizes and checksums, no file it does
+not list, every pickle read with weights_only: tupe_ds/train/checkpoint/safe_load.py), and
+DeepSpeed's zero_to_fp32, which asks for weights_only=False, reads them with weights_only all
+the same (safe_load.weights_only_loads).
 Each model-parallel slice (tensor-parallel rank x pipeline stage) becomes an fp32 state dict:
 through DeepSpeed's zero_to_fp32 where ZeRO optimizer shards hold the fp32 weights (any ZeRO
 stage, fp16/bf16 runs included), else from the saved module. Pipeline parameter names are mapped
@@ -42,7 +43,8 @@ from tupe_ds.model.bert import BertForMaskedLM
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
-from tupe_ds.tools.files import replacing_folder
+from tupe_ds.tools.files import file_digest, replacing_folder
+from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import manifest, safe_load
 from tupe_ds.train.checkpoint.folder import latest_step, tag_of
 
@@ -67,10 +69,7 @@ def find_checkpoint(path: str) -> tuple:
     if not glob.glob(os.path.join(path, "*mp_rank_*_model_states.pt")):
         raise ExportError(f"{path}: not a complete DeepSpeed checkpoint (no mp_rank_*_model_states.pt);"
                           " give RUN_DIR/checkpoints (its newest) or RUN_DIR/checkpoints/stepN")
-    run_dir = os.path.dirname(os.path.dirname(path))
-    if not os.path.exists(os.path.join(run_dir, "run.json")):
-        raise ExportError(f"{run_dir}/run.json: missing; tupe-pretrain writes it at the start of a run")
-    return run_dir, path
+    return os.path.dirname(os.path.dirname(path)), path
 
 
 def check_files(step_dir: str) -> None:
@@ -78,7 +77,11 @@ def check_files(step_dir: str) -> None:
     and every .pt read with weights_only (a checkpoint of an earlier version, without a
     manifest, only the latter)."""
     if manifest.exists(step_dir):
-        problems = manifest.check_files(step_dir, manifest.read(step_dir)["files"])
+        try:
+            files = manifest.read(step_dir)["files"]
+        except ValueError as error:
+            raise ExportError(str(error)) from None
+        problems = manifest.check_files(step_dir, files) + manifest.unlisted(step_dir, files)
     else:
         files = sorted(glob.glob(os.path.join(step_dir, "*.pt")))
         problems = [problem for problem in map(safe_load.scan, files) if problem]
@@ -177,8 +180,12 @@ def consolidated_state(run: dict, step_dir: str) -> tuple:
     BertForMaskedLM or ElectraForPretraining) from a checkpoint of any layout; `run` is the
     run's run.json."""
     tp, pp = run["tp"], run["pp"]
-    configs = [dataclasses.replace(ModelConfig(**model), tensor_parallel_size=1, dtype="fp32")
-               for model in run["models"]]
+    try:
+        configs = [dataclasses.replace(ModelConfig(**model), tensor_parallel_size=1, dtype="fp32")
+                   for model in run["models"]]
+    except (TypeError, ValueError) as error:
+        raise ExportError(f"{os.path.dirname(os.path.dirname(step_dir))}/run.json: its models "
+                          f"are not model configs of this tupe_ds ({error})") from None
     slices = [slice_state(step_dir, rank, tp) for rank in range(tp * pp)]
     if pp > 1:
         layer_indices = sorted({int(name.split(".")[0]) for state in slices for name in state
@@ -190,25 +197,50 @@ def consolidated_state(run: dict, step_dir: str) -> tuple:
     return configs, join_tensor_parallel(slices, reference_state(configs))
 
 
-def export(checkpoint: str, out: str, format: str = "hf", network: str = "discriminator") -> str:
-    """`out` in FORMATS[format] from a checkpoint; ELECTRA runs export `network`."""
+def export(checkpoint: str, out: str, format: str = "hf", network: str = "discriminator",
+           tokenizer: Optional[str] = None) -> str:
+    """`out` in FORMATS[format] from a checkpoint; ELECTRA runs export `network`. The tokenizer
+    is `tokenizer`, else the run's (run.json's data folder), checked against the vocabulary the
+    checkpoint's manifest records."""
     run_dir, step_dir = find_checkpoint(checkpoint)
-    with open(os.path.join(run_dir, "run.json")) as f:
-        run = json.load(f)
+    try:
+        run = run_description.read(run_dir)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
+    tokenizer = tokenizer or os.path.join(run["data"], "tokenizer.json")
+    check_tokenizer(tokenizer, step_dir)
     electra = run["objective"] == "electra"
     if network != "discriminator" and not (electra and format == "hf"):
         raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
                           "--format hf, can be exported; leave the flag out")
-    check_files(step_dir)
-    configs, state = consolidated_state(run, step_dir)
+    with safe_load.weights_only_loads():  # zero_to_fp32's loads included
+        check_files(step_dir)
+        configs, state = consolidated_state(run, step_dir)
     state = network_state(state, network if electra else None)
     if format == "tupe":  # a BertForMaskedLM's parameters only, as earlier versions read
         state = {n: t for n, t in state.items() if not n.startswith("discriminator_head.")}
     config = configs[1] if network == "generator" else configs[0]
     save_exported(out, state, config, f"electra-{network}" if electra else "bert-mlm",
-                  os.path.join(run["data"], "tokenizer.json"), source=step_dir, format=format,
+                  tokenizer, source=step_dir, format=format,
                   embedding_size=configs[0].hidden_size)
     return step_dir
+
+
+def check_tokenizer(path: str, step_dir: str) -> None:
+    """ExportError unless `path` is a tokenizer file and, where the checkpoint's manifest records
+    the vocabulary it was trained with, that one."""
+    if not os.path.isfile(path):
+        raise ExportError(f"{path}: no tokenizer there (run.json's data folder); give the one the "
+                          "run was trained with: --tokenizer PATH")
+    if not manifest.exists(step_dir):
+        return  # a checkpoint of an earlier version records none
+    try:
+        recorded = manifest.read(step_dir)["identity"].get("vocabulary")
+    except ValueError as error:
+        raise ExportError(str(error)) from None
+    if recorded is not None and file_digest(path) != recorded:
+        raise ExportError(f"{path} is not the tokenizer {step_dir} was trained with (its "
+                          "manifest records another vocabulary); give that one: --tokenizer PATH")
 
 
 def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind: str,
@@ -238,11 +270,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder to write (replaced when complete)")
     p.add_argument("--format", choices=FORMATS, default="hf",
                    help="; ".join(f"{name}: {text}" for name, text in FORMATS.items()))
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="the tokenizer.json the run was trained with (default: the one in "
+                        "run.json's data folder); checked against the checkpoint's manifest")
     p.add_argument("--electra-network", choices=["discriminator", "generator"],
                    default="discriminator", help="the ELECTRA network to export (generator: hf)")
     args = p.parse_args(argv)
     try:
-        step_dir = export(args.checkpoint, args.out, args.format, args.electra_network)
+        step_dir = export(args.checkpoint, args.out, args.format, args.electra_network,
+                          args.tokenizer)
     except ExportError as error:
         print(f"tupe-export: error: {error}", file=sys.stderr)
         return 2

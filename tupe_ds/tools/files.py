@@ -8,7 +8,7 @@ import hashlib
 import os
 import shutil
 import socket
-from typing import Optional
+from typing import Optional, Union
 
 
 def file_digest(path: str) -> str:
@@ -27,12 +27,12 @@ def temporary_name(path: str, pid: Optional[int] = None) -> str:
     return f"{path}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
-def write_atomically(path: str, text: str) -> None:
-    """`text` to `path` through a temporary file of this host and process, flushed to disk
-    before it replaces `path`."""
+def write_atomically(path: str, text: Union[str, bytes]) -> None:
+    """`text` (or bytes) to `path` through a temporary file of this host and process, flushed to
+    disk before it replaces `path`."""
     temporary = temporary_name(path)
     try:
-        with open(temporary, "w") as f:
+        with open(temporary, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

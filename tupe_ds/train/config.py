@@ -13,13 +13,14 @@ from tokenizers import Tokenizer
 from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
-from tupe_ds.train import nonfinite
+from tupe_ds.train import nonfinite, run_lock
 from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
 from tupe_ds.train.flags import check_flags, data_sources, fail, parser
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
 CPU_CONFIG = doctor.CPU_CONFIG
 
@@ -72,8 +73,11 @@ class RunConfig:
     loss_normalization: str  # a mode of tupe_ds.train.normalization
     batch_split: BatchSplit  # micro-batch x accumulation x dp, and what set it
     identity: dict  # what defines the stream and the model (checkpoint/identity.py)
+    training: dict  # the optimizer and schedule settings (identity.training_settings)
     resume_plan: Optional[ResumePlan] = None  # the checkpoint of --out to resume
     init_plan: Optional[InitPlan] = None  # --init-from, for a run with nothing to resume
+    allow_training_changes: bool = False  # --allow-training-changes
+    lock: Optional[RunLock] = None  # OUT/run.lock, held by rank 0 (run_lock.py)
 
     @property
     def world_size(self) -> int:
@@ -94,20 +98,48 @@ class RunConfig:
 
 
 def load(argv=None, world_size: Optional[int] = None,
-         machine: Optional[doctor.Machine] = None) -> RunConfig:
+         machine: Optional[doctor.Machine] = None, take_lock: bool = False) -> RunConfig:
     """Parse, read the DeepSpeed config, apply the overrides and check everything that can be
     checked without starting a process group: errors say what to change. The run has
-    `world_size` processes (default: WORLD_SIZE, else 1), on `machine` (default: this one)."""
+    `world_size` processes (default: WORLD_SIZE, else 1), on `machine` (default: this one).
+    `take_lock` (tupe-pretrain's rank 0): OUT/run.lock is taken before any checkpoint is read,
+    and held by the RunConfig's `lock` (release it); --check-only only checks it."""
     args = parser().parse_args(argv)
     check_flags(args)
     sources = tuple(data_sources(args))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = process_layout(args, world_size)
-    ds_config, dtype, batch_split = deepspeed_config(args, layout.dp, machine or doctor.probe())
+    ds_config, dtype, batch_split, training = deepspeed_config(args, layout.dp,
+                                                               machine or doctor.probe())
     problem = nonfinite.config_problem(ds_config, dtype)
     if problem:
         fail(problem)
+    lock = None
+    if args.check_only:
+        problem = run_lock.check(args.out)
+        if problem:
+            fail(problem)
+    elif take_lock:
+        try:
+            lock = RunLock.acquire(args.out, say=lambda line: print(line, flush=True))
+        except RunFolderBusy as busy:
+            fail(str(busy))
+        except OSError as error:
+            fail(f"--out {args.out}: cannot take its lock ({error}); give a folder this job may "
+                 "write")
+    try:
+        return checked_run(args, sources, layout, ds_config, dtype, batch_split, training, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
+                lock) -> RunConfig:
+    """load(), from the moment the run folder is this run's: the checkpoint to resume or start
+    from, checked against the models, identity and training settings of the command."""
     zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     shape = (layout.world_size, layout.tp, layout.pp, zero_stage)
     try:
@@ -125,8 +157,8 @@ def load(argv=None, world_size: Optional[int] = None,
                             args.seed, args.loss_normalization)
     init_plan = None
     try:
-        if resume_plan is not None:
-            refuse_another_run(resume_plan, identity)
+        if resume_plan is not None and resume_plan.candidates:
+            refuse_another_run(resume_plan, identity, training, args.allow_training_changes)
         elif args.init_from:
             init_plan = plan_init(args.init_from, args.init_optimizer, identity, *shape)
     except ValueError as error:
@@ -142,8 +174,9 @@ def load(argv=None, world_size: Optional[int] = None,
                      prefetch=args.prefetch,
                      vectorised_stream=args.data_stream == "vectorised",
                      loss_normalization=args.loss_normalization, batch_split=batch_split,
-                     identity=identity,
-                     resume_plan=resume_plan, init_plan=init_plan)
+                     identity=identity, training=training, resume_plan=resume_plan,
+                     init_plan=init_plan, allow_training_changes=args.allow_training_changes,
+                     lock=lock)
 
 
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:

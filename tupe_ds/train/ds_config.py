@@ -9,6 +9,7 @@ from typing import Tuple
 
 from tupe_ds.distributed.launch import processes_on_this_node
 from tupe_ds.machine import doctor
+from tupe_ds.train.checkpoint.identity import training_settings
 from tupe_ds.train.flags import fail
 
 
@@ -29,9 +30,10 @@ class BatchSplit:
 
 
 def deepspeed_config(args: argparse.Namespace, dp: int,
-                     machine: doctor.Machine) -> Tuple[dict, str, BatchSplit]:
+                     machine: doctor.Machine) -> Tuple[dict, str, BatchSplit, dict]:
     """The config the DeepSpeed engine gets for `dp` data-parallel ranks, its precision (fp32,
-    fp16 or bf16) and its batch split; tupe-doctor's fatal findings on `machine` stop the run."""
+    fp16 or bf16), its batch split and its training settings (set_schedule); tupe-doctor's fatal
+    findings on `machine` stop the run."""
     ds_config = read_ds_config(args.ds_config)
     dtype = doctor.precision(ds_config)
     for finding in doctor.all_findings(machine, args.ds_config, processes_on_this_node(),
@@ -42,11 +44,11 @@ def deepspeed_config(args: argparse.Namespace, dp: int,
         ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     check_pipeline(args, ds_config, dtype)
     split = set_batch(args, ds_config, dp)
-    set_schedule(args, ds_config)
+    training = set_schedule(args, ds_config)
     ds_config["tensorboard"] = {"enabled": True, "job_name": "deepspeed",
                                 "output_path": os.path.join(args.out, "tensorboard")}
     ds_config.setdefault("steps_per_print", 10**9)
-    return ds_config, dtype, split
+    return ds_config, dtype, split, training
 
 
 def read_ds_config(path: str) -> dict:
@@ -100,8 +102,10 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
     return BatchSplit(batch, micro, batch // (micro * dp), dp, note)
 
 
-def set_schedule(args: argparse.Namespace, ds_config: dict) -> None:
-    """Learning rate and warmup overrides; the linear decay ends at --steps."""
+def set_schedule(args: argparse.Namespace, ds_config: dict) -> dict:
+    """Learning rate and warmup overrides; the linear decay ends at --steps. Returns the
+    training settings as asked (identity.training_settings), before a warmup longer than
+    --steps is shortened to it: a later, larger --steps is the same schedule."""
     scheduler = ds_config.get("scheduler", {}).get("params", {})
     if "total_num_steps" in scheduler:
         scheduler["total_num_steps"] = args.steps
@@ -111,5 +115,7 @@ def set_schedule(args: argparse.Namespace, ds_config: dict) -> None:
         ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
         if "warmup_max_lr" in scheduler:
             scheduler["warmup_max_lr"] = args.lr
+    asked = training_settings(ds_config)
     if scheduler.get("warmup_num_steps", 0) > args.steps:
         scheduler["warmup_num_steps"] = args.steps
+    return asked

@@ -78,7 +78,12 @@ def parser() -> argparse.ArgumentParser:
                         "the previous one if it does not verify); never: refuse to start when "
                         "--out holds checkpoints")
     p.add_argument("--resume-from", metavar="stepN",
-                   help="resume from this checkpoint of --out (newer ones are set aside)")
+                   help="resume from this checkpoint of --out: stepN, or its path (newer ones "
+                        "are set aside)")
+    p.add_argument("--allow-training-changes", action="store_true",
+                   help="resume even though the optimizer or schedule settings (--lr, "
+                        "--warmup-steps, the config's optimizer, scheduler, gradient clipping) "
+                        "differ from the checkpoint's; the run says each change")
     p.add_argument("--init-from", metavar="CHECKPOINT",
                    help="start a new run from another run's weights (RUN_DIR, RUN_DIR/"
                         "checkpoints or .../stepN) with this run's schedule and data stream: "
@@ -99,6 +104,11 @@ def parser() -> argparse.ArgumentParser:
 def fail(message: str):
     """Stops tupe-pretrain with `message`, which says what to change."""
     raise SystemExit(f"tupe-pretrain: error: {message}")
+
+
+class Refused(RuntimeError):
+    """What `fail` says, found once the process group exists (what the checkpoint's files hold,
+    what every rank sees): every rank raises it alike; tupe-pretrain says it once and exits 2."""
 
 
 def check_flags(args: argparse.Namespace) -> None:

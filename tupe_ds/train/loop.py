@@ -3,7 +3,6 @@ process groups, engine, data, resume, then steps with logging, validation, posit
 checkpoints until --steps or a stop signal."""
 
 import dataclasses
-import json
 import os
 
 import deepspeed
@@ -21,16 +20,17 @@ from tupe_ds.distributed.parallel import MegatronMPU, accelerator_device, seed_t
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
-from tupe_ds.tools.files import write_atomically
+from tupe_ds.train import run_description, run_lock
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
-from tupe_ds.train.checkpoint import reshard, resume
-from tupe_ds.train.checkpoint.save import NonFiniteWeights, save
+from tupe_ds.train.checkpoint import manifest, reshard, resume
+from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, save
 from tupe_ds.train.config import RunConfig
+from tupe_ds.train.flags import Refused
 from tupe_ds.train.monitor import Monitor, run_flops_per_step
-from tupe_ds.train.nonfinite import NonFiniteGuard
+from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.optim import parameter_groups
+from tupe_ds.train.optim import apply_config, parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal
 from tupe_ds.train.waits import announced
@@ -91,17 +91,18 @@ def evaluate(steps, valid: list, run: RunConfig, micro_batch: int, device) -> di
     return blended
 
 
-def write_run_description(run: RunConfig) -> None:
-    """OUT/run.json: the models and layout of the run, which tupe-export reads (atomically)."""
+def write_run_description(run: RunConfig, lineage: str) -> None:
+    """OUT/run.json: the models, layout and lineage of the run (run_description.py)."""
     batch = run.ds_config["train_batch_size"]
-    description = {"objective": run.objective, "data": os.path.abspath(run.data),
+    description = {"objective": run.objective, "lineage": lineage,
+                   "data": os.path.abspath(run.data),
                    "sources": [{"folder": os.path.abspath(source.folder), "weight": source.weight,
                                 "name": source.name} for source in run.sources],
                    "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
                    "global_batch": batch, "seq_len": run.seq_len,
                    "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
                    "models": [dataclasses.asdict(config) for config in run.models]}
-    write_atomically(os.path.join(run.out, "run.json"), json.dumps(description, indent=1))
+    run_description.write(run.out, description)
 
 
 def build_engine(run: RunConfig, objective, device):
@@ -136,6 +137,18 @@ def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
         vocab_size=run.models[0].vocab_size)
 
 
+def chosen_training_changes(plan, run: RunConfig) -> list:
+    """How the checkpoint chosen (a fallback too) was trained otherwise, to say and apply;
+    Refused when the run may not change that (resume.training_changes)."""
+    if plan is None or not plan.verified:
+        return []
+    try:
+        return resume.training_changes(os.path.join(plan.directory, plan.tag), run.training,
+                                       run.allow_training_changes)
+    except ValueError as error:
+        raise Refused(str(error)) from None
+
+
 def waiting_with_extensions(what: str):
     """A wait during which DeepSpeed may also build or load an extension: its text, with the
     state of every build lock at the time it is printed."""
@@ -161,16 +174,23 @@ def train(run: RunConfig, launcher: str) -> None:
                                                  pipeline_model_parallel_size=run.layout.pp)
     os.makedirs(run.out, exist_ok=True)
     say = print if rank == 0 else (lambda *a, **k: None)
-    plan = run.resume_plan
-    if plan is not None:  # verified by every rank before the engine is built for it
-        layout = run.layout
-        plan = resume.choose(plan, layout.world_size, layout.tp, layout.pp,
-                             run.ds_config.get("zero_optimization", {}).get("stage", 0),
-                             lambda line: say(line, flush=True))
-        convert = plan.resharding is not None and plan.resharding.convert
-        run.ds_config.setdefault("checkpoint", {})["load_universal"] = convert
+    run_lock.confirm_on_every_rank(run.lock, run.out)
+    layout = run.layout
+    # rank 0's plan, verified by every rank before the engine is built for it
+    plan = resume.choose(run.resume_plan, layout.world_size, layout.tp, layout.pp,
+                         run.ds_config.get("zero_optimization", {}).get("stage", 0),
+                         lambda line: say(line, flush=True))
+    changes = chosen_training_changes(plan, run)
+    if plan is None and run.init_plan is not None:
+        resume.check_init(run.init_plan)
+    convert = plan is not None and plan.resharding is not None and plan.resharding.convert
+    run.ds_config.setdefault("checkpoint", {})["load_universal"] = convert
+    lineage = resume.lineage_of(plan, run.out)
     if rank == 0:
-        write_run_description(run)
+        damage = run_description.damage(run.out)
+        if damage:
+            say(f"tupe-pretrain: {damage}: written anew", flush=True)
+        write_run_description(run, lineage)
 
     arch_note = fit_cuda_arch_list()
     if arch_note and rank == 0:
@@ -184,6 +204,10 @@ def train(run: RunConfig, launcher: str) -> None:
         data = datasets(run, vocab, objective)
     checkpoints = os.path.join(run.out, "checkpoints")
     state = resume.load(engine, plan, run.seed) if plan is not None else None
+    if changes:
+        apply_config(engine, run.ds_config)
+        for line in changes:
+            say(line, flush=True)
     if state is None and run.init_plan is not None:
         resume.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
     step = state["step"] if state else 0
@@ -194,20 +218,21 @@ def train(run: RunConfig, launcher: str) -> None:
                            prefetch=run.prefetch if reads_data(run) else 0,
                            pin=device.type != "cpu")
     layout = saved_layout(run, engine)
-    record = {"lineage": resume.lineage_of(plan), "identity": run.identity,  # for the manifests
-              "resumed_from": plan.tag if plan else None,
+    record = {"lineage": lineage, "identity": run.identity,  # for the manifests
+              "training": run.training, "resumed_from": plan.tag if plan else None,
               "init_from": run.init_plan.step_dir if run.init_plan else None}
     guard = NonFiniteGuard(engine, run.max_nonfinite_steps,
                            state.get("nonfinite") if state else None)
     last_checkpoint = plan.tag if plan else None
-    monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank)
+    monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank,
+                      resumed_at=step)
     stop = StopSignal()
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {run.world_size} processes from {launcher} "
         f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
         f"{run.loss_normalization}, {data['train'].description(run.sources)}", flush=True)
 
-    metrics, totals, failure = {}, {}, None
+    metrics, totals, failure, everywhere = {}, {}, None, True
     logged_from = batches.consumed  # the first global sample of the logging interval
     while step < run.steps:
         steps.train(batches.next_step(), totals)
@@ -216,10 +241,11 @@ def train(run: RunConfig, launcher: str) -> None:
         if said:
             say(said, flush=True)
         if guard.exhausted:
+            monitor.scalars(step, {"train/nonfinite_steps": guard.total})
             failure = guard.stop_message(step, last_checkpoint)
             break
         if step % run.intervals.log == 0 or step == run.steps:
-            scale = engine.optimizer.cur_scale if hasattr(engine.optimizer, "cur_scale") else None
+            scale = loss_scale(engine.optimizer)
             say(monitor.train(step, steps.reduce(totals), engine.get_lr()[0],
                               engine.get_global_grad_norm(), scale, guard.total), flush=True)
             if len(run.sources) > 1:
@@ -238,6 +264,9 @@ def train(run: RunConfig, launcher: str) -> None:
                 monitor.positional_images(step, tag, scores)
         stopping = stop.any_rank(device)
         if step % run.intervals.save == 0 or step == run.steps or stopping:
+            failure = run_lock.lost_on_rank_0(run.lock)
+            if failure:
+                break
             client_state = {"step": step, "consumed": batches.consumed,
                             "nonfinite": guard.state()}
             try:
@@ -246,11 +275,22 @@ def train(run: RunConfig, launcher: str) -> None:
             except NonFiniteWeights as error:
                 failure = f"{error}; the last good checkpoint is {last_checkpoint or 'none'}"
                 break
+            except SaveFailed as error:  # a full disk, a folder in the way: the previous stand
+                tag = checkpoint_folder.tag_of(step)
+                if manifest.exists(os.path.join(checkpoints, tag)):  # failed after its manifest
+                    last_checkpoint = tag
+                failure = (f"{error}; the last complete checkpoint is "
+                           f"{last_checkpoint or 'none'}. Free space (or mend the folder) and "
+                           "run the same command: it resumes from there")
+                everywhere = error.everywhere
+                break
             last_checkpoint = checkpoint_folder.tag_of(step)
         if stopping:
-            say(f"stopping at step {step} on {stop.received or 'a signal to another rank'}; "
+            say(f"stopping at step {step} on {stopping}; "
                 "run the same command to continue", flush=True)
             break
+    if failure is not None and not everywhere:  # the other ranks wait in a collective
+        raise TrainingStopped(failure, everywhere=False)
     if failure is None and not metrics:  # nothing left to train: report where the run stands
         metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
                            device)
@@ -264,4 +304,10 @@ def train(run: RunConfig, launcher: str) -> None:
 
 
 class TrainingStopped(RuntimeError):
-    """The run cannot go on by itself (non-finite steps or weights); its message says why."""
+    """The run cannot go on by itself (non-finite steps or weights, a checkpoint it could not
+    write, its run folder taken over); its message says why. `everywhere`: every rank stopped
+    alike (else only this one: the others wait in a collective, for the launcher to end them)."""
+
+    def __init__(self, message: str, everywhere: bool = True):
+        super().__init__(message)
+        self.everywhere = everywhere

@@ -8,6 +8,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from tupe_ds.model.config import ModelConfig
+from tupe_ds.tools.files import write_atomically
 
 
 def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> float:
@@ -21,11 +22,51 @@ def run_flops_per_step(configs: tuple, global_batch: int, seq_len: int) -> float
     return sum(flops_per_step(c, global_batch, seq_len) for c in configs)
 
 
+def keep_log_until(path: str, step: int) -> int:
+    """A run resumed at `step` (0: started anew) trains the steps after it again: their entries
+    in train_log.jsonl, written before a kill or a fallback, move to train_log.redone.jsonl, so
+    that the log holds each step once. Returns how many moved. A line that is not a log entry
+    (a write cut short by a kill) moves too; lines are moved byte for byte."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = [line + b"\n" for line in data.split(b"\n")]
+    if data.endswith(b"\n") or not data:
+        lines.pop()  # the empty piece after the last newline
+    kept, redone = [], []
+    for line in lines:
+        entry = entry_step(line)
+        (kept if entry is not None and entry <= step else redone).append(line)
+    if redone:
+        with open(path[:-len(".jsonl")] + ".redone.jsonl", "ab") as f:
+            f.writelines(redone)
+    if redone or not data.endswith(b"\n") and data:  # the next entry starts on a line of its own
+        write_atomically(path, b"".join(kept))
+    return len(redone)
+
+
+def entry_step(line: bytes):
+    """The step of a log line; None when it is not a log entry (a JSON object in UTF-8 with an
+    int step, as `Monitor.scalars` writes it)."""
+    try:
+        entry = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    step = entry.get("step") if isinstance(entry, dict) else None
+    return step if type(step) is int else None
+
+
 class Monitor:
     def __init__(self, out: str, configs: tuple, global_batch: int, seq_len: int,
-                 world_size: int, rank: int):
-        self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe")) if rank == 0 else None
+                 world_size: int, rank: int, resumed_at: int = 0):
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
+        self.writer = None
+        if rank == 0:
+            keep_log_until(self.log_path, resumed_at)
+            # TensorBoard hides what earlier attempts wrote for the steps trained again
+            self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe"),
+                                        purge_step=resumed_at + 1)
         self.step_flops = run_flops_per_step(configs, global_batch, seq_len)
         self.samples = global_batch
         self.tokens = global_batch * seq_len

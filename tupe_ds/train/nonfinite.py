@@ -3,16 +3,25 @@ them stops before it writes anything from them.
 
 DeepSpeed skips such a step itself wherever it checks for overflow, with the check all-reduced
 so that every rank skips the same step: ZeRO stages 1-3 in every precision (in bf16 through
-`bf16.check_grad_overflow`, on by default), and the fp16 and bf16 optimizers of stage 0. A loss
-that is not finite makes gradients that are not, so the same check catches it. Stage 0 in fp32
-hands the gradients to torch's optimizer unchecked, and `config_problem` refuses it. tupe_ds
-counts the skips (`engine.skipped_steps`) and stops after --max-nonfinite-steps in a row. In
-fp16 the loss scaler skips steps as it finds its scale; those count only once the scale is at
-its minimum, where DeepSpeed would raise an exception and tupe_ds stops instead with the step
-and the last good checkpoint.
+`bf16.check_grad_overflow`, on by default), and the fp16 and bf16 optimizers of stage 0 (which
+the pipeline engine uses too). A loss that is not finite makes gradients that are not, so the
+same check catches it. Stage 0 in fp32 hands the gradients to torch's optimizer unchecked, and
+`config_problem` refuses it. tupe_ds counts the skips (`engine.skipped_steps`) and stops after
+--max-nonfinite-steps in a row, with the step and the last good checkpoint.
+
+In bf16 and fp32 every skip counts. In fp16 a dynamic loss scaler skips steps as it finds its
+scale (65536, 32768, ...): a skip counts only when the scale was already at its minimum before
+the step, so that the scaler could not lower it any more. `scaler_state` reads the scaler
+wherever DeepSpeed keeps it: stage 0's FP16_Optimizer and FP16_UnfusedOptimizer in
+`loss_scale_config` (every overflow halves the scale, down to the minimum, where they go on
+skipping), ZeRO's optimizers in `loss_scaler` (a DynamicLossScaler: with `hysteresis` an
+overflow may skip without lowering the scale, and at the minimum it raises an exception, which
+the guard turns off to stop the run itself).
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
+
+import torch
 
 
 def config_problem(ds_config: dict, dtype: str) -> Optional[str]:
@@ -31,9 +40,36 @@ def config_problem(ds_config: dict, dtype: str) -> Optional[str]:
     return None
 
 
+class LossScale(NamedTuple):
+    scale: float    # the scale of the next step
+    minimum: float  # the lowest scale it can go to: its own scale when static
+
+
+def scaler_state(optimizer) -> Optional[LossScale]:
+    """The fp16 loss scaler of any DeepSpeed optimizer; None without one (bf16, fp32)."""
+    config = getattr(optimizer, "loss_scale_config", None)  # stage 0: FP16_(Unfused)Optimizer
+    if config is not None:
+        if not config.use_grad_scaling:  # the same classes in bf16
+            return None
+        dynamic = config.dynamic_loss_scale
+        return LossScale(config.cur_scale, config.min_loss_scale if dynamic else config.cur_scale)
+    scaler = getattr(optimizer, "loss_scaler", None)  # ZeRO 1-3; a LossScaler of 1 in bf16/fp32
+    if scaler is None or getattr(optimizer, "dtype", None) != torch.float16:
+        return None  # also BF16_Optimizer and torch's own optimizers, which have none
+    return LossScale(scaler.cur_scale, scaler.min_scale if scaler.dynamic else scaler.cur_scale)
+
+
+def loss_scale(optimizer) -> Optional[float]:
+    """The current fp16 loss scale (dynamic or static) of a DeepSpeed optimizer; None without."""
+    state = scaler_state(optimizer)
+    return None if state is None else state.scale
+
+
 class NonFiniteGuard:
-    """Counts the steps DeepSpeed did not apply; `after_step` says so, `exhausted` is True once
-    `limit` counted ones came in a row. Its state goes into the checkpoints."""
+    """Counts the steps DeepSpeed did not apply, but not an fp16 scaler's search for its scale;
+    `after_step` says so, `exhausted` is True once `limit` counted ones came in a row. Its state
+    goes into the checkpoints. Build it after the checkpoint is loaded (ZeRO's loading replaces
+    the loss scaler with the saved one)."""
 
     def __init__(self, engine, limit: int, state: Optional[dict] = None):
         self.engine, self.limit = engine, limit
@@ -43,25 +79,21 @@ class NonFiniteGuard:
         scaler = getattr(engine.optimizer, "loss_scaler", None)
         if getattr(scaler, "raise_error_at_min_scale", False):
             scaler.raise_error_at_min_scale = False  # this guard stops the run instead
+        self.before = scaler_state(engine.optimizer)  # the loss scale the next step starts with
 
     def state(self) -> dict:
         return {"in_a_row": self.in_a_row, "total": self.total}
-
-    def scaler_can_go_lower(self) -> bool:
-        """fp16: the loss scaler still finds its scale (its skips are its way of doing so)."""
-        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-        return bool(getattr(scaler, "dynamic", False) and self.engine.fp16_enabled()
-                    and scaler.cur_scale > scaler.min_scale)
 
     def after_step(self, step: int) -> Optional[str]:
         """The line to say when step `step` was not applied and counts; None otherwise."""
         skipped = self.engine.skipped_steps > self.seen
         self.seen = self.engine.skipped_steps
+        before, self.before = self.before, scaler_state(self.engine.optimizer)
         if not skipped:
             self.in_a_row = 0
             return None
-        if self.scaler_can_go_lower():
-            return None
+        if before is not None and before.scale > before.minimum:
+            return None  # the fp16 scaler finding its scale: it could still go lower
         self.in_a_row += 1
         self.total += 1
         return (f"step {step}: loss or gradient not finite, the update was not applied "
@@ -73,9 +105,13 @@ class NonFiniteGuard:
         return self.in_a_row >= self.limit
 
     def stop_message(self, step: int, last_checkpoint: Optional[str]) -> str:
-        last = last_checkpoint or "none yet"
+        if last_checkpoint:
+            advice = (f"Last good checkpoint: {last_checkpoint}. To go on, resume from it with a "
+                      "lower --lr (or more --warmup-steps) and --allow-training-changes, or "
+                      "--resume-from an earlier checkpoint")
+        else:
+            advice = ("No checkpoint was written yet. To go on, run again with a lower --lr (or "
+                      "more --warmup-steps)")
         return (f"stopping at step {step}: {self.in_a_row} steps in a row had a loss or gradient "
-                f"that is not finite (none was applied, and nothing was saved from them). Last "
-                f"good checkpoint: {last}. Try resuming from it with a lower --lr (or more "
-                f"--warmup-steps), bf16 instead of fp16, or --resume-from an earlier checkpoint; "
-                f"the data of steps {step - self.in_a_row + 1}-{step} is where to look")
+                f"that is not finite (none was applied, and nothing was saved from them). "
+                f"{advice}; the data of steps {step - self.in_a_row + 1}-{step} is where to look")

@@ -8,3 +8,22 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def apply_config(engine, ds_config: dict) -> None:
+    """After a resume with changed optimizer settings (--allow-training-changes): DeepSpeed
+    restores the checkpoint's parameter groups (betas, eps, weight decay, learning rate); they
+    take the config's, and the learning rate the schedule's at the step resumed, so that the
+    changes hold from the first step. Group 0 is the decayed one (parameter_groups)."""
+    params = ds_config.get("optimizer", {}).get("params", {})
+    groups = engine.optimizer.param_groups
+    for index, group in enumerate(groups):
+        if "betas" in params:
+            group["betas"] = tuple(params["betas"])
+        if "eps" in params:
+            group["eps"] = params["eps"]
+        if "weight_decay" in params:
+            group["weight_decay"] = params["weight_decay"] if index == 0 else 0.0
+    if engine.lr_scheduler is not None:
+        for group, lr in zip(groups, engine.lr_scheduler.get_lr()):
+            group["lr"] = lr

@@ -71,8 +71,7 @@ class EngineSteps:
         return reduce_metrics(totals, self.device)
 
     def close(self) -> None:
-        """Let the engine go: its gradient hooks hold it (and its process groups) otherwise."""
-        self.engine.destroy()
+        release(self.engine)
 
 
 class PipelineLoss:
@@ -135,8 +134,27 @@ class PipelineSteps:
         return metrics[0]
 
     def close(self) -> None:
-        """Let the engine go: the last micro-batches' activations in its buffers carry backward
-        hooks that refer to it, a cycle through autograd the garbage collector cannot see."""
-        for buffers in self.engine.pipe_buffers.values():
-            buffers.clear()
-        self.engine.destroy()
+        release(self.engine)
+
+
+def release(engine) -> None:
+    """Let the engine go, and with it its process groups (their gloo threads, which abort a
+    process that exits with them alive: end_distributed): engine.destroy() drops its gradient
+    hooks; DeepSpeed 0.19 still holds a ZeRO-3 engine's module in FWD_MODULE_STACK and in a
+    class-wide lru_cache, and a pipeline engine its last loss and buffers, whose activations
+    carry backward hooks that refer to it (a cycle through autograd the garbage collector cannot
+    see)."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import \
+        PartitionedParameterCoordinator
+
+    for buffers in getattr(engine, "pipe_buffers", {}).values():
+        buffers.clear()
+    if hasattr(engine, "pipe_buffers"):
+        engine.loss = None
+    engine.destroy()
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [module for module in stack if module is not engine.module]
+    cached = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+    for cell in cached.__closure__ or ():  # an nvtx wrapper around the lru_cache
+        getattr(cell.cell_contents, "cache_clear", lambda: None)()

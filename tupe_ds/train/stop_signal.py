@@ -13,14 +13,15 @@ class StopSignal:
     """
 
     def __init__(self):
-        self.received = None
+        self.received = 0  # the signal's number
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        self.received = signum
 
-    def any_rank(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+    def any_rank(self, device):
+        """Collective: the name of a signal some rank received (None: none did)."""
+        flag = torch.tensor([float(self.received)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return signal.Signals(int(flag.item())).name if flag.item() else None

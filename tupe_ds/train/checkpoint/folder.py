@@ -13,10 +13,10 @@ import os
 import re
 import shutil
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from tupe_ds.tools.files import write_atomically
-from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.checkpoint import manifest, reshard
 
 TAG = re.compile(r"^step(\d+)$")
 SET_ASIDE = "set-aside"
@@ -41,30 +41,51 @@ def step_folders(directory: str) -> List[int]:
     return sorted(int(m.group(1)) for m in map(TAG.match, os.listdir(directory)) if m)
 
 
+def survey(directory: str) -> Tuple[Dict[int, dict], Dict[int, str]]:
+    """(complete, damaged): the manifest of each complete checkpoint, by step; and for each step
+    folder whose manifest is there but does not read as one (manifest.read), the problem. A
+    damaged checkpoint is never resumed, retired or a fallback: it is kept."""
+    complete, damaged = {}, {}
+    for step in step_folders(directory):
+        step_dir = os.path.join(directory, tag_of(step))
+        if manifest.exists(step_dir):
+            try:
+                record = manifest.read(step_dir)
+                reshard.saved_layout(record)
+                complete[step] = record
+            except ValueError as error:
+                damaged[step] = str(error)
+    return complete, damaged
+
+
 def complete_steps(directory: str) -> List[int]:
-    """Steps of the folders that hold a manifest, in ascending order."""
-    return [s for s in step_folders(directory)
-            if manifest.exists(os.path.join(directory, tag_of(s)))]
+    """Steps of the folders whose manifest reads, in ascending order."""
+    return sorted(survey(directory)[0])
 
 
 def latest_tag(directory: str) -> Optional[str]:
-    """What `latest` names (None without one): informative, since completeness is the
-    manifest's; a checkpoint of an earlier tupe_ds without a manifest is found through it."""
+    """What `latest` names (None without one, or when it is not a checkpoint's name):
+    informative, since completeness is the manifest's; a checkpoint of an earlier tupe_ds without
+    a manifest is found through it."""
     path = os.path.join(directory, "latest")
-    if not os.path.exists(path):
+    try:
+        with open(path, "rb") as f:
+            tag = f.read(256).decode("utf-8", errors="replace").strip()
+    except (FileNotFoundError, IsADirectoryError):
         return None
-    with open(path) as f:
-        return f.read().strip() or None
+    return tag if TAG.match(tag) else None
 
 
 def legacy_step(directory: str) -> Optional[int]:
     """The step of a checkpoint written before manifests existed: `latest` names a folder
     without a manifest, which earlier versions wrote only when every rank's files were there."""
     tag = latest_tag(directory)
-    if tag is None or not TAG.match(tag):
+    if tag is None:
         return None
     folder = os.path.join(directory, tag)
-    if os.path.isdir(folder) and not manifest.exists(folder) and not complete_steps(directory):
+    with_manifest = [s for s in step_folders(directory)
+                     if manifest.exists(os.path.join(directory, tag_of(s)))]
+    if os.path.isdir(folder) and not with_manifest:
         return step_of(tag)
     return None
 
@@ -99,8 +120,9 @@ def retire(directory: str, step: int, lineage: str, keep: int) -> List[int]:
     kill cut short. A folder is renamed before it is removed, so that a deletion cut short never
     leaves a stepN folder that looks like a checkpoint. Returns the steps removed."""
     finish_deletions(directory)
-    older = [s for s in complete_steps(directory) if s < step
-             and manifest.read(os.path.join(directory, tag_of(s))).get("lineage") == lineage]
+    complete, _ = survey(directory)
+    older = [s for s, record in sorted(complete.items())
+             if s < step and record["lineage"] == lineage]
     removed = older[:max(len(older) - (keep - 1), 0)]
     for old in removed:
         doomed = os.path.join(directory, DELETING + tag_of(old))

@@ -8,6 +8,7 @@ the attention kernels' layout) is not part of it: reshard.py carries a run acros
 
 import dataclasses
 import os
+import re
 from typing import List, Sequence
 
 from tupe_ds.data.blend import Source, whole_shares
@@ -52,29 +53,60 @@ def run_identity(objective: str, model: str, models: tuple, sources: Sequence[So
     }
 
 
-def flatten(value, prefix: str = "") -> dict:
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items()
-                for k, v in flatten(item, f"{prefix}.{key}" if prefix else key).items()}
-    if isinstance(value, list):
-        return {k: v for i, item in enumerate(value)
-                for k, v in flatten(item, f"{prefix}[{i}]").items()}
-    return {prefix: value}
+def flatten(value) -> dict:
+    """{"models[0].hidden_dropout": 0.1, ...}: every leaf of nested dicts and lists by its path
+    (iterative: a damaged record nested a thousand deep is read too)."""
+    leaves, stack = {}, [("", value)]
+    while stack:
+        prefix, item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((f"{prefix}.{key}" if prefix else str(key), child)
+                         for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{prefix}[{i}]", child) for i, child in enumerate(item))
+        else:
+            leaves[prefix] = item
+    return leaves
+
+
+def training_settings(ds_config: dict) -> dict:
+    """What the optimizer and the schedule are given (a checkpoint's manifest records it): the
+    optimizer's type and parameters, the scheduler's (its end, total_num_steps, follows
+    --steps: a larger --steps trains on) and gradient clipping."""
+    scheduler = ds_config.get("scheduler", {})
+    return {"optimizer": ds_config.get("optimizer"),
+            "scheduler": {"type": scheduler.get("type"),
+                          "params": {k: v for k, v in scheduler.get("params", {}).items()
+                                     if k != "total_num_steps"}},
+            "gradient_clipping": ds_config.get("gradient_clipping")}
+
+
+# What a resumed run may change with --allow-training-changes: what tupe-pretrain sets again
+# after DeepSpeed restored the checkpoint's parameter groups (optim.apply_config), and what the
+# engine and the scheduler read from the config. The rest (the optimizer's type, amsgrad, its
+# implementation, the scheduler's type) made the optimizer state the checkpoint holds.
+CHANGEABLE_AT_RESUME = re.compile(r"^(optimizer\.params\.(lr|betas\[\d\]|eps|weight_decay)"
+                                  r"|scheduler\.params\..*|gradient_clipping)$")
 
 
 DESCRIPTIONS = {"data": "the data (--data)", "vocabulary": "the vocabulary (tokenizer.json)"}
 FLAGS = {"objective": "--objective", "model": "--model", "seed": "--seed", "seq_len": "--seq-len",
-         "global_batch": "--global-batch", "loss_normalization": "--loss-normalization"}
+         "global_batch": "--global-batch", "loss_normalization": "--loss-normalization",
+         "optimizer.params.lr": "--lr", "scheduler.params.warmup_max_lr": "--lr",
+         "scheduler.params.warmup_num_steps": "--warmup-steps"}
 
 
-def differences(saved: dict, current: dict) -> List[str]:
-    """One line per setting that differs: 'seq_len: 128 in the checkpoint, 512 now'. A setting
-    the checkpoint does not record has the value of BEFORE_RECORDED."""
+def differences(saved: dict, current: dict, which=lambda key: True) -> List[str]:
+    """One line per setting that differs (of those whose flattened key `which` accepts):
+    'seq_len: 128 in the checkpoint, 512 now'. A setting the checkpoint does not record has the
+    value of BEFORE_RECORDED."""
     now = flatten(current)
     before = {**{k: v for k, v in BEFORE_RECORDED.items() if k in now}, **flatten(saved)}
     lines = []
     for key in sorted(set(before) | set(now)):
-        if before.get(key) != now.get(key):
+        if not which(key):
+            continue
+        if before.get(key) != now.get(key) and not both_nan(before.get(key), now.get(key)):
             top = key.split(".")[0].split("[")[0]
             if top in DESCRIPTIONS:
                 line = f"{DESCRIPTIONS[top]}: other content than the checkpoint's ({key})"
@@ -85,3 +117,7 @@ def differences(saved: dict, current: dict) -> List[str]:
             if line not in lines:
                 lines.append(line)
     return lines
+
+
+def both_nan(a, b) -> bool:
+    return isinstance(a, float) and isinstance(b, float) and a != a and b != b

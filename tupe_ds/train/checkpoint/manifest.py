@@ -1,7 +1,11 @@
 """stepN/manifest.json: the commit mark of a checkpoint and what it is checked against.
 
     {"format": 1, "tag": "step8", "step": 8, "lineage": "...", "identity": {...},
-     "layout": {...}, "files": {"NAME": {"size": BYTES, "xxh3_128": HEX}, ...}}
+     "layout": {...}, "training": {...}, "files": {"NAME": {"size": BYTES, "xxh3_128": HEX}, ...},
+     "manifest_xxh3_128": HEX}
+
+The manifest checksums its own content too, so that a flipped bit in it (the identity, a
+file's size) makes the checkpoint damaged, not another run's.
 
 Each rank checksums the files it wrote (the reads are spread over all ranks, as the writes
 are); rank 0 writes the manifest atomically once every rank's files are there. xxh3-128 (the
@@ -23,6 +27,7 @@ from tupe_ds.train.checkpoint import safe_load
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+SELF = "manifest_xxh3_128"  # the checksum of the manifest's own content (earlier ones have none)
 CHUNK = 1 << 24
 
 
@@ -48,16 +53,44 @@ def exists(folder: str) -> bool:
 
 
 def read(folder: str) -> dict:
-    """The manifest of `folder`; ValueError naming the file when it is not one."""
+    """The manifest of `folder`, checked field by field; ValueError naming the file and what is
+    wrong when it is not a manifest tupe-pretrain wrote for this folder."""
     path = os.path.join(folder, MANIFEST)
     try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
+        with open(path, "rb") as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ValueError(f"{path}: not readable as a manifest ({error})") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT or "files" not in record:
-        raise ValueError(f"{path}: not a manifest tupe-pretrain wrote (format {FORMAT})")
+    problem = record_problem(record, os.path.basename(os.path.normpath(folder)))
+    if not problem and SELF in record and record[SELF] != content_checksum(record):
+        problem = ("its checksum differs from its content (the file changed after it was "
+                   "written)")
+    if problem:
+        raise ValueError(f"{path}: not a manifest tupe-pretrain wrote (format {FORMAT}): "
+                         f"{problem}")
     return record
+
+
+def record_problem(record, tag: str):
+    """What makes `record` no manifest of checkpoint `tag` (None: it is one)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if type(record.get("format")) is not int or record["format"] != FORMAT:
+        return f"format {record.get('format')!r}"
+    if record.get("tag") != tag or type(record.get("step")) is not int or \
+            f"step{record['step']}" != tag:
+        return f"it names {record.get('tag')!r} (step {record.get('step')!r}), not {tag}"
+    for field, kind in (("lineage", str), ("identity", dict), ("layout", dict), ("files", dict)):
+        if not isinstance(record.get(field), kind):
+            return f"{field} is missing or not a {kind.__name__}"
+    for name, entry in record["files"].items():
+        if "/" in name or name in ("", ".", "..", MANIFEST) or not isinstance(entry, dict) \
+                or type(entry.get("size")) is not int or entry["size"] < 0 \
+                or not isinstance(entry.get("xxh3_128"), str):
+            return f"files[{name!r}] is not a file's size and checksum"
+    if "training" in record and not isinstance(record["training"], dict):
+        return "training is not an object"
+    return None
 
 
 def digest(folder: str) -> str:
@@ -68,8 +101,21 @@ def digest(folder: str) -> str:
 
 
 def write(folder: str, record: dict) -> None:
+    record = {key: value for key, value in record.items() if key not in ("format", SELF)}
+    record = {"format": FORMAT, **record}
     write_atomically(os.path.join(folder, MANIFEST),
-                     json.dumps({"format": FORMAT, **record}, indent=1, sort_keys=True))
+                     json.dumps({**record, SELF: content_checksum(record)}, indent=1,
+                                sort_keys=True))
+
+
+def content_checksum(record: dict) -> str:
+    """xxh3-128 of the record's canonical JSON, without SELF: what the manifest says of itself
+    (the JSON read back gives the same text: floats, ints and strings round-trip)."""
+    body = {key: value for key, value in record.items() if key != SELF}
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True).encode())
+
+
+NOT_PICKLED = (".json",)  # files of a checkpoint tupe_ds reads as text; every other is a pickle
 
 
 def check_files(folder: str, files: Dict[str, dict]) -> List[str]:
@@ -79,7 +125,7 @@ def check_files(folder: str, files: Dict[str, dict]) -> List[str]:
     problems = []
     for name, expected in sorted(files.items()):
         path = os.path.join(folder, name)
-        if not os.path.exists(path):
+        if not os.path.isfile(path):
             problems.append(f"{path}: missing")
             continue
         size = os.path.getsize(path)
@@ -89,8 +135,16 @@ def check_files(folder: str, files: Dict[str, dict]) -> List[str]:
         elif checksum(path) != expected["xxh3_128"]:
             problems.append(f"{path}: its checksum differs from the manifest's (the file "
                             "changed after it was written)")
-        elif name.endswith(".pt"):
+        elif not name.endswith(NOT_PICKLED):
             problem = safe_load.scan(path)
             if problem:
                 problems.append(problem)
     return problems
+
+
+def unlisted(folder: str, files: Dict[str, dict]) -> List[str]:
+    """One line per entry of `folder` its manifest does not list: a checkpoint holds exactly
+    what its save wrote, so that nothing of unknown origin is ever loaded from it."""
+    extra = sorted(set(os.listdir(folder)) - set(files) - {MANIFEST})
+    return [f"{os.path.join(folder, name)}: not listed in its manifest (not written by the "
+            "checkpoint's save)" for name in extra]

@@ -10,8 +10,8 @@ conversion needs to join tensor-parallel slices is saved with every checkpoint
 belongs to the old layout too: on a new one every rank derives its generators from (seed, step,
 rank). A change of micro-batch and gradient accumulation alone (same ranks) needs none of this.
 
-Every decision is taken from `stepN/layout.json` (written with each checkpoint) before any
-process starts, so a layout that cannot be reshaped is refused with what to do.
+Every decision is taken from the layout the manifest records (also in `stepN/layout.json`) before
+any process starts, so a layout that cannot be reshaped is refused with what to do.
 """
 
 import contextlib
@@ -22,7 +22,7 @@ import re
 import shutil
 import time
 from argparse import Namespace
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 import torch
@@ -53,6 +53,16 @@ class SavedLayout:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
+    @classmethod
+    def from_record(cls, record) -> "SavedLayout":
+        """From a manifest's "layout" (or layout.json); ValueError saying what is wrong."""
+        names = [field.name for field in fields(cls)]
+        if not isinstance(record, dict) or sorted(record) != sorted(names):
+            raise ValueError(f"a layout has the fields {', '.join(names)}")
+        if any(type(record[name]) is not int or record[name] < 0 for name in names):
+            raise ValueError("a layout's fields are counts")
+        return cls(**record)
+
 
 @dataclass(frozen=True)
 class Reshard:
@@ -62,18 +72,14 @@ class Reshard:
     convert: bool  # through DeepSpeed's universal checkpoint (ZeRO); else it loads as it is
 
 
-def read_saved_layout(checkpoints: str, tag: str) -> Optional[SavedLayout]:
-    """The layout that wrote CHECKPOINTS/TAG; None for a checkpoint without layout.json (written
-    before tupe_ds recorded it), which resumes only on its own layout."""
-    path = os.path.join(checkpoints, tag, LAYOUT_FILE)
-    if not os.path.exists(path):
-        return None
+def saved_layout(record: dict) -> SavedLayout:
+    """The layout that wrote a checkpoint, from its manifest's record; ValueError naming the
+    checkpoint when it is not one."""
     try:
-        with open(path) as f:
-            return SavedLayout(**json.load(f))
-    except (json.JSONDecodeError, TypeError) as error:
-        raise ValueError(f"{path}: not a layout tupe-pretrain wrote ({error}); restore the file, "
-                         f"or resume from an earlier checkpoint with --resume-from") from None
+        return SavedLayout.from_record(record["layout"])
+    except ValueError as error:
+        raise ValueError(f"checkpoint {record['tag']}: its manifest's layout is damaged "
+                         f"({error})") from None
 
 
 def plan(tag: str, saved: SavedLayout, world_size: int, tp: int, pp: int, zero_stage: int,
@@ -87,10 +93,14 @@ def plan(tag: str, saved: SavedLayout, world_size: int, tp: int, pp: int, zero_s
         raise ValueError(f"{written}: its optimizer state is {held}, which ZeRO stage "
                          f"{zero_stage} does not load (DeepSpeed would start Adam's moments "
                          f"anew); resume with --zero-stage {saved.zero_stage}")
-    if (saved.tp, saved.pp, saved.dp) == (tp, pp, dp):
-        return None
     same = (f"resume on {saved.world_size} processes with --tp {saved.tp} --pp {saved.pp} "
             "(the layout that wrote it)")
+    if (saved.zero_stage == 3) != (zero_stage == 3):
+        raise ValueError(f"{written}: ZeRO stage 3 partitions the weights themselves, and its "
+                         f"checkpoints load only into stage 3 and stage 3 only loads its own: "
+                         f"resume with --zero-stage {saved.zero_stage}")
+    if (saved.tp, saved.pp, saved.dp) == (tp, pp, dp):
+        return None
     if pp > 1 or saved.pp > 1:
         raise ValueError(f"{written}; pipeline-parallel checkpoints resume only on their own "
                          f"layout, and this run has {world_size} processes with --tp {tp} "
@@ -148,7 +158,7 @@ def convert(checkpoints: str, tag: str) -> float:
 
     source_digest = manifest_digest(os.path.join(checkpoints, tag))
     target = os.path.join(universal_dir(checkpoints), tag)
-    if converted_from(target) == source_digest:
+    if converted_from(target) == source_digest and not unsafe_files(target):
         return 0.0
     work = os.path.join(universal_dir(checkpoints), f".tmp-{tag}")
     shutil.rmtree(work, ignore_errors=True)
@@ -185,6 +195,14 @@ def converted_from(target: str):
         return None
     with open(path) as f:
         return f.read().strip()
+
+
+def unsafe_files(folder: str) -> list:
+    """The files of a conversion that do not read with weights_only (safe_load.scan): one that
+    names anything else was not written by ds_to_universal, and the conversion is made anew."""
+    paths = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
+             if name != CONVERTED_FROM]
+    return [path for path in paths if safe_load.scan(path)]
 
 
 def conversion_source(step_dir: str, work: str) -> str:

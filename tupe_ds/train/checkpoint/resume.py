@@ -4,6 +4,7 @@ the files verified, with a fallback) before the engine is built and the state lo
 `init_from`)."""
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass
 from typing import List, Optional
@@ -13,8 +14,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tupe_ds.train.checkpoint import folder as folders
+from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import identity, manifest, reshard
 from tupe_ds.train.checkpoint.rng import derive_rng_state, file_name, load_rng_state
+from tupe_ds.train.flags import Refused
 from tupe_ds.train.waits import announced
 
 
@@ -26,6 +29,8 @@ class ResumePlan:
     resharding: Optional[reshard.Reshard]  # how candidates[0] loads on this layout
     by_hand: bool  # --resume-from: that one or none
     verified: bool = True  # False: written by an earlier tupe_ds, without a manifest
+    passed_over: tuple = ()  # lines: newer step folders that are not resumed, and why
+    notes: tuple = ()  # lines to say: what the choice rests on where run.json could not tell
 
     @property
     def tag(self) -> str:
@@ -40,72 +45,176 @@ class InitPlan:
     with_optimizer: bool
 
 
-def describe_steps(steps: List[int]) -> str:
-    return ", ".join(folders.tag_of(s) for s in steps)
+def describe_steps(steps) -> str:
+    return ", ".join(folders.tag_of(s) for s in sorted(steps))
 
 
 def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: int, tp: int,
                 pp: int, zero_stage: int) -> Optional[ResumePlan]:
     """What --out holds to resume (None: nothing, a fresh start); ValueError saying what to do
-    when it cannot be resumed on this layout, or when --resume never meets checkpoints."""
+    when it cannot be resumed on this layout, when --resume never meets checkpoints, or when a
+    newer checkpoint of another run is in the way. A checkpoint whose manifest does not read is
+    not complete: passed over (and set aside by `choose`) when newer, never a fallback."""
     directory = os.path.join(out, "checkpoints")
-    complete = folders.complete_steps(directory)
-    legacy = folders.legacy_step(directory)
+    complete, damaged = folders.survey(directory)
+    own = run_description.lineage(out)
+    legacy = folders.legacy_step(directory) if own is None else None
     if resume == "never":
-        if complete or legacy:
-            newest = folders.tag_of((complete or [legacy])[-1])
+        held = sorted(set(complete) | set(damaged) | ({legacy} if legacy else set()))
+        if held:
             raise ValueError(
-                f"--resume never, and it holds checkpoints of a run "
-                f"({describe_steps(complete or [legacy])}): nothing is overwritten. To continue "
-                f"that run leave out --resume never; to start over give another --out; to "
-                f"start a new run from its weights, --out NEW --init-from "
-                f"{os.path.join(directory, newest)}")
+                f"--resume never, and it holds checkpoints of a run ({describe_steps(held)}): "
+                f"nothing is overwritten. To continue that run leave out --resume never; to "
+                f"start over give another --out; to start a new run from its weights, --out NEW "
+                f"--init-from {os.path.join(directory, folders.tag_of(held[-1]))}")
         return None
-    verified = legacy is None
+    verified, notes = legacy is None, ()
     if resume_from is not None:
-        step = folders.step_of(os.path.basename(resume_from.rstrip("/")))
+        step = resume_from_step(directory, resume_from)
+        if step in damaged:
+            raise ValueError(f"--resume-from {resume_from}: {damaged[step]}; choose another "
+                             f"(complete ones: {describe_steps(complete) or 'none'})")
         if step not in complete and step != legacy:
-            held = describe_steps(complete) or "none"
             raise ValueError(f"--resume-from {resume_from}: {directory}/{folders.tag_of(step)} "
                              f"is not a complete checkpoint (no manifest.json); complete ones: "
-                             f"{held}")
+                             f"{describe_steps(complete) or 'none'}")
         candidates, by_hand = (step,), True
     elif complete:
-        lineage = manifest.read(os.path.join(directory, folders.tag_of(complete[-1]))).get(
-            "lineage")
-        candidates = tuple(s for s in reversed(complete) if manifest.read(
-            os.path.join(directory, folders.tag_of(s))).get("lineage") == lineage)
-        by_hand = False
+        if own is None:  # no record of the run: the newest checkpoint's lineage is the run's
+            own = complete[max(complete)]["lineage"]
+            notes = unknown_lineage_notes(out, directory, complete, own)
+        ours = [s for s in sorted(complete) if complete[s]["lineage"] == own]
+        if not ours:
+            raise ValueError(
+                f"{directory} holds no checkpoint of this run (lineage {own} in "
+                f"{out}/run.json), only another run's ({describe_steps(complete)}): to continue "
+                f"that run here, --resume-from {folders.tag_of(max(complete))}; else move them "
+                "out of the folder")
+        foreign = [s for s in complete if s > ours[-1] and complete[s]["lineage"] != own]
+        if foreign:
+            raise ValueError(
+                f"{directory}/{folders.tag_of(foreign[-1])} is another run's checkpoint (lineage "
+                f"{complete[foreign[-1]]['lineage']}; this run's is {own}), newer than this "
+                f"run's newest, {folders.tag_of(ours[-1])}: move {describe_steps(foreign)} out of "
+                f"{directory}, or resume this run's own with --resume-from "
+                f"{folders.tag_of(ours[-1])} (newer folders are then set aside, not deleted)")
+        candidates, by_hand = tuple(reversed(ours)), False
     elif legacy:
         candidates, by_hand = (legacy,), False
     else:
-        return None
-    resharding = plan_layout(directory, candidates[0], world_size, tp, pp, zero_stage)
-    return ResumePlan(directory, candidates, resharding, by_hand, verified)
+        candidates, by_hand = (), False
+    newest = candidates[0] if candidates else -1
+    passed_over = tuple(f"{folders.tag_of(s)}: {problem}" for s, problem in sorted(damaged.items())
+                        if s > newest)
+    if not candidates:
+        if not passed_over:
+            return None
+        return ResumePlan(directory, (), None, False, True, passed_over)
+    resharding = plan_layout(directory, candidates[0], world_size, tp, pp, zero_stage) \
+        if verified else None
+    return ResumePlan(directory, candidates, resharding, by_hand, verified, passed_over, notes)
+
+
+def unknown_lineage_notes(out: str, directory: str, complete: dict, taken: str) -> tuple:
+    """When OUT/run.json, which names the run's lineage, is damaged and the checkpoints are of
+    several runs: the line that says which run is resumed (the newest checkpoint's) and how to
+    resume another."""
+    damage = run_description.damage(out)
+    others = {}
+    for step, record in sorted(complete.items()):
+        if record["lineage"] != taken:
+            others.setdefault(record["lineage"], []).append(step)
+    if not damage or not others:
+        return ()
+    held = "; ".join(f"lineage {lineage}: {describe_steps(steps)}"
+                     for lineage, steps in others.items())
+    newest_other = max(step for steps in others.values() for step in steps)
+    return (f"tupe-pretrain: {damage}: resuming the run of the newest checkpoint (lineage "
+            f"{taken}); {directory} also holds another run's ({held}). If that one is this run, "
+            f"stop and resume it with --resume-from {folders.tag_of(newest_other)}",)
+
+
+def resume_from_step(directory: str, resume_from: str) -> int:
+    """The step --resume-from names: stepN, or the path of a step folder of --out's checkpoints;
+    ValueError for any other path (a checkpoint of another folder is --init-from's)."""
+    name = os.path.basename(resume_from.rstrip("/"))
+    if os.sep in resume_from.rstrip("/"):
+        inside = os.path.realpath(os.path.dirname(resume_from.rstrip("/")))
+        if inside != os.path.realpath(directory):
+            raise ValueError(
+                f"--resume-from {resume_from} is not a checkpoint of this run folder "
+                f"({directory}): give one of its own (stepN), start a new run from that "
+                f"checkpoint with --init-from {resume_from}, or give its run folder as --out")
+    try:
+        return folders.step_of(name)
+    except ValueError as error:
+        raise ValueError(f"--resume-from {resume_from}: {error}") from None
 
 
 def plan_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
                 zero_stage: int) -> Optional[reshard.Reshard]:
     """How checkpoint `step` loads on this layout (reshard.plan)."""
     tag = folders.tag_of(step)
-    saved = reshard.read_saved_layout(directory, tag)
-    if saved is None:
-        return None
+    saved = reshard.saved_layout(manifest.read(os.path.join(directory, tag)))
     return reshard.plan(tag, saved, world_size, tp, pp, zero_stage,
                         reshard.has_zero_shards(os.path.join(directory, tag)))
 
 
-def refuse_another_run(plan: ResumePlan, current: dict) -> None:
-    """ValueError naming every difference between the checkpoint's identity and this run's."""
-    if not plan.verified:
-        return  # an earlier version recorded none
+def refuse_another_run(plan: ResumePlan, current: dict, training: dict,
+                       allow_training_changes: bool) -> None:
+    """ValueError naming every difference between the checkpoint's identity and this run's, and
+    between their optimizer and schedule settings (training_changes)."""
+    if not plan.verified or not plan.candidates:
+        return  # an earlier version recorded none; or nothing to resume
     step_dir = os.path.join(plan.directory, plan.tag)
-    differences = identity.differences(manifest.read(step_dir)["identity"], current)
+    saved = manifest.read(step_dir)
+    differences = identity.differences(saved["identity"], current)
     if differences:
+        start_anew = (f"to change them deliberately, start a new run from its weights: --out NEW "
+                      f"--init-from {step_dir}" if not init_differences(saved, current) else
+                      "else start a new run in another --out")
+        raise ValueError(f"{step_dir} is another run than this command's: "
+                         + "; ".join(differences) + f". Resume it with its own settings; "
+                         f"{start_anew}")
+    training_changes(step_dir, training, allow_training_changes)
+
+
+def training_changes(step_dir: str, training: dict, allow: bool) -> List[str]:
+    """The lines that say how this run's optimizer and schedule settings differ from the
+    checkpoint's, when `allow` (--allow-training-changes) lets them; ValueError naming them
+    otherwise, and always for the settings the checkpoint's optimizer state was made with
+    (identity.CHANGEABLE_AT_RESUME)."""
+    saved = manifest.read(step_dir)
+    if "training" not in saved:
+        return []  # written before the settings were recorded
+    changeable = identity.CHANGEABLE_AT_RESUME.match
+    fixed = identity.differences(saved["training"], training, lambda key: not changeable(key))
+    if fixed:
         raise ValueError(
-            f"{step_dir} is another run than this command's: "
-            + "; ".join(differences) + ". Resume it with its own settings; to change them "
-            f"deliberately, start a new run from it: --out NEW --init-from {step_dir}")
+            f"{step_dir} was trained with other settings, which its optimizer state was made "
+            "with and a resumed run cannot change: " + "; ".join(fixed) + ". Resume with the "
+            f"checkpoint's settings, or start a new run from its weights: --out NEW --init-from "
+            f"{step_dir}")
+    changes = identity.differences(saved["training"], training, changeable)
+    if changes and not allow:
+        raise ValueError(
+            f"{step_dir} was trained with other optimizer or schedule settings: "
+            + "; ".join(changes) + ". Resume with the checkpoint's settings, or add "
+            "--allow-training-changes to go on with these (the run then says what changed)")
+    return [f"tupe-pretrain: resuming {os.path.basename(step_dir)} with changed training "
+            f"settings (--allow-training-changes): {change}" for change in changes]
+
+
+def init_differences(saved: dict, current: dict) -> List[str]:
+    """How a checkpoint's model differs from this run's in what --init-from cannot change (the
+    vocabulary and the parameters; the sequence length, dropout and precision may change)."""
+    changeable = {"seq_length", "hidden_dropout", "attention_dropout", "dtype"}
+    return identity.differences(
+        {"vocabulary": saved["identity"].get("vocabulary"), "models": [
+            {k: v for k, v in m.items() if k not in changeable}
+            for m in model_list(saved["identity"].get("models"), saved["tag"])]},
+        {"vocabulary": current["vocabulary"], "models": [
+            {k: v for k, v in m.items() if k not in changeable} for m in current["models"]]})
 
 
 def plan_init(init_from: str, with_optimizer: bool, current: dict, world_size: int, tp: int,
@@ -123,21 +232,21 @@ def plan_init(init_from: str, with_optimizer: bool, current: dict, world_size: i
         raise ValueError(f"--init-from {init_from}: not a complete checkpoint (no "
                          "manifest.json); give RUN_DIR, RUN_DIR/checkpoints or .../stepN")
     saved = manifest.read(path)
-    changeable = {"seq_length", "hidden_dropout", "attention_dropout", "dtype"}
-    differences = identity.differences(
-        {"vocabulary": saved["identity"]["vocabulary"], "models": [
-            {k: v for k, v in m.items() if k not in changeable} for m in
-            saved["identity"]["models"]]},
-        {"vocabulary": current["vocabulary"], "models": [
-            {k: v for k, v in m.items() if k not in changeable} for m in current["models"]]})
+    layout = reshard.saved_layout(saved)
+    differences = init_differences(saved, current)
     if differences:
         raise ValueError(f"--init-from {path}: its model is not this run's: "
                          + "; ".join(differences))
-    layout = reshard.SavedLayout(**saved["layout"])
     dp = world_size // (tp * pp)
     if (layout.tp, layout.pp) != (tp, pp):
         raise ValueError(f"--init-from {path}: written with --tp {layout.tp} --pp {layout.pp}; "
                          "its weights load with the same --tp and --pp")
+    if 3 in (layout.zero_stage, zero_stage) and (layout.zero_stage, layout.dp) != (zero_stage, dp):
+        raise ValueError(f"--init-from {path}: written by {layout} with ZeRO stage "
+                         f"{layout.zero_stage}; under ZeRO stage 3 the weights are partitioned "
+                         f"with the optimizer state, so they load on that layout "
+                         f"({layout.world_size} processes) with --zero-stage "
+                         f"{layout.zero_stage} only")
     if with_optimizer and (layout.dp != dp or (layout.zero_stage == 0) != (zero_stage == 0)):
         raise ValueError(f"--init-optimizer: {path} was written by {layout} with ZeRO stage "
                          f"{layout.zero_stage}; its optimizer state loads on that layout "
@@ -145,72 +254,133 @@ def plan_init(init_from: str, with_optimizer: bool, current: dict, world_size: i
     return InitPlan(path, with_optimizer)
 
 
+def model_list(models, tag: str) -> list:
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise ValueError(f"checkpoint {tag}: its manifest records no model configs")
+    return models
+
+
 def verify(step_dir: str) -> List[str]:
-    """Collective: the problems of the checkpoint's files (manifest.check_files), each rank
-    checking a share of them; the same list on every rank."""
+    """Collective: the problems of the checkpoint's files (manifest.check_files, and on rank 0
+    every file the manifest does not list), each rank checking a share of them; the same list
+    on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         files = manifest.read(step_dir)["files"]
         names = sorted(files)[rank::world]
         problems = manifest.check_files(step_dir, {n: files[n] for n in names})
-    except ValueError as error:
-        problems = [str(error)]
+        if rank == 0:
+            problems += manifest.unlisted(step_dir, files)
+    except Exception as error:  # on one rank, and the others wait in the gather below
+        problems = [f"{step_dir}: {type(error).__name__}: {error}"]
     every_rank = [None] * world
     with announced(f"every rank to verify its share of {step_dir}", rank):
         dist.all_gather_object(every_rank, problems)
     return sorted({p for problems in every_rank for p in problems})
 
 
-def choose(plan: ResumePlan, world_size: int, tp: int, pp: int, zero_stage: int,
-           say) -> ResumePlan:
-    """Collective: the first of the plan's candidates whose files verify, as a plan of its own;
-    what failed is said file by file, and every step folder newer than the one chosen (failed,
-    incomplete, or beyond --resume-from) is set aside. RuntimeError when none verifies."""
-    failed = []
+def agree_with_rank_0(plan: Optional[ResumePlan]) -> Optional[ResumePlan]:
+    """Collective: rank 0's plan, once every rank found that its own (made before the process
+    group, from its view of --out) is the same; Refused naming the ranks that differ."""
+    rank = dist.get_rank()
+    chosen = [plan]
+    dist.broadcast_object_list(chosen, src=0)
+    mine = None if chosen[0] == plan else (
+        f"rank {rank} on {socket.gethostname()} would resume "
+        f"{describe_steps(plan.candidates[:1]) if plan else 'nothing'}")
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    differing = [line for line in every_rank if line]
+    if differing:
+        first = chosen[0]
+        raise Refused(
+            f"the ranks see different checkpoints in {first.directory if first else 'OUT'}: "
+            f"rank 0 would resume {describe_steps(first.candidates[:1]) if first else 'nothing'}"
+            f", {'; '.join(differing)}. Is --out a folder every node shares, the same for every "
+            "rank?")
+    return chosen[0]
+
+
+def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_stage: int,
+           say) -> Optional[ResumePlan]:
+    """Collective: the first of rank 0's plan's candidates whose files verify, as a plan of its
+    own (None: a fresh start); what failed is said file by file, and every step folder newer
+    than the one chosen (failed, damaged, incomplete, or beyond --resume-from) is set aside.
+    With none that verifies the run starts anew, saying so (Refused for --resume-from)."""
+    plan = agree_with_rank_0(plan)
+    if plan is None:
+        return None
+    for line in plan.passed_over:
+        say(f"tupe-pretrain: checkpoint {line}: not complete, not resumed")
+    for line in plan.notes:
+        say(line)
     if not plan.verified:
         say(f"tupe-pretrain: checkpoint {plan.tag} was written by an earlier tupe_ds, without a "
             "manifest: resumed unverified; its next checkpoints have one")
+    failed, chosen = [], None
     for step in plan.candidates:
         step_dir = os.path.join(plan.directory, folders.tag_of(step))
         problems = verify(step_dir) if plan.verified else []
         if not problems:
+            chosen = plan if not failed else ResumePlan(
+                plan.directory, plan.candidates[len(failed):],
+                fallback_layout(plan.directory, step, world_size, tp, pp, zero_stage),
+                plan.by_hand)
             break
         say(f"tupe-pretrain: checkpoint {folders.tag_of(step)} failed verification: "
             + "; ".join(problems))
         failed.append(step)
         if plan.by_hand:
-            raise RuntimeError(f"--resume-from {folders.tag_of(step)}: the checkpoint does not "
+            raise Refused(f"--resume-from {folders.tag_of(step)}: the checkpoint does not "
                                "verify (above); restore its files or choose another")
-    else:
-        raise RuntimeError(f"no checkpoint of {plan.directory} verifies ({describe_steps(failed)}"
-                           " above); restore their files, or start a new run in another --out")
-    chosen = plan
-    if failed:
-        try:
-            resharding = plan_layout(plan.directory, step, world_size, tp, pp, zero_stage)
-        except ValueError as error:
-            raise RuntimeError(f"falling back to {folders.tag_of(step)}: {error}") from None
-        chosen = ResumePlan(plan.directory, plan.candidates[len(failed):], resharding,
-                            plan.by_hand)
+    if chosen is not None and failed:
         say(f"tupe-pretrain: resuming from {chosen.tag}, the previous complete checkpoint")
+    elif chosen is None and plan.candidates:
+        say(f"tupe-pretrain: no checkpoint of {plan.directory} verifies "
+            f"({describe_steps(failed)}, above): starting anew from step 0; they are set aside, "
+            "not deleted")
     if dist.get_rank() == 0:
-        newer = [s for s in folders.step_folders(plan.directory) if s > step]
-        said = folders.set_aside(plan.directory, newer, f"newer than {chosen.tag}, the "
-                                 "checkpoint resumed: failed, incomplete or left by --resume-from")
+        keep_from = chosen.candidates[0] if chosen else -1
+        # starting anew: another run's complete checkpoints stay where they are
+        others = set() if chosen else set(folders.complete_steps(plan.directory)) - set(
+            plan.candidates)
+        newer = [s for s in folders.step_folders(plan.directory) if s > keep_from
+                 and s not in others]
+        said = folders.set_aside(plan.directory, newer, (
+            f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
+            "no checkpoint verified") + ": failed, damaged, incomplete or left by --resume-from")
         if said:
             print(said, flush=True)
-    with announced(f"rank 0 to set aside the folders newer than {chosen.tag}", dist.get_rank()):
+    with announced("rank 0 to set aside the folders newer than the checkpoint resumed",
+                   dist.get_rank()):
         dist.barrier()
     return chosen
 
 
-def lineage_of(plan: Optional[ResumePlan]) -> str:
-    """The lineage the run's checkpoints belong to: the resumed checkpoint's, or a new one."""
+def fallback_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
+                    zero_stage: int) -> Optional[reshard.Reshard]:
+    try:
+        return plan_layout(directory, step, world_size, tp, pp, zero_stage)
+    except ValueError as error:
+        raise Refused(f"falling back to {folders.tag_of(step)}: {error}") from None
+
+
+def confirm_loaded(tag: str, step: int) -> None:
+    """Collective: every rank loaded the same checkpoint (its tag and the step it holds)."""
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, (tag, step, socket.gethostname()))
+    if len({(t, s) for t, s, _ in every_rank}) > 1:
+        raise Refused("the ranks loaded different checkpoints: " + "; ".join(
+            f"rank {rank} on {host}: {t} (step {s})"
+            for rank, (t, s, host) in enumerate(every_rank)))
+
+
+def lineage_of(plan: Optional[ResumePlan], out: str) -> str:
+    """The lineage the run's checkpoints belong to: the resumed checkpoint's, else the one
+    OUT/run.json records (a run started earlier in this folder), else a new one."""
     if plan is not None and plan.verified:
-        lineage = manifest.read(os.path.join(plan.directory, plan.tag)).get("lineage")
-        if lineage:
-            return lineage
-    return uuid.uuid4().hex
+        return manifest.read(os.path.join(plan.directory, plan.tag))["lineage"]
+    return run_description.lineage(out) or uuid.uuid4().hex
 
 
 def load(engine, plan: ResumePlan, seed: int) -> dict:
@@ -235,6 +405,7 @@ def load(engine, plan: ResumePlan, seed: int) -> dict:
     path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     if path is None:
         raise RuntimeError(f"{load_dir}/{tag}: DeepSpeed could not load this checkpoint")
+    confirm_loaded(tag, client_state["step"])
     if resharding is not None and resharding.convert:
         place_optimizer_state(engine)
     if resharding is None:
@@ -246,12 +417,18 @@ def load(engine, plan: ResumePlan, seed: int) -> dict:
     return client_state
 
 
-def init_from(engine, plan: InitPlan, say) -> None:
-    """Collective: the checkpoint's weights (and optimizer state) into a new run's engine, once
-    its files verify; the new run keeps its own schedule, data stream and step count."""
+def check_init(plan: InitPlan) -> None:
+    """Collective, before the engine is built: Refused when the --init-from checkpoint's files
+    do not verify."""
     problems = verify(plan.step_dir)
     if problems:
-        raise RuntimeError(f"--init-from {plan.step_dir} does not verify: " + "; ".join(problems))
+        raise Refused(f"--init-from {plan.step_dir} does not verify: " + "; ".join(problems)
+                      + "; give another checkpoint")
+
+
+def init_from(engine, plan: InitPlan, say) -> None:
+    """Collective: the checkpoint's weights (and optimizer state), verified (check_init), into a
+    new run's engine; the new run keeps its own schedule, data stream and step count."""
     directory, tag = os.path.split(plan.step_dir)
     path, _ = engine.load_checkpoint(
         directory, tag=tag, load_module_only=not plan.with_optimizer,

@@ -3,12 +3,17 @@
 A .pt file is a pickle, and unpickling can run any code the file names. tupe_ds reads every
 checkpoint file with `torch.load(weights_only=True)`: only tensors, containers, and the few
 DeepSpeed types its checkpoints hold (ALLOWED). DeepSpeed's own loads (the engine's, zero_to_fp32,
-ds_to_universal) read with weights_only=False; before any of them runs on a checkpoint, tupe_ds
-reads each of its files this way (`scan`: memory-mapped, so the tensors' bytes are not read), so
-that a file naming anything else is refused before DeepSpeed unpickles it.
+ds_to_universal) ask for weights_only=False; tupe-pretrain and tupe-export make every load of
+their process weights-only all the same (`weights_only_everywhere`), so that the very file
+DeepSpeed unpickles is read safely. Before that, verification reads each file of a checkpoint
+this way (`scan`: memory-mapped, so the tensors' bytes are not read), so that a file naming
+anything else fails the checkpoint, named, and the run falls back to an earlier one.
 """
 
+import contextlib
+import os
 import pickle
+import re
 import zipfile
 from typing import Optional
 
@@ -24,12 +29,42 @@ def allowed_globals() -> list:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+def weights_only_everywhere() -> None:
+    """Every torch.load of this process reads with weights_only and ALLOWED types, whatever its
+    caller asks (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD): DeepSpeed's engine, ds_to_universal and
+    zero_to_fp32 pass weights_only=False, so the very file DeepSpeed unpickles is read safely,
+    whether or not it was verified before (a file swapped after verification, or one of a
+    conversion's)."""
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    torch.serialization.add_safe_globals(allowed_globals())
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """weights_only_everywhere while the block runs (tupe-export's reading, wherever it is
+    called from: tupe-compare, make demo); the environment as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in
+             ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    weights_only_everywhere()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def load(path: str, mmap: bool = False):
     """torch.load(path) on the CPU, with only tensors and ALLOWED types; memory-mapped when
     `mmap` and the file is in torch's zip format (files of torch's older format are read)."""
-    with torch.serialization.safe_globals(allowed_globals()):
-        return torch.load(path, map_location="cpu", weights_only=True,
-                          mmap=mmap and zipfile.is_zipfile(path))
+    # added for the process, not for this call: torch's safe_globals() context would take them
+    # away again from the loads weights_only_everywhere makes safe
+    torch.serialization.add_safe_globals(allowed_globals())
+    return torch.load(path, map_location="cpu", weights_only=True,
+                      mmap=mmap and zipfile.is_zipfile(path))
 
 
 def scan(path: str) -> Optional[str]:
@@ -37,10 +72,13 @@ def scan(path: str) -> Optional[str]:
     try:
         load(path, mmap=True)
     except pickle.UnpicklingError as error:
-        reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        named = re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", str(error))
+        reason = (f"it names {named.group(1)}" if named else
+                  (str(error).split("WeightsUnpickler error:")[-1].strip().splitlines() or [""])[0])
         return (f"{path}: holds more than tensors and the types tupe_ds's checkpoints hold "
                 f"({reason}); it is not loaded, since unpickling it could run code. If you "
                 "trust its source, load it with torch.load(weights_only=False) yourself")
-    except (RuntimeError, EOFError, OSError) as error:
-        return f"{path}: unreadable ({str(error).splitlines()[0]})"
+    except Exception as error:  # torch's unpickler meets a damaged file with any exception
+        first_line = (str(error).splitlines() or [""])[0]
+        return f"{path}: unreadable ({type(error).__name__}: {first_line})"
     return None

@@ -49,18 +49,40 @@ def recorded_writes(engine, written: List[str]):
 
 
 def weights_are_finite(engine, device) -> bool:
-    """Collective: whether every rank's parameters are all finite."""
-    checks = [torch.isfinite(p).all() for p in engine.module.parameters()]
+    """Collective: whether the weights every rank holds are all finite: its parameters, or under
+    ZeRO-3, where a parameter is an empty placeholder between uses, its shard of each."""
+
+    def held(param):
+        shard = getattr(param, "ds_tensor", None)  # ZeRO-3's partition of the parameter
+        if shard is None:
+            return param
+        start = shard.numel() * dist.get_rank(group=param.ds_process_group)
+        return shard[:max(0, param.ds_numel - start)]  # not the padding, left uninitialised
+
+    checks = [torch.isfinite(held(p)).all() for p in engine.module.parameters()]
     flag = (torch.stack(checks).all() if checks else torch.tensor(True)).float().reshape(1)
     flag = flag.to(device)  # one synchronisation, not one per parameter
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written or committed (a full disk, a folder in the way): the
+    previous complete checkpoint stands. `everywhere`: every rank raised it (agreed in a
+    collective); else only the ranks whose own writes failed, while the others wait in
+    DeepSpeed's barrier."""
+
+    def __init__(self, message: str, everywhere: bool):
+        super().__init__(message)
+        self.everywhere = everywhere
+
+
 def save(engine, directory: str, step: int, client_state: dict, keep: int,
          layout: reshard.SavedLayout, record: dict, device) -> None:
     """Collective: every rank calls it. `record` (lineage, identity) and `layout` go into the
-    manifest; NonFiniteWeights, with nothing written, when a weight is not finite."""
+    manifest; NonFiniteWeights, with nothing written, when a weight is not finite; SaveFailed
+    when a file cannot be written (rank 0's own steps, setting aside and committing, are agreed
+    by every rank: all raise it)."""
     tag, rank = folders.tag_of(step), dist.get_rank()
     folder = os.path.join(directory, tag)
     with announced(f"every rank to check its weights before checkpoint {tag}", rank):
@@ -68,40 +90,66 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
     if not finite:
         raise NonFiniteWeights(f"the weights at step {step} are not all finite: checkpoint {tag} "
                                "was not written")
-    if rank == 0:
+
+    def set_aside_in_the_way():
         os.makedirs(directory, exist_ok=True)
         said = folders.set_aside(directory, [step], "an earlier save of this step, in the way")
         if said:
             print(said, flush=True)
+
+    # nothing is written before the old folder is out of the way
+    on_rank_0(set_aside_in_the_way, f"could not write checkpoint {tag}", rank,
+              f"rank 0 to set aside what is in the way of checkpoint {tag}")
     written = []
-    with announced(f"every rank to write checkpoint {tag}", rank):  # DeepSpeed's barriers too
-        dist.barrier()  # nothing is written before the old folder is out of the way
-        with recorded_writes(engine, written):
-            engine.save_checkpoint(directory, tag=tag, client_state=client_state,
-                                   save_latest=False)
-        rng_path = os.path.join(folder, file_name(rank))
-        torch.save(rng_state(), rng_path)
-        written.append(rng_path)
-        if rank == 0:
-            layout_path = os.path.join(folder, reshard.LAYOUT_FILE)
-            write_atomically(layout_path, layout.to_json())
-            written.append(layout_path)
-        files = manifest.describe(folder, sorted({os.path.basename(p) for p in written}))
+    try:
+        with announced(f"every rank to write checkpoint {tag}", rank):  # DeepSpeed's barriers
+            with recorded_writes(engine, written):
+                engine.save_checkpoint(directory, tag=tag, client_state=client_state,
+                                       save_latest=False)
+            rng_path = os.path.join(folder, file_name(rank))
+            torch.save(rng_state(), rng_path)
+            written.append(rng_path)
+            if rank == 0:
+                layout_path = os.path.join(folder, reshard.LAYOUT_FILE)
+                write_atomically(layout_path, layout.to_json())
+                written.append(layout_path)
+            files = manifest.describe(folder, sorted({os.path.basename(p) for p in written}))
+    except OSError as error:
+        raise SaveFailed(f"could not write checkpoint {tag} (rank {rank}: {error})",
+                         everywhere=False) from None
     every_rank = [None] * dist.get_world_size()
     with announced(f"every rank to checksum its files of checkpoint {tag}", rank):
         dist.all_gather_object(every_rank, files)
-    if rank == 0:
-        files = {name: entry for entries in every_rank for name, entry in entries.items()}
-        wait_until_visible(folder, list(files))
+
+    def commit():
+        every_file = {name: entry for entries in every_rank for name, entry in entries.items()}
+        wait_until_visible(folder, list(every_file))
         # a file written some other way than through DeepSpeed's checkpoint engine, by any rank
-        files.update(manifest.describe(folder, sorted(set(os.listdir(folder)) - set(files))))
-        manifest.write(folder, {"tag": tag, "step": step, "files": files,
+        every_file.update(manifest.describe(folder, sorted(set(os.listdir(folder)) -
+                                                           set(every_file))))
+        manifest.write(folder, {"tag": tag, "step": step, "files": every_file,
                                 "layout": dataclasses.asdict(layout), **record})
         folders.point_latest(directory, tag)
         folders.retire(directory, step, record["lineage"], keep)
         reshard.remove_conversions_before(directory, step)
-    with announced(f"rank 0 to commit checkpoint {tag} and remove older ones", rank):
-        dist.barrier()
+
+    on_rank_0(commit, f"could not commit checkpoint {tag}", rank,
+              f"rank 0 to commit checkpoint {tag} and remove older ones")
+
+
+def on_rank_0(work, failure: str, rank: int, waiting_for: str) -> None:
+    """Collective: rank 0 does `work` while the others wait; SaveFailed on every rank when it
+    failed (an OSError: a full disk, a folder in the way), so that all stop alike."""
+    problem = [None]
+    if rank == 0:
+        try:
+            work()
+        except OSError as error:
+            problem = [f"{failure} (rank 0: {error})"]
+    with announced(waiting_for, rank):
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise SaveFailed(problem[0], everywhere=True)
 
 
 def wait_until_visible(folder: str, names: list) -> None:

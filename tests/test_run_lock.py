@@ -1,0 +1,216 @@
+"""One job per run folder (tupe_ds/train/run_lock.py): the lock's rules on real files and
+processes of this machine; two tupe-pretrain jobs on one --out: test_run_integrity.py and
+test_chaos.py."""
+
+import fcntl
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tupe_ds.train import run_lock
+from tupe_ds.train.run_lock import RunFolderBusy, RunLock
+
+
+def said():
+    lines = []
+    return lines, lambda line: lines.append(line)
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def plant(out, **holder):
+    record = {**run_lock.this_holder(), "token": "f" * 32,
+              "started": "2026-11-26T00:00:00+00:00", **holder}
+    (out / run_lock.LOCK_FILE).write_text(json.dumps(record))
+    return record
+
+
+def test_a_live_holder_refuses_a_second_job_naming_it(tmp_path):
+    lock = RunLock.acquire(str(tmp_path))
+    try:
+        with pytest.raises(RunFolderBusy) as busy:
+            RunLock.acquire(str(tmp_path))
+        message = str(busy.value)
+        assert f"in use by process {os.getpid()} on {socket.gethostname()}" in message
+        assert "give this one another --out" in message
+        assert "in use by process" in run_lock.check(str(tmp_path))  # --check-only
+        assert lock.still_held() is None
+    finally:
+        lock.release()
+    assert not (tmp_path / run_lock.LOCK_FILE).exists()
+    assert run_lock.check(str(tmp_path)) is None
+    assert sorted(os.listdir(tmp_path)) == []  # no temporary file left behind
+
+
+def test_a_holder_whose_process_ended_is_taken_over_and_said(tmp_path):
+    pid = dead_pid()
+    plant(tmp_path, pid=pid)
+    lines, say = said()
+    lock = RunLock.acquire(str(tmp_path), say=say)
+    try:
+        assert lines == [f"tupe-pretrain: took over {tmp_path}/run.lock from process {pid} on "
+                         f"{socket.gethostname()}, started 2026-11-26T00:00:00+00:00: its "
+                         "process has ended"]
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path):
+    plant(tmp_path, pid_start=1)  # this process's PID, but a process that started at boot
+    lines, say = said()
+    RunLock.acquire(str(tmp_path), say=say).release()
+    assert lines and "its process has ended" in lines[0]
+
+
+def test_another_host_holds_until_its_lease_runs_out(tmp_path, monkeypatch):
+    plant(tmp_path, host="node-elsewhere", boot_id="another-boot", pid=12345)
+    with pytest.raises(RunFolderBusy, match="in use by process 12345 on node-elsewhere"):
+        RunLock.acquire(str(tmp_path))
+    old = time.time() - run_lock.LEASE_SECONDS - 60
+    os.utime(tmp_path / "run.lock", (old, old))  # its holder stopped renewing it
+    lines, say = said()
+    RunLock.acquire(str(tmp_path), say=say).release()
+    assert "its lease was not renewed for" in lines[0] and "(its node is lost)" in lines[0]
+
+
+def test_the_same_slurm_job_requeued_takes_over_at_once(tmp_path, monkeypatch):
+    """A requeued job (its SLURM_RESTART_COUNT higher) takes its lock over at once; another step
+    of the same allocation (the same count) is refused while the holder's lease is fresh."""
+    plant(tmp_path, host="node-elsewhere", boot_id="another-boot", pid=12345,
+          slurm_job_id="4242", slurm_step_id="0")
+    for job, restarts in (("4243", "1"), ("4242", None)):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        if restarts:
+            monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
+        else:
+            monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+        with pytest.raises(RunFolderBusy, match="Slurm job 4242 step 0"):
+            RunLock.acquire(str(tmp_path))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lines, say = said()
+    RunLock.acquire(str(tmp_path), say=say).release()
+    assert lines[0].endswith("it is this Slurm job (4242) before it was requeued")
+
+
+def test_a_live_holder_in_another_pid_namespace_holds_by_its_lease(tmp_path):
+    """Containers on one host (host network) share its name and boot, not their PIDs: a PID of
+    another namespace says nothing here, so the lease decides."""
+    plant(tmp_path, pid=dead_pid(), pid_namespace="pid:[1]")
+    with pytest.raises(RunFolderBusy, match="its lease renewed 0 s ago"):
+        RunLock.acquire(str(tmp_path))
+
+
+def test_a_stopped_holder_of_this_machine_is_not_promised_a_lease(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        plant(tmp_path, pid=sleeper.pid, pid_start=run_lock.process_start(sleeper.pid))
+        old = time.time() - run_lock.LEASE_SECONDS - 60
+        os.utime(tmp_path / "run.lock", (old, old))
+        with pytest.raises(RunFolderBusy) as busy:
+            RunLock.acquire(str(tmp_path))
+        assert "a live process of this machine" in str(busy.value)
+        assert f"kill {sleeper.pid}" in str(busy.value) and "lease" not in str(busy.value)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    lines, say = said()
+    RunLock.acquire(str(tmp_path), say=say).release()
+    assert "its process has ended" in lines[0]
+
+
+def test_odd_lock_files(tmp_path):
+    """A folder named run.lock is refused, named (nothing of the user's is removed); a symbolic
+    link, dangling or not, is taken over (the link removed, its target kept); a take-over cut
+    short by a kill (run.lock.break of a process that ended) does not block the next job."""
+    (tmp_path / "run.lock").mkdir()
+    with pytest.raises(RunFolderBusy, match="is a folder, not a lock file"):
+        RunLock.acquire(str(tmp_path))
+    (tmp_path / "run.lock").rmdir()
+    target = tmp_path / "elsewhere"
+    for exists in (False, True):
+        if exists:
+            target.write_text("someone's file")
+        (tmp_path / "run.lock").symlink_to(target)
+        lines, say = said()
+        RunLock.acquire(str(tmp_path), say=say).release()
+        assert "the lock file is damaged" in lines[0]
+    assert target.read_text() == "someone's file"
+    plant(tmp_path, pid=dead_pid())
+    breaker = tmp_path / "run.lock.break"
+    breaker.write_text(json.dumps({**run_lock.this_holder(), "pid": dead_pid()}))
+    lines, say = said()
+    RunLock.acquire(str(tmp_path), say=say).release()
+    assert "its process has ended" in lines[0] and not breaker.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\xff garbage", b"[1, 2]", b'{"token": 5}',
+                                     b'{"token": "a", "host": "h", "pid": true}'])
+def test_a_damaged_lock_is_taken_over(tmp_path, content):
+    (tmp_path / "run.lock").write_bytes(content)
+    lines, say = said()
+    RunLock.acquire(str(tmp_path), say=say).release()
+    assert "the lock file is damaged" in lines[0]
+
+
+def test_a_run_taken_over_finds_out_before_it_saves(tmp_path):
+    lock = RunLock.acquire(str(tmp_path))
+    plant(tmp_path, pid=dead_pid())  # another job's record, as after a take-over
+    assert "this run no longer holds its run folder" in lock.still_held()
+    assert "now names process" in lock.still_held()
+    lock.release()
+    assert (tmp_path / "run.lock").exists()  # the new holder's lock is left alone
+
+
+def test_no_flock_is_needed(tmp_path, monkeypatch):
+    """Lustre without -o flock, NFS with local locks: flock and lockf fail; the lock holds."""
+    def unavailable(*args):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", unavailable)
+    monkeypatch.setattr(fcntl, "lockf", unavailable)
+    lock = RunLock.acquire(str(tmp_path))
+    with pytest.raises(RunFolderBusy):
+        RunLock.acquire(str(tmp_path))
+    lock.release()
+
+
+def contend(out, start, results):
+    while time.time() < start:
+        pass
+    try:
+        lock = RunLock.acquire(out, say=lambda line: None)
+        results.put(("held", os.getpid()))
+        time.sleep(3.0)  # longer than the others' tries
+        lock.release()
+    except RunFolderBusy as busy:
+        results.put(("refused", str(busy)))
+
+
+def test_jobs_racing_for_a_stale_lock_one_wins(tmp_path):
+    """Six processes at once, on a lock whose holder died: exactly one takes it over, the
+    others are refused naming it (a take-over is exclusive: run.lock.break)."""
+    context = multiprocessing.get_context("fork")
+    for _ in range(3):
+        plant(tmp_path, pid=dead_pid())
+        results, start = context.Queue(), time.time() + 0.5
+        processes = [context.Process(target=contend, args=(str(tmp_path), start, results))
+                     for _ in range(6)]
+        for process in processes:
+            process.start()
+        outcomes = [results.get(timeout=60) for _ in processes]
+        for process in processes:
+            process.join()
+        held = [o for o in outcomes if o[0] == "held"]
+        assert len(held) == 1, outcomes
+        assert all("in use by process" in o[1] for o in outcomes if o[0] == "refused")
+        assert not (tmp_path / "run.lock.break").exists()

@@ -1,0 +1,373 @@
+"""One job per run folder: OUT/run.lock, taken by the run's rank 0 before any checkpoint is read.
+
+Two jobs on one --out (a resubmission while the first still runs, a requeue that starts before
+the old step has died) would set aside each other's saves in progress and log the same steps
+twice. The lock file names its holder (host, boot, PID and its start time, Slurm job, step and
+restart count, when it started) as JSON.
+
+The mechanism works on every filesystem a cluster puts run folders on, `flock` or not (Lustre
+mounted without `-o flock`, NFS with local locks): the holder's record is written to a file of
+its own and hard-linked to OUT/run.lock, which fails when the name exists (`link` is atomic on
+local disks, NFSv3+ and Lustre, the classic NFS lock), so the lock appears whole or not at all.
+While the run lives, a thread renews the lease by touching the file every LEASE_SECONDS / 10;
+its age is measured against the filesystem's own clock (the mtime of a file just written there),
+not this host's. A holder is gone, and its lock taken over with a line saying so, when:
+
+- it ran on this machine (the same host name, boot and PID namespace: containers on one host
+  share the first two) and its process (its PID with that PID's start time) has ended;
+- it is this same Slurm job before a requeue (the same job id, a lower SLURM_RESTART_COUNT);
+- it ran elsewhere and its lease was not renewed for LEASE_SECONDS (600 s;
+  TUPE_DS_LOCK_LEASE_SECONDS), the only sign a lost node gives;
+- the file is not a lock record (damaged, or a symbolic link).
+
+Otherwise the run is refused before any work, naming the holder and what to do (a live process
+of this machine holds it until it ends, however long it is stopped). A take-over is itself
+exclusive (OUT/run.lock.break, the taker's record, made the same way), so two jobs cannot both
+take over one stale lock; one cut short is removed when its taker is gone by these rules, or
+after BREAK_STALE_SECONDS. A holder that was taken over (its node frozen beyond the lease) finds
+out before its next save (`still_held`) and stops without writing.
+"""
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Optional
+
+import torch.distributed as dist
+
+from tupe_ds.train.flags import Refused
+
+LOCK_FILE = "run.lock"
+BREAK_SUFFIX = ".break"
+LEASE_SECONDS = float(os.environ.get("TUPE_DS_LOCK_LEASE_SECONDS", "600"))
+BREAK_STALE_SECONDS = 30  # a take-over holds run.lock.break for milliseconds
+SLURM_FIELDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
+                "slurm_restart_count": "SLURM_RESTART_COUNT"}
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live job holds the run folder; the message names it and what to do."""
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot), None when there is no such process:
+    a PID reused by a later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ("pid:[4026531836]"): containers on one host share its name
+    and boot, not their PIDs."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def this_holder() -> dict:
+    pid = os.getpid()
+    holder = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "boot_id": boot_id(),
+              "pid_namespace": pid_namespace(), "pid": pid, "pid_start": process_start(pid),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds")}
+    holder.update({field: os.environ[name] for field, name in SLURM_FIELDS.items()
+                   if name in os.environ})
+    return holder
+
+
+def read_bytes(path: str) -> Optional[bytes]:
+    """The first 64 KiB of a file (a lock record is far smaller); None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 16)
+    except FileNotFoundError:
+        return None
+
+
+def parse_holder(data: bytes) -> Optional[dict]:
+    """The holder a lock file's bytes name; None when they are no lock record (damaged)."""
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("token"), str) or \
+            not isinstance(record.get("host"), str) or type(record.get("pid")) is not int:
+        return None
+    return record
+
+
+def describe(holder: dict) -> str:
+    slurm = holder.get("slurm_job_id")
+    job = f", Slurm job {slurm}" if isinstance(slurm, str) else ""
+    step = holder.get("slurm_step_id")
+    if job and isinstance(step, str):
+        job += f" step {step}"
+    return (f"process {holder['pid']} on {holder['host']}{job}, started "
+            f"{holder.get('started', 'at an unknown time')}")
+
+
+def same_machine(holder: dict) -> bool:
+    """Whether the holder's PID means a process here: the same host, boot and PID namespace."""
+    return (holder["host"] == socket.gethostname() and holder.get("boot_id") == boot_id()
+            and holder.get("pid_namespace") == pid_namespace())
+
+
+def alive_here(holder: dict) -> bool:
+    """Whether the holder is a live process of this machine (its PID, with its start time)."""
+    if not same_machine(holder):
+        return False
+    started = process_start(holder["pid"])
+    return started is not None and started == holder.get("pid_start", started)
+
+
+def restarts(count) -> int:
+    """SLURM_RESTART_COUNT as recorded (absent before a job's first requeue: 0)."""
+    try:
+        return int(count or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def gone_because(holder: Optional[dict], lease_age: float) -> Optional[str]:
+    """Why the holder of a lock is gone; None when it may be alive."""
+    if holder is None:
+        return "the lock file is damaged (not a lock record)"
+    if same_machine(holder):
+        if not alive_here(holder):
+            return "its process has ended"
+        return None
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is not None and holder.get("slurm_job_id") == job and \
+            restarts(holder.get("slurm_restart_count")) < restarts(
+                os.environ.get("SLURM_RESTART_COUNT")):
+        return f"it is this Slurm job ({job}) before it was requeued"
+    if lease_age > LEASE_SECONDS:
+        return f"its lease was not renewed for {lease_age:.0f} s (its node is lost)"
+    return None
+
+
+def write_record(path: str, record: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(record, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def link_exclusively(source: str, target: str) -> bool:
+    """Whether `target` was created as a hard link to `source` (False: it exists)."""
+    try:
+        os.link(source, target)
+        return True
+    except FileExistsError:
+        return False
+
+
+class RunLock:
+    """The lock of one run folder, held by this process (the run's rank 0)."""
+
+    def __init__(self, out: str, holder: dict):
+        self.path = os.path.join(out, LOCK_FILE)
+        self.holder = holder
+        self.lost = None  # why the lock is no longer this run's, once found out
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, name="tupe-run-lock", daemon=True)
+
+    @classmethod
+    def acquire(cls, out: str, say=print) -> "RunLock":
+        """The lock of `out`, taken (over); RunFolderBusy when another live job holds it."""
+        os.makedirs(out, exist_ok=True)
+        lock = cls(out, this_holder())
+        own = f"{lock.path}.{lock.holder['token']}"
+        write_record(own, lock.holder)
+        try:
+            for _ in range(20):
+                if link_exclusively(own, lock.path):
+                    break
+                took_over = lock._take_over_if_gone(own, say)
+                if took_over:
+                    break
+                time.sleep(0.1)  # a take-over by another job in progress, or a lock released
+            else:
+                raise RunFolderBusy(f"{lock.path}: could not be taken in 20 tries: another job "
+                                    f"is taking it over ({lock.path}{BREAK_SUFFIX} is there); run "
+                                    f"the same command again in a minute")
+        finally:
+            os.remove(own)
+        lock._renewer.start()
+        return lock
+
+    def _take_over_if_gone(self, own: str, say) -> bool:
+        """Replaces a lock whose holder is gone (True); RunFolderBusy when it may be alive;
+        False when the lock changed meanwhile (try again)."""
+        if os.path.isdir(self.path) and not os.path.islink(self.path):
+            raise RunFolderBusy(f"{self.path} is a folder, not a lock file tupe-pretrain wrote: "
+                                "remove it, then run the same command")
+        judged = lock_content(self.path)
+        try:
+            age = os.stat(own).st_mtime - os.lstat(self.path).st_mtime  # the filesystem's clock
+        except FileNotFoundError:
+            return False
+        if judged is None:
+            return False
+        holder = parse_holder(judged)
+        why = gone_because(holder, age)
+        if why is None:
+            raise RunFolderBusy(busy_message(self.path, holder, age))
+        breaker = self.path + BREAK_SUFFIX
+        if not link_exclusively(own, breaker):
+            remove_stale_breaker(breaker, own)
+            return False
+        try:
+            if lock_content(self.path) != judged:
+                return False  # released or replaced while we looked: judge it again
+            os.remove(self.path)
+            if not link_exclusively(own, self.path):
+                return False
+        finally:
+            os.remove(breaker)
+        whose = describe(holder) if holder else "an unknown holder"
+        say(f"tupe-pretrain: took over {self.path} from {whose}: {why}")
+        return True
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_SECONDS / 10):
+            problem = self.check()
+            if problem:
+                self.lost = problem
+                return
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # checked again at the next renewal, and before every save
+
+    def check(self) -> Optional[str]:
+        """None while OUT/run.lock is this run's; else what holds it now."""
+        data = read_bytes(self.path)
+        if data is None:
+            return f"{self.path} was removed"
+        holder = parse_holder(data)
+        if holder is None or holder["token"] != self.holder["token"]:
+            whose = describe(holder) if holder else "a damaged record"
+            return f"{self.path} now names {whose}"
+        return None
+
+    def still_held(self) -> Optional[str]:
+        """Before a save: None while the lock is this run's; else why the run must stop."""
+        self.lost = self.lost or self.check()
+        if self.lost:
+            return (f"this run no longer holds its run folder ({self.lost}): another job took "
+                    "it over (this one was presumed gone); stopping without saving")
+        return None
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._renewer.is_alive():
+            self._renewer.join()
+        if self.check() is None:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def lock_content(path: str) -> Optional[bytes]:
+    """What judges a lock: its bytes; for a symbolic link (no lock tupe-pretrain writes: damaged,
+    taken over by removing the link) where it points. None when there is none."""
+    try:
+        if os.path.islink(path):
+            return b"a symbolic link to " + os.fsencode(os.readlink(path))
+    except FileNotFoundError:
+        return None
+    return read_bytes(path)
+
+
+def remove_stale_breaker(breaker: str, own: str) -> None:
+    """A take-over cut short by a kill leaves run.lock.break (its taker's record): removed at once
+    when the taker is gone by the lock's own rules, else once it is BREAK_STALE_SECONDS old."""
+    try:
+        age = os.stat(own).st_mtime - os.stat(breaker).st_mtime
+        taker = parse_holder(read_bytes(breaker) or b"")
+        if gone_because(taker, 0.0) or age > BREAK_STALE_SECONDS:
+            os.remove(breaker)
+    except FileNotFoundError:
+        pass
+
+
+def busy_message(path: str, holder: dict, age: float) -> str:
+    said = (f"{path}: this run folder is in use by {describe(holder)}, a live process of this "
+            "machine" if same_machine(holder) else
+            f"{path}: this run folder is in use by {describe(holder)} (its lease renewed "
+            f"{age:.0f} s ago)")
+    said += (". Two jobs on one --out would overwrite each other's checkpoints and logs. Wait "
+             "for that job to end, or give this one another --out.")
+    if same_machine(holder):
+        return said + f" (A stopped process holds it too: end it, kill {holder['pid']}.)"
+    left = max(LEASE_SECONDS - age, 0)
+    return said + (f" If that job is gone (its node lost), this lock is taken over once its "
+                   f"lease runs out ({left:.0f} s from now): run the same command then.")
+
+
+def check(out: str) -> Optional[str]:
+    """For --check-only: the refusal a run on `out` would meet now (None: it would start)."""
+    path = os.path.join(out, LOCK_FILE)
+    data = read_bytes(path)
+    if data is None:
+        return None
+    probe = f"{path}.probe-{uuid.uuid4().hex}"
+    try:
+        write_record(probe, {})
+        now = os.stat(probe).st_mtime  # the filesystem's clock
+    except OSError:
+        now = time.time()  # a folder this process may not write: this host's clock
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    try:
+        age = now - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+    holder = parse_holder(data)
+    return busy_message(path, holder, age) if gone_because(holder, age) is None else None
+
+
+def confirm_on_every_rank(lock: Optional[RunLock], out: str) -> None:
+    """Collective, right after the rendezvous: every rank finds rank 0's lock in OUT/run.lock,
+    so --out is one folder that every node shares; RuntimeError naming the ranks that do not."""
+    token = [lock.holder["token"] if lock else None]
+    dist.broadcast_object_list(token, src=0)
+    data = read_bytes(os.path.join(out, LOCK_FILE))
+    holder = parse_holder(data) if data is not None else None
+    mine = None if token[0] is None or (holder and holder["token"] == token[0]) else (
+        f"rank {dist.get_rank()} on {socket.gethostname()} finds "
+        + (describe(holder) if holder else "no lock record"))
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    differing = [line for line in every_rank if line]
+    if differing:
+        raise Refused(f"{os.path.join(out, LOCK_FILE)}: rank 0 holds it, but "
+                           + "; ".join(differing) + ": --out must be one folder that every node "
+                           "shares (the same path on a shared filesystem)")
+
+
+def lost_on_rank_0(lock: Optional[RunLock]) -> Optional[str]:
+    """Collective, before each save: why the run must stop because another job took its run
+    folder over (None: it holds it still)."""
+    lost = [lock.still_held() if lock else None]
+    dist.broadcast_object_list(lost, src=0)
+    return lost[0]
