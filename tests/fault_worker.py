@@ -14,10 +14,11 @@
     TUPE_DS_FAULT="disk-full:4"   every checkpoint file of the save of step 4 fails with ENOSPC,
         as on a full disk; "disk-full:4:1": rank 1's only; "disk-full:4:manifest": the manifest
         only (rank 0, after every rank wrote its files)
+    TUPE_DS_FAULT="usr1-at-start:1"   SIGUSR1 to rank 1 as its engine is being built
     TUPE_DS_FAULT="hold:5:PATH"   rank 0 writes PATH.waiting in the middle of step 5, then waits
         until PATH exists (the run stays alive while a test does something beside it)
-    TUPE_DS_FAULT="stale-view:1"   rank 1 plans its resume from a folder view one checkpoint
-        behind rank 0's (as on a filesystem that shows another node's files late)
+    TUPE_DS_FAULT="stale-view:1:step12"   rank 1 does not see step12's manifest (as on a
+        filesystem that shows another node's files late)
     TUPE_DS_FAULT="steal-lock:3"   at step 3 another job's record replaces OUT/run.lock (this run
         was presumed gone and taken over)
     TUPE_DS_FAULT="nan-weight:1:4"   one weight of rank 1 made NaN just before the save of step 4
@@ -27,7 +28,6 @@
 Several faults are separated by ';'.
 """
 
-import dataclasses
 import errno
 import fnmatch
 import glob
@@ -133,17 +133,20 @@ def install(fault: str) -> None:
             return result
 
         EngineSteps._forward = forward_then_fault
+    elif kind == "usr1-at-start":
+        if int(os.environ.get("RANK", "0")) == int(rest[0]):
+            ENGINE["usr1_at_start"] = True
     elif kind == "stale-view":
         if int(os.environ.get("RANK", "0")) != int(rest[0]):
             return
-        from tupe_ds.train import config
-        plan_resume = config.plan_resume
+        digest = manifest.digest
 
-        def one_behind(*args, **kwargs):
-            plan = plan_resume(*args, **kwargs)
-            return dataclasses.replace(plan, candidates=plan.candidates[1:])
+        def unseen(step_dir):
+            if os.path.basename(step_dir) == rest[1]:
+                raise FileNotFoundError(os.path.join(step_dir, manifest.MANIFEST))
+            return digest(step_dir)
 
-        config.plan_resume = one_behind
+        manifest.digest = unseen
     elif kind == "steal-lock":
         if int(os.environ.get("RANK", "0")) != 0:
             return
@@ -219,6 +222,8 @@ def capture_engine():
     build = loop.build_engine
 
     def build_and_keep(*args, **kwargs):
+        if ENGINE.get("usr1_at_start"):
+            os.kill(os.getpid(), signal.SIGUSR1)
         model, engine, steps = build(*args, **kwargs)
         ENGINE["engine"] = weakref.ref(engine)  # the run lets it go at its end
         nan_steps = ENGINE.get("nan_grad_steps")

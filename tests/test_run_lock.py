@@ -135,6 +135,7 @@ def test_odd_lock_files(tmp_path):
     (tmp_path / "run.lock").mkdir()
     with pytest.raises(RunFolderBusy, match="is a folder, not a lock file"):
         RunLock.acquire(str(tmp_path))
+    assert "is a folder, not a lock file" in run_lock.check(str(tmp_path))  # --check-only
     (tmp_path / "run.lock").rmdir()
     target = tmp_path / "elsewhere"
     for exists in (False, True):
@@ -160,6 +161,16 @@ def test_a_damaged_lock_is_taken_over(tmp_path, content):
     lines, say = said()
     RunLock.acquire(str(tmp_path), say=say).release()
     assert "the lock file is damaged" in lines[0]
+
+
+def test_a_lock_removed_under_a_run_is_taken_again(tmp_path, capsys):
+    lock = RunLock.acquire(str(tmp_path))
+    (tmp_path / "run.lock").unlink()
+    assert lock.still_held() is None
+    assert "was removed while this run held it: taken again" in capsys.readouterr().out
+    assert lock.check() is None
+    lock.release()
+    assert not (tmp_path / "run.lock").exists()
 
 
 def test_a_run_taken_over_finds_out_before_it_saves(tmp_path):

@@ -32,12 +32,22 @@ def main(argv=None) -> int:
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock
-    run = load(argv, take_lock=os.environ.get("RANK", "0") == "0")
+    try:
+        run = load(argv, take_lock=first_rank())
+    except SystemExit as refused:  # flags.fail: the message, and the exit code of a refusal
+        if isinstance(refused.code, str):
+            print(refused.code, file=sys.stderr, flush=True)
+            return 2
+        raise
     try:
         return run_or_check(run, launcher)
     finally:
         if run.lock is not None:
             run.lock.release()
+
+
+def first_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def run_or_check(run, launcher: str) -> int:
@@ -49,24 +59,24 @@ def run_or_check(run, launcher: str) -> int:
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
               f"global batch {run.ds_config['train_batch_size']}")
         return 0
+    said, code = None, 0
     try:
         train(run, launcher)
     except Refused as refused:  # every rank alike, once the process group existed
-        if os.environ.get("RANK", "0") == "0":
-            print(f"tupe-pretrain: error: {refused}", file=sys.stderr, flush=True)
-        end_distributed()
-        return 2
+        said, code = f"tupe-pretrain: error: {refused}", 2
     except TrainingStopped as stopped:
-        print(f"tupe-pretrain: {stopped}", file=sys.stderr, flush=True)
+        said, code = f"tupe-pretrain: {stopped}", 3
         if not stopped.everywhere:  # the other ranks wait in a collective: none to end with them
+            print(said, file=sys.stderr, flush=True)
             if run.lock is not None:
                 run.lock.release()
             sys.stdout.flush()
             os._exit(3)  # before gloo's threads could abort the interpreter's exit
-        end_distributed()
-        return 3
-    end_distributed()  # after train() returned: its engine and model are garbage by now
-    return 0
+    # outside the except blocks: the exception's frames (the engine, its process groups) are gone
+    if said and first_rank():
+        print(said, file=sys.stderr, flush=True)
+    end_distributed()  # after train() ended: its engine and model are garbage by now
+    return code
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ from tupe_ds.model.pipeline_names import bert_name
 from tupe_ds.tools.files import file_digest, replacing_folder
 from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import manifest, safe_load
-from tupe_ds.train.checkpoint.folder import latest_step, tag_of
+from tupe_ds.train.checkpoint.folder import latest_step, survey, tag_of
+from tupe_ds.train.checkpoint.reshard import saved_layout
 
 FORMATS = {
     "hf": "a transformers model (AutoModel* with trust_remote_code=True, AutoTokenizer): "
@@ -59,13 +60,17 @@ FORMATS = {
 
 def find_checkpoint(path: str) -> tuple:
     """(run folder, checkpoint folder) from RUN_DIR, RUN_DIR/checkpoints (its newest complete
-    checkpoint) or RUN_DIR/checkpoints/stepN."""
+    checkpoint of the run's own lineage, as run.json names it) or RUN_DIR/checkpoints/stepN."""
     path = os.path.abspath(path)
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
-    newest = latest_step(path)
-    if newest and not os.path.basename(path).startswith("step"):
-        path = os.path.join(path, tag_of(newest))
+    if not os.path.basename(path).startswith("step"):
+        own = run_description.lineage(os.path.dirname(path))
+        complete = survey(path)[0]
+        ours = [step for step, record in complete.items() if own in (None, record["lineage"])]
+        newest = max(ours) if ours else latest_step(path)
+        if newest:
+            path = os.path.join(path, tag_of(newest))
     if not glob.glob(os.path.join(path, "*mp_rank_*_model_states.pt")):
         raise ExportError(f"{path}: not a complete DeepSpeed checkpoint (no mp_rank_*_model_states.pt);"
                           " give RUN_DIR/checkpoints (its newest) or RUN_DIR/checkpoints/stepN")
@@ -209,6 +214,12 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
         raise ExportError(str(error)) from None
     tokenizer = tokenizer or os.path.join(run["data"], "tokenizer.json")
     check_tokenizer(tokenizer, step_dir)
+    if manifest.exists(step_dir):  # run.json says the layout of the run's last start
+        try:
+            layout = saved_layout(manifest.read(step_dir))
+        except ValueError as error:
+            raise ExportError(str(error)) from None
+        run = {**run, "tp": layout.tp, "pp": layout.pp}
     electra = run["objective"] == "electra"
     if network != "discriminator" and not (electra and format == "hf"):
         raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "

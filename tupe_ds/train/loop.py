@@ -30,7 +30,7 @@ from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.optim import apply_config, parameter_groups
+from tupe_ds.train.optim import apply_config, loaded_differences, parameter_groups
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal
 from tupe_ds.train.waits import announced
@@ -149,6 +149,24 @@ def chosen_training_changes(plan, run: RunConfig) -> list:
         raise Refused(str(error)) from None
 
 
+def unrecorded_training_changes(plan, run: RunConfig, engine) -> list:
+    """For a checkpoint that does not record its training settings (an earlier tupe_ds): how
+    the optimizer state it restored differs from the config, read from the state itself; Refused
+    as resume.training_changes would."""
+    differences = loaded_differences(engine, run.ds_config)
+    fixed = [line for line in differences if line.startswith("optimizer.params.amsgrad")]
+    if fixed or (differences and not run.allow_training_changes):
+        raise Refused(
+            f"{plan.directory}/{plan.tag} (written by an earlier tupe_ds, which did not record "
+            "its training settings) holds an optimizer state made otherwise: "
+            + "; ".join(differences) + (". A resumed run cannot change amsgrad: start a new run "
+                                       "from its weights with --init-from" if fixed else
+                                       ". Resume with its settings, or add "
+                                       "--allow-training-changes to go on with these"))
+    return [f"tupe-pretrain: resuming {plan.tag} with changed training settings "
+            f"(--allow-training-changes): {line}" for line in differences]
+
+
 def waiting_with_extensions(what: str):
     """A wait during which DeepSpeed may also build or load an extension: its text, with the
     state of every build lock at the time it is printed."""
@@ -161,6 +179,7 @@ def waiting_with_extensions(what: str):
 
 def train(run: RunConfig, launcher: str) -> None:
     """Every process of the run calls it: trains from the latest checkpoint to --steps."""
+    stop = StopSignal()  # SIGUSR1 from the start: Slurm's warning may come while the run starts
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
     device = accelerator_device()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
@@ -204,6 +223,8 @@ def train(run: RunConfig, launcher: str) -> None:
         data = datasets(run, vocab, objective)
     checkpoints = os.path.join(run.out, "checkpoints")
     state = resume.load(engine, plan, run.seed) if plan is not None else None
+    if state is not None and not resume.records_training(plan):
+        changes = unrecorded_training_changes(plan, run, engine)
     if changes:
         apply_config(engine, run.ds_config)
         for line in changes:
@@ -226,7 +247,6 @@ def train(run: RunConfig, launcher: str) -> None:
     last_checkpoint = plan.tag if plan else None
     monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank,
                       resumed_at=step)
-    stop = StopSignal()
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {run.world_size} processes from {launcher} "
         f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
@@ -234,7 +254,12 @@ def train(run: RunConfig, launcher: str) -> None:
 
     metrics, totals, failure, everywhere = {}, {}, None, True
     logged_from = batches.consumed  # the first global sample of the logging interval
-    while step < run.steps:
+    stop.listen_for_sigterm()
+    stopped_early = stop.any_rank(device)
+    if stopped_early:  # nothing trained since the checkpoint resumed: nothing to save
+        say(f"stopping before step {step + 1} on {stopped_early}; run the same command to "
+            "continue", flush=True)
+    while step < run.steps and not stopped_early:
         steps.train(batches.next_step(), totals)
         step += 1
         said = guard.after_step(step)
@@ -291,7 +316,7 @@ def train(run: RunConfig, launcher: str) -> None:
             break
     if failure is not None and not everywhere:  # the other ranks wait in a collective
         raise TrainingStopped(failure, everywhere=False)
-    if failure is None and not metrics:  # nothing left to train: report where the run stands
+    if failure is None and not metrics and not stopped_early:  # report where the run stands
         metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
                            device)
     monitor.close()
@@ -299,6 +324,8 @@ def train(run: RunConfig, launcher: str) -> None:
     steps.close()
     if failure is not None:
         raise TrainingStopped(failure)
+    if stopped_early:
+        return
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(run.out, 'tensorboard')}")
 

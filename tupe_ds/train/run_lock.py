@@ -92,11 +92,12 @@ def this_holder() -> dict:
 
 
 def read_bytes(path: str) -> Optional[bytes]:
-    """The first 64 KiB of a file (a lock record is far smaller); None when there is none."""
+    """The first 64 KiB of a file (a lock record is far smaller); None when there is none (or
+    no file to read there: a folder, a file this process may not read)."""
     try:
         with open(path, "rb") as f:
             return f.read(1 << 16)
-    except FileNotFoundError:
+    except OSError:
         return None
 
 
@@ -247,9 +248,8 @@ class RunLock:
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_SECONDS / 10):
-            problem = self.check()
-            if problem:
-                self.lost = problem
+            self.lost = self.lost or self._hold()
+            if self.lost:
                 return
             try:
                 os.utime(self.path)
@@ -258,18 +258,33 @@ class RunLock:
 
     def check(self) -> Optional[str]:
         """None while OUT/run.lock is this run's; else what holds it now."""
-        data = read_bytes(self.path)
-        if data is None:
+        if not os.path.lexists(self.path):
             return f"{self.path} was removed"
-        holder = parse_holder(data)
+        holder = parse_holder(read_bytes(self.path) or b"")
         if holder is None or holder["token"] != self.holder["token"]:
-            whose = describe(holder) if holder else "a damaged record"
+            whose = describe(holder) if holder else "something that is no lock record"
             return f"{self.path} now names {whose}"
         return None
 
+    def _hold(self) -> Optional[str]:
+        """check(), taking the lock again where someone removed it (nobody else holds it then)."""
+        problem = self.check()
+        if problem and not os.path.lexists(self.path):
+            own = f"{self.path}.{self.holder['token']}"
+            write_record(own, self.holder)
+            try:
+                if link_exclusively(own, self.path):
+                    print(f"tupe-pretrain: {self.path} was removed while this run held it: "
+                          "taken again", flush=True)
+                    return None
+            finally:
+                os.remove(own)
+            problem = self.check()
+        return problem
+
     def still_held(self) -> Optional[str]:
         """Before a save: None while the lock is this run's; else why the run must stop."""
-        self.lost = self.lost or self.check()
+        self.lost = self.lost or self._hold()
         if self.lost:
             return (f"this run no longer holds its run folder ({self.lost}): another job took "
                     "it over (this one was presumed gone); stopping without saving")
@@ -326,6 +341,9 @@ def busy_message(path: str, holder: dict, age: float) -> str:
 def check(out: str) -> Optional[str]:
     """For --check-only: the refusal a run on `out` would meet now (None: it would start)."""
     path = os.path.join(out, LOCK_FILE)
+    if os.path.isdir(path) and not os.path.islink(path):
+        return (f"{path} is a folder, not a lock file tupe-pretrain wrote: remove it, then run "
+                "the same command")
     data = read_bytes(path)
     if data is None:
         return None

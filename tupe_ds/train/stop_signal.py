@@ -7,15 +7,21 @@ import torch.distributed as dist
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (Slurm's warning before preemption) ask the run to save and stop.
+    """SIGUSR1 (Slurm's warning before preemption) and, once training begins, SIGTERM ask the
+    run to save and stop.
 
-    Every rank learns of a signal received by any rank at the next step boundary.
+    SIGUSR1 is heard from the start (a job warned while it starts stops before its first step,
+    with nothing new to save); SIGTERM only from `listen_for_sigterm` on, since a launcher ends
+    the ranks of a run that failed to start with it. Every rank learns of a signal received by
+    any rank at the next step boundary.
     """
 
     def __init__(self):
         self.received = 0  # the signal's number
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
+        signal.signal(signal.SIGUSR1, self._handler)
+
+    def listen_for_sigterm(self) -> None:
+        signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum, frame):
         self.received = signum

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import manifest, safe_load
 
 LAYOUT_FILE = "layout.json"
@@ -151,14 +152,15 @@ def universal_dir(checkpoints: str) -> str:
 
 def convert(checkpoints: str, tag: str) -> float:
     """Rank 0: CHECKPOINTS/TAG -> CHECKPOINTS/universal/TAG through DeepSpeed's ds_to_universal,
-    once: a conversion records the manifest digest of the checkpoint it came from
-    (CONVERTED_FROM) and is reused only for that checkpoint; written in a temporary folder and
-    renamed when complete. Returns the seconds it took (0 when reused)."""
+    once: a conversion records the manifest digest of the checkpoint it came from and the size
+    and checksum of each of its files (CONVERTED_FROM), and is reused only for that checkpoint
+    and only while its files verify (else made anew); written in a temporary folder and renamed
+    when complete. Returns the seconds it took (0 when reused)."""
     from deepspeed.checkpoint import ds_to_universal
 
     source_digest = manifest_digest(os.path.join(checkpoints, tag))
     target = os.path.join(universal_dir(checkpoints), tag)
-    if converted_from(target) == source_digest and not unsafe_files(target):
+    if reusable(target, source_digest):
         return 0.0
     work = os.path.join(universal_dir(checkpoints), f".tmp-{tag}")
     shutil.rmtree(work, ignore_errors=True)
@@ -175,8 +177,9 @@ def convert(checkpoints: str, tag: str) -> float:
         print(output.getvalue()[-4000:], flush=True)
         shutil.rmtree(work, ignore_errors=True)
         raise
-    with open(os.path.join(args.output_folder, CONVERTED_FROM), "w") as f:
-        f.write(source_digest)
+    files = manifest.describe(args.output_folder, conversion_files(args.output_folder))
+    write_atomically(os.path.join(args.output_folder, CONVERTED_FROM),
+                     json.dumps({"source": source_digest, "files": files}))
     shutil.rmtree(target, ignore_errors=True)  # a conversion of another checkpoint of this name
     os.rename(args.output_folder, target)
     shutil.rmtree(work)
@@ -188,21 +191,25 @@ def manifest_digest(step_dir: str) -> str:
     return manifest.digest(step_dir) if manifest.exists(step_dir) else ""
 
 
-def converted_from(target: str):
-    """The manifest digest a conversion records; None when there is no complete conversion."""
-    path = os.path.join(target, CONVERTED_FROM)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return f.read().strip()
+def conversion_files(folder: str) -> list:
+    """The files of a conversion, by their paths inside it."""
+    return sorted(os.path.relpath(os.path.join(root, name), folder)
+                  for root, _, names in os.walk(folder) for name in names
+                  if name != CONVERTED_FROM)
 
 
-def unsafe_files(folder: str) -> list:
-    """The files of a conversion that do not read with weights_only (safe_load.scan): one that
-    names anything else was not written by ds_to_universal, and the conversion is made anew."""
-    paths = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
-             if name != CONVERTED_FROM]
-    return [path for path in paths if safe_load.scan(path)]
+def reusable(target: str, source_digest: str) -> bool:
+    """Whether the conversion in `target` came from the checkpoint of `source_digest` and holds
+    exactly the files it recorded, each of its size and checksum and read weights-only."""
+    try:
+        with open(os.path.join(target, CONVERTED_FROM), "rb") as f:
+            record = json.loads(f.read().decode("utf-8"))
+        files = record["files"]
+        if record["source"] != source_digest or sorted(files) != conversion_files(target):
+            return False
+        return not manifest.check_files(target, files)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return False  # none there, one of an earlier version, or a damaged record
 
 
 def conversion_source(step_dir: str, work: str) -> str:

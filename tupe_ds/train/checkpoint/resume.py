@@ -179,6 +179,12 @@ def refuse_another_run(plan: ResumePlan, current: dict, training: dict,
     training_changes(step_dir, training, allow_training_changes)
 
 
+def records_training(plan: "ResumePlan") -> bool:
+    """Whether the checkpoint resumed records its training settings (this tupe_ds's do)."""
+    return not plan.verified or "training" in manifest.read(
+        os.path.join(plan.directory, plan.tag))
+
+
 def training_changes(step_dir: str, training: dict, allow: bool) -> List[str]:
     """The lines that say how this run's optimizer and schedule settings differ from the
     checkpoint's, when `allow` (--allow-training-changes) lets them; ValueError naming them
@@ -280,25 +286,45 @@ def verify(step_dir: str) -> List[str]:
 
 
 def agree_with_rank_0(plan: Optional[ResumePlan]) -> Optional[ResumePlan]:
-    """Collective: rank 0's plan, once every rank found that its own (made before the process
-    group, from its view of --out) is the same; Refused naming the ranks that differ."""
+    """Collective: rank 0's plan (made under the run folder's lock), once every rank found the
+    checkpoints it names as rank 0 sees them (the same manifests); Refused naming the ranks that
+    do not (a filesystem that shows a node another folder, or the files late)."""
     rank = dist.get_rank()
-    chosen = [plan]
-    dist.broadcast_object_list(chosen, src=0)
-    mine = None if chosen[0] == plan else (
-        f"rank {rank} on {socket.gethostname()} would resume "
-        f"{describe_steps(plan.candidates[:1]) if plan else 'nothing'}")
+    shared = [plan, seen(plan)]
+    dist.broadcast_object_list(shared, src=0)
+    chosen, seen_by_rank_0 = shared
+    view = seen(chosen)
+    mine = None if view == seen_by_rank_0 else (
+        f"rank {rank} on {socket.gethostname()} sees "
+        + ", ".join(f"{folders.tag_of(step)} {'otherwise' if digest else 'not at all'}"
+                    for (step, digest), (_, theirs) in zip(view, seen_by_rank_0)
+                    if digest != theirs))
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, mine)
     differing = [line for line in every_rank if line]
     if differing:
-        first = chosen[0]
         raise Refused(
-            f"the ranks see different checkpoints in {first.directory if first else 'OUT'}: "
-            f"rank 0 would resume {describe_steps(first.candidates[:1]) if first else 'nothing'}"
-            f", {'; '.join(differing)}. Is --out a folder every node shares, the same for every "
-            "rank?")
-    return chosen[0]
+            f"the ranks see different checkpoints in {chosen.directory}: rank 0 would resume "
+            f"{chosen.tag}, and {'; '.join(differing)}. Is --out a folder every node shares, "
+            "the same for every rank? (Or wait until the filesystem shows every node the same "
+            "files, then run the same command.)")
+    return chosen
+
+
+def seen(plan: Optional[ResumePlan]) -> tuple:
+    """(step, the digest of its manifest, or None where it is not seen) of the plan's
+    candidates: what this rank sees of them."""
+    if plan is None:
+        return ()
+    view = []
+    for step in plan.candidates:
+        try:
+            view.append((step, manifest.digest(os.path.join(plan.directory, folders.tag_of(step)))
+                         if plan.verified else os.path.isdir(
+                             os.path.join(plan.directory, folders.tag_of(step)))))
+        except OSError:
+            view.append((step, None))
+    return tuple(view)
 
 
 def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_stage: int,

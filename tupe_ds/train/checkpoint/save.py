@@ -66,6 +66,17 @@ def weights_are_finite(engine, device) -> bool:
     return bool(flag.item())
 
 
+# What writing a checkpoint raises when it cannot: Python's file writes an OSError; torch.save's
+# C++ writer a RuntimeError on a full disk ("PytorchStreamWriter failed writing file", "unexpected
+# pos"); DeepSpeed's barrier a RuntimeError when another rank stopped writing ("Connection closed
+# by peer")
+WRITE_ERRORS = (OSError, RuntimeError)
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 class SaveFailed(RuntimeError):
     """A checkpoint could not be written or committed (a full disk, a folder in the way): the
     previous complete checkpoint stands. `everywhere`: every rank raised it (agreed in a
@@ -114,8 +125,8 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
                 write_atomically(layout_path, layout.to_json())
                 written.append(layout_path)
             files = manifest.describe(folder, sorted({os.path.basename(p) for p in written}))
-    except OSError as error:
-        raise SaveFailed(f"could not write checkpoint {tag} (rank {rank}: {error})",
+    except WRITE_ERRORS as error:
+        raise SaveFailed(f"could not write checkpoint {tag} (rank {rank}: {first_line(error)})",
                          everywhere=False) from None
     every_rank = [None] * dist.get_world_size()
     with announced(f"every rank to checksum its files of checkpoint {tag}", rank):
@@ -144,8 +155,8 @@ def on_rank_0(work, failure: str, rank: int, waiting_for: str) -> None:
     if rank == 0:
         try:
             work()
-        except OSError as error:
-            problem = [f"{failure} (rank 0: {error})"]
+        except WRITE_ERRORS as error:
+            problem = [f"{failure} (rank 0: {first_line(error)})"]
     with announced(waiting_for, rank):
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
