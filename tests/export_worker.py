@@ -28,7 +28,7 @@ def main(argv):
                                              pipeline_model_parallel_size=run.layout.pp)
     os.makedirs(run.out, exist_ok=True)
     if dist.get_rank() == 0:
-        write_run_description(run)
+        write_run_description(run, lineage="test")
     objective = OBJECTIVES[run.objective]
     device = accelerator_device()
     _, engine, steps = build_engine(run, objective, device)

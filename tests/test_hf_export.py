@@ -208,6 +208,10 @@ def test_bad_input_is_one_line_that_says_what_to_do(data, tmp_path, capsys):
     assert "run.json: missing; tupe-pretrain writes it" in \
         one_line_error(export_main, [str(step), "--out", str(tmp_path / "x")], capsys)
     (tmp_path / "run" / "run.json").write_text('{"objective": "mlm"}')
+    assert "run.json: not a run description tupe-pretrain wrote (data is missing" in \
+        one_line_error(export_main, [str(step), "--out", str(tmp_path / "x")], capsys)
+    (tmp_path / "run" / "run.json").write_text(
+        '{"objective": "mlm", "data": "prep", "tp": 1, "pp": 1, "models": [{}]}')
     assert "only an ELECTRA run's generator, in --format hf, can be exported" in one_line_error(
         export_main, [str(step), "--out", str(tmp_path / "x"), "--electra-network", "generator"],
         capsys)

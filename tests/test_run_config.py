@@ -139,8 +139,11 @@ def test_a_checkpoint_of_another_layout_is_converted_or_refused_before_any_proce
     assert "padded to 1152 for tp 1, which does not split into --tp 2 shards" in fails(
         base(data, tmp_path, "--tp", "2", out=str(tmp_path / "vocab")), monkeypatch, world=4)
     saved_checkpoint(tmp_path / "zero3", zero_stage=3)
+    assert "resume with --zero-stage 3" in fails(  # ZeRO-2 <-> 3, whatever the layout
+        base(data, tmp_path, out=str(tmp_path / "zero3")), monkeypatch, world=2)
     assert "reshapes checkpoints of ZeRO stage 0-2 only" in fails(
-        base(data, tmp_path, out=str(tmp_path / "zero3")), monkeypatch, world=4)
+        base(data, tmp_path, "--zero-stage", "3", out=str(tmp_path / "zero3")), monkeypatch,
+        world=4)
 
 
 def test_the_index_cache_folder(data, tmp_path, monkeypatch):

@@ -212,6 +212,10 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
         run = run_description.read(run_dir)
     except ValueError as error:
         raise ExportError(str(error)) from None
+    electra = run["objective"] == "electra"
+    if network != "discriminator" and not (electra and format == "hf"):
+        raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
+                          "--format hf, can be exported; leave the flag out")
     tokenizer = tokenizer or os.path.join(run["data"], "tokenizer.json")
     check_tokenizer(tokenizer, step_dir)
     if manifest.exists(step_dir):  # run.json says the layout of the run's last start
@@ -220,10 +224,6 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
         except ValueError as error:
             raise ExportError(str(error)) from None
         run = {**run, "tp": layout.tp, "pp": layout.pp}
-    electra = run["objective"] == "electra"
-    if network != "discriminator" and not (electra and format == "hf"):
-        raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
-                          "--format hf, can be exported; leave the flag out")
     with safe_load.weights_only_loads():  # zero_to_fp32's loads included
         check_files(step_dir)
         configs, state = consolidated_state(run, step_dir)

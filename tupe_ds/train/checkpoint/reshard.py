@@ -73,6 +73,20 @@ class Reshard:
     convert: bool  # through DeepSpeed's universal checkpoint (ZeRO); else it loads as it is
 
 
+def layout_file(step_dir: str) -> Optional[SavedLayout]:
+    """stepN/layout.json, for a checkpoint of an earlier version without a manifest; None
+    without one; ValueError naming the file when it is not a layout."""
+    path = os.path.join(step_dir, LAYOUT_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return SavedLayout.from_record(json.loads(f.read().decode("utf-8")))
+    except (OSError, ValueError, RecursionError) as error:
+        raise ValueError(f"{path}: not a layout tupe-pretrain wrote ({error}); restore the file, "
+                         "or resume from another checkpoint with --resume-from") from None
+
+
 def saved_layout(record: dict) -> SavedLayout:
     """The layout that wrote a checkpoint, from its manifest's record; ValueError naming the
     checkpoint when it is not one."""

@@ -110,8 +110,7 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
         if not passed_over:
             return None
         return ResumePlan(directory, (), None, False, True, passed_over)
-    resharding = plan_layout(directory, candidates[0], world_size, tp, pp, zero_stage) \
-        if verified else None
+    resharding = plan_layout(directory, candidates[0], world_size, tp, pp, zero_stage, verified)
     return ResumePlan(directory, candidates, resharding, by_hand, verified, passed_over, notes)
 
 
@@ -152,10 +151,15 @@ def resume_from_step(directory: str, resume_from: str) -> int:
 
 
 def plan_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
-                zero_stage: int) -> Optional[reshard.Reshard]:
-    """How checkpoint `step` loads on this layout (reshard.plan)."""
+                zero_stage: int, verified: bool = True) -> Optional[reshard.Reshard]:
+    """How checkpoint `step` loads on this layout (reshard.plan); for one of an earlier version
+    (no manifest) by its layout.json, and None without one (it resumes on its own layout)."""
     tag = folders.tag_of(step)
-    saved = reshard.saved_layout(manifest.read(os.path.join(directory, tag)))
+    step_dir = os.path.join(directory, tag)
+    saved = (reshard.saved_layout(manifest.read(step_dir)) if verified else
+             reshard.layout_file(step_dir))
+    if saved is None:
+        return None
     return reshard.plan(tag, saved, world_size, tp, pp, zero_stage,
                         reshard.has_zero_shards(os.path.join(directory, tag)))
 
