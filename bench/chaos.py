@@ -394,11 +394,15 @@ class Chaos:
 
     def attempt(self, number: int, split, fault_text: str, second_job: bool) -> Outcome:
         log = os.path.join(self.root, f"attempt{number:03d}.log")
-        start = time.monotonic()
-        process = self.launch(self.out, split, fault_text, log)
-        if second_job:
-            self.second_job(number, process, log)
-        return self.finish(process, log, start)
+        for _ in range(3):
+            start = time.monotonic()
+            process = self.launch(self.out, split, fault_text, log)
+            if second_job:
+                self.second_job(number, process, log)
+            outcome = self.finish(process, log, start)
+            if not port_taken(outcome):
+                return outcome
+        return outcome
 
     def second_job(self, number: int, first: subprocess.Popen, log: str) -> None:
         """While the first trains (held in a step by its `hold` fault), the same command again
@@ -413,8 +417,11 @@ class Chaos:
             open(hold, "w").close()
             return
         second_log = os.path.join(self.root, f"attempt{number:03d}-second.log")
-        outcome = self.finish(self.launch(self.out, (1, 8), "", second_log), second_log,
-                              time.monotonic())
+        for _ in range(3):
+            outcome = self.finish(self.launch(self.out, (1, 8), "", second_log), second_log,
+                                  time.monotonic())
+            if not port_taken(outcome):
+                break
         open(hold, "w").close()  # the first goes on
         if outcome.returncode == 0:
             self.report.problems.append(f"attempt {number}: a second job on the same folder "
@@ -525,6 +532,13 @@ class Chaos:
                 lost.append(f"step{step} (manifest {digest[:12]}) was complete and is gone, "
                             f"with only {newer} newer checkpoints left")
         return lost
+
+
+def port_taken(outcome: Outcome) -> bool:
+    """torchrun could not listen on the port free_port chose (another process took it since):
+    nothing of the run started, and the attempt is made again on another port."""
+    return outcome.returncode != 0 and "EADDRINUSE" in outcome.output and \
+        "exit worker" not in outcome.output and "tupe-pretrain" not in outcome.output
 
 
 def final_files(run: str, steps: int) -> dict:
