@@ -49,9 +49,11 @@ ENGINE = {}
 
 
 def kill_everything():
-    """SIGKILL to the launcher and every rank (its children), as a lost node would see it."""
+    """SIGKILL to the launcher and every rank (its children), as a lost node would see it. The
+    launcher first: given a moment with a rank dead, it would report it and exit by itself."""
     sys.stdout.flush()
     launcher = os.getppid()
+    ranks = []
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat) as f:
@@ -60,8 +62,10 @@ def kill_everything():
             continue
         pid = int(stat.split("/")[2])
         if parent == launcher and pid != os.getpid():
-            os.kill(pid, signal.SIGKILL)
+            ranks.append(pid)
     os.kill(launcher, signal.SIGKILL)
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -14,7 +14,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import tempfile
 
