@@ -2,11 +2,11 @@
 faults, then compared with the same run left alone.
 
 The run is tupe-pretrain under torchrun (2 CPU ranks, ZeRO-2, dropout 0), through
-tests/fault_worker.py, which injects the faults a process can suffer. Each attempt starts the
+tests/support/fault_worker.py, which injects the faults a process can suffer. Each attempt starts the
 same command (a resume, after the first); what goes wrong in it, and to the run folder between
 attempts, is drawn from the seed:
 
-- in an attempt (tests/fault_worker.py): SIGKILL of every rank and the launcher mid-step, after
+- in an attempt (tests/support/fault_worker.py): SIGKILL of every rank and the launcher mid-step, after
   a checkpoint file (mid-save), between the manifest and `latest`, after `latest`, during
   retention's deletion; SIGUSR1 to one rank (preemption: save and stop); a full disk (every
   checkpoint file of one save fails with ENOSPC); a second job started on the same folder while
@@ -41,7 +41,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,11 +53,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tupe_ds.distributed import launchers  # noqa: E402
 from tupe_ds.train import run_lock  # noqa: E402
 from tupe_ds.train.checkpoint import folder as folders  # noqa: E402
 from tupe_ds.train.checkpoint import manifest, safe_load  # noqa: E402
 
-WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
+WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
 NAN_STEP = 7
 NAN_RANK = 0  # every split has it
@@ -116,9 +116,7 @@ class Report:
 
 
 def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return str(launchers.free_port())
 
 
 def environment(fault: str) -> dict:

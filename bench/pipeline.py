@@ -28,7 +28,9 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import p2p
 from megatron.core import parallel_state
 
-from tupe_ds.distributed.parallel import MegatronMPU, accelerator_device, end_distributed
+from tupe_ds.distributed import launch
+from tupe_ds.distributed.parallel import (MegatronMPU, accelerator_device, end_distributed,
+                                          start_distributed)
 from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.model.positional import PositionalEncoding
@@ -58,8 +60,8 @@ args = p.parse_args()
 accelerator = get_accelerator()
 accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 device = accelerator_device()
-deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu"
-                           else accelerator.communication_backend_name())
+launch.discover()
+start_distributed("gloo" if device.type == "cpu" else accelerator.communication_backend_name())
 if dist.get_world_size() != 2:
     raise SystemExit("run it with 2 processes: deepspeed --num_gpus 2 bench/pipeline.py")
 rank = dist.get_rank()

@@ -24,7 +24,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
-from tupe_ds.distributed.parallel import MegatronMPU, accelerator_device, end_distributed
+from tupe_ds.distributed import launch
+from tupe_ds.distributed.parallel import (MegatronMPU, accelerator_device, end_distributed,
+                                          start_distributed)
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.model import ENCODINGS, PRESETS, ModelConfig, build_model
 from tupe_ds.train.config import CPU_CONFIG
@@ -48,8 +50,8 @@ args = p.parse_args()
 accelerator = get_accelerator()
 accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
 device = accelerator_device()
-deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu"
-                           else accelerator.communication_backend_name())
+launch.discover()
+start_distributed("gloo" if device.type == "cpu" else accelerator.communication_backend_name())
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
 dp = dist.get_world_size() // args.tp
 

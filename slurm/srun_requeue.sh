@@ -14,14 +14,20 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$node_local}
 # and task/cgroup give each task one core for the training loop, the batch-making thread and
 # torch's threads. SRUN_CPUS_PER_TASK (srun's variable) passes the job's on, unless already set.
 srun_requeue() {
-  local requeue= step status=0
+  local requeue= step status=0 port=${MASTER_PORT:-}
+  # The rendezvous port, checked free here on the batch host (the step's first node, where rank 0
+  # listens): the job id's port (tupe_ds/distributed/launch.py) or the next free one. Each task
+  # reads MASTER_PORT from the environment srun passes on; a MASTER_PORT set by the user is kept.
+  if [ -z "$port" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    port=$("$1" -m tupe_ds.distributed.launchers srun-port) || return
+  fi
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
   fi
   trap 'requeue=1
         echo "$(date -Is) SIGUSR1: the tasks save a checkpoint and stop; then the job is requeued"
         kill -USR1 "$step" 2>/dev/null || true' USR1  # srun passes it on to every task
-  srun --kill-on-bad-exit=1 "$@" &
+  env ${port:+MASTER_PORT=$port} srun --kill-on-bad-exit=1 "$@" &  # env execs srun: $! is srun
   step=$!
   while :; do
     wait "$step" && status=0 || status=$?

@@ -1,46 +1,32 @@
-import glob
 import os
+import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# the tests' helpers (runs, workers, the Slurm cluster), imported by name as the workers, which
+# run as scripts from there, import each other
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tupe_ds  # noqa: E402
 
-
-DEEPSPEED_SHARED_MEMORY = "/dev/shm/deepspeed_allreduce_buffer_*"
-
-
-@pytest.fixture(scope="session")
-def shared_memory_before_the_tests():
-    return set(glob.glob(DEEPSPEED_SHARED_MEMORY))
-
-
-def mapped_files() -> set:
-    """Every file some process on this machine has mapped (from /proc/PID/maps)."""
-    paths = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                paths.update(line.split(maxsplit=5)[5].strip() for line in f if "/dev/shm/" in line)
-        except (OSError, IndexError):
-            continue
-    return paths
+# `make test` runs the files in 2 processes (pytest-xdist, --dist loadgroup): each file whole in
+# one of them, so that a file's module fixtures (a reference run, a Slurm cluster) are made once;
+# the files that start Slurm clusters in one, one after the other.
+ONE_AT_A_TIME = {"test_slurm.py": "slurm", "test_multinode.py": "slurm"}
+# The longest first (seconds in one process, `pytest --durations`, 2026-11-26), so that neither
+# process is left alone with a long one at the end; the others after them, as collected.
+LONGEST = {"slurm": 297, "test_run_integrity.py": 316, "test_chaos.py": 162,
+           "test_compare.py": 139, "test_loss_normalization.py": 106,
+           "test_resume_layout.py": 101, "test_pipeline.py": 97}
 
 
-@pytest.fixture(autouse=True)
-def remove_deepspeed_shared_memory(shared_memory_before_the_tests):
-    """DeepSpeed's CPU all-reduce leaves a 66 MB buffer per rank in /dev/shm (memory) when a run
-    ends; after each test, remove those the suite's runs left, so that the suite does not fill the
-    memory. A buffer some process still maps (another run on this machine) stays."""
-    yield
-    left = set(glob.glob(DEEPSPEED_SHARED_MEMORY)) - shared_memory_before_the_tests
-    for path in left - mapped_files() if left else ():
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME.get(name, name)))
+    items.sort(key=lambda item: -LONGEST.get(ONE_AT_A_TIME.get(item.path.name, item.path.name), 0))
 
 
 def perturb(model, seed=1):

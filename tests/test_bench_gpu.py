@@ -252,8 +252,10 @@ def test_report_of_unprofiled_rows_on_cuda(suite_run, suite):
                        if key not in ("ops", "op_names", "phases")}
             line = {**line, "row": row}
         lines.append(line)
-    content = suite.content_of(lines)
-    markdown = suite.markdown(content)
+    from bench.gpu import suite_report
+
+    content = suite_report.content_of(lines)
+    markdown = suite_report.markdown(content)
     assert "| bert-a, no padding | 32 | 4 x 2 |" in markdown
     unprofiled = next(line for line in markdown.splitlines()
                       if line.startswith("| bert-a, no padding | 32 | 4 x 2 |"))

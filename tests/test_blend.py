@@ -16,8 +16,8 @@ from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
 
+from runs import log, train
 from test_index_cache import write_corpus
-from test_pretrain import log, train
 
 WEIGHTS = [(0.7, 0.3), (1, 1, 1), (0.5, 0.3, 0.2), (0.999, 0.001), (3, 0, 1), (0.123, 0.877)]
 

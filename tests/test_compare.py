@@ -15,8 +15,8 @@ import time
 
 import pytest
 
+from runs import CPU_CONFIG, assert_quiet, environment, log
 from test_finetune import FILLER, write_sentiment
-from test_pretrain import CPU_CONFIG, environment, log
 from tupe_ds.compare import cli, finetuning, results, runner
 from tupe_ds.compare.plan import Plan, Run, read_plan
 
@@ -92,6 +92,7 @@ def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_log = (out / "logs" / "bert-a-seed1.log").read_text()
     assert f"resumed at step {killed_at} of 40" in run_log
+    assert_quiet(run_log)  # the deepspeed launcher's and DeepSpeed's lines left out
 
     made = json.loads((out / "report.json").read_text())
     assert [r["state"] for r in made["runs"]] == ["complete", "complete"]

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_pretrain import CPU_CONFIG, environment, free_port
+from runs import CPU_CONFIG, environment
 from tupe_ds.demo.report import exported_model, masked_word_accuracy, validations
 from tupe_ds.demo.run import TINY_MODEL_SETTINGS
 
@@ -64,8 +64,7 @@ def pretrain(data: str, out: str, seed: int) -> subprocess.CompletedProcess:
          "--pos-encoding", "tupe-r", "--ds-config", CPU_CONFIG, "--out", out, "--steps",
          str(STEPS), "--seed", str(seed), *TINY_MODEL_SETTINGS, "--micro-batch", "32",
          "--eval-interval", "20", "--save-interval", str(STEPS), "--image-interval", str(STEPS)],
-        env={**environment(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()},
+        env=environment(),
         capture_output=True, text=True, timeout=300)
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from test_pretrain import CPU_CONFIG, ROOT
+from runs import CPU_CONFIG, ROOT
 from tupe_ds.demo.run import demo_launch
 from tupe_ds.distributed import launch
 from tupe_ds.finetune.run import main as finetune

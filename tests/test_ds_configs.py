@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tupe_ds.distributed.parallel import ensure_model_parallel
+from tupe_ds.distributed.parallel import ensure_model_parallel, start_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_CONFIGS = ["bert_large_fp16.json", "bert_base_fp16.json", "bert_large_zero3_offload.json",
@@ -57,12 +57,12 @@ def test_cpu_config_has_no_fp16():
 
 @pytest.fixture(scope="module")
 def deepspeed():
-    """DeepSpeed's communication over this process's one-rank gloo group (ensure_model_parallel's).
-    Its CPU backend builds a shared-memory op of its own here, before a test refuses building."""
+    """DeepSpeed's communication over this process's one-rank gloo group (ensure_model_parallel's),
+    started as tupe-pretrain starts it: without building DeepSpeed's shared-memory op."""
     import deepspeed
 
     ensure_model_parallel(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    start_distributed("gloo")
     return deepspeed
 
 

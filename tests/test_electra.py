@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from test_pretrain import log, shipped_config_in_fp32, train
+from runs import log, shipped_config_in_fp32, train
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import seed_tensor_parallel_rng
 from tupe_ds.model.electra import DISCRIMINATOR_WEIGHT, ElectraForPretraining, build_electra

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
+from runs import CPU_CONFIG, ROOT, environment, free_port
 from test_hf_export import assert_transformers_match, run_transformers
-from test_pretrain import CPU_CONFIG, ROOT, environment, free_port
 from tp_inputs import inputs
 from tupe_ds.export.read import load_exported
 from tupe_ds.export.write import ExportError, export
@@ -22,7 +22,7 @@ LAYOUTS = {"zero2": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--zero-stage
 def train_and_record_logits(data, out, *flags):
     """export_worker.py under the deepspeed launcher, 2 processes: 3 steps, a checkpoint, logits."""
     command = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
-               "--master_port", free_port(), os.path.join(HERE, "export_worker.py"), "--data", data,
+               "--master_port", free_port(), os.path.join(HERE, "support", "export_worker.py"), "--data", data,
                "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
                "--steps", "3", "--lr", "5e-3", "--warmup-steps", "1", *flags]
     env = {**environment(), "PYTHONPATH": os.pathsep.join([HERE, ROOT])}

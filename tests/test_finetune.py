@@ -17,7 +17,7 @@ import sklearn.metrics
 import torch
 
 import tupe_ds
-from test_pretrain import EXIT_WORKER, environment, free_port
+from runs import EXIT_WORKER, environment, free_port
 from tupe_ds.export.write import save_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.run import main as finetune

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from tupe_ds.compare import glue
+from tupe_ds.compare import glue, glue_intervals, glue_markdown
 from tupe_ds.finetune.tasks import TASKS
 
 T_975 = {2: 12.706204736174707, 3: 4.302652729911275}  # Student t 0.975 quantile by seed count
@@ -110,7 +110,7 @@ def test_paired_differences_over_pretraining_seeds(pretraining_seeds):
 
 def bootstrap_by_hand(encoding, baseline, resamples):
     """{column: (point difference, [2.5%, 97.5%] quantiles)} resample by resample."""
-    rng = np.random.default_rng(glue.BOOTSTRAP_SEED)
+    rng = np.random.default_rng(glue_intervals.BOOTSTRAP_SEED)
     drawn = []
     for summaries in (encoding, baseline):
         side = {}
@@ -171,8 +171,9 @@ def test_bootstrap_sees_a_large_shift_and_no_difference():
     made = one_seed_each(baseline, baseline, tasks)
     for name, same in made["differences"]["tupe"].items():
         assert same["difference"] == 0 and same["low"] < 0 < same["high"] and same["contains_zero"]
-        assert "contains 0" in glue.describe(same)
-    row = next(line for line in glue.markdown(made) if line.startswith("| tupe |") and "[" in line)
+        assert "contains 0" in glue_markdown.describe(same)
+    row = next(line for line in glue_markdown.markdown(made)
+               if line.startswith("| tupe |") and "[" in line)
     assert row.count("contains 0") == 4
 
 
@@ -181,8 +182,8 @@ def test_one_fine_tuning_seed_gives_no_interval():
     tasks = ["mnli", "rte"]
     made = one_seed_each(made_up(rng, tasks), made_up(rng, tasks), tasks)
     assert all(found is None for found in made["differences"]["tupe"].values())
-    assert "no interval" in glue.headline(made)
-    rows = [line for line in glue.markdown(made) if line.startswith("| tupe |")]
+    assert "no interval" in glue_markdown.headline(made)
+    rows = [line for line in glue_markdown.markdown(made) if line.startswith("| tupe |")]
     assert rows[-1] == "| tupe | - | - | - | - |"
 
 
@@ -192,7 +193,7 @@ def test_headline_names_the_average_difference_and_its_interval():
     made = one_seed_each(made_up(rng, tasks, seeds=5, shift=0.05), made_up(rng, tasks, seeds=5),
                          tasks)
     average = made["differences"]["tupe"]["average"]
-    sentence = glue.headline(made)
+    sentence = glue_markdown.headline(made)
     assert sentence.startswith("GLUE average minus bert-a's:")
     assert "tupe" in sentence and f"{average['difference']:+.2f}" in sentence
     assert f"{average['low']:+.2f}" in sentence and f"{average['high']:+.2f}" in sentence
@@ -278,7 +279,7 @@ def test_intervals_cover_the_true_difference_95_percent_of_the_time(seeds, lrs, 
 
 def test_coverage_check_fails_for_a_bootstrap_of_three_seeds(monkeypatch):
     """The simulation can fail: the bootstrap this replaced below 5 seeds covers about 90%."""
-    monkeypatch.setattr(glue, "BOOTSTRAP_SEEDS", 2)
+    monkeypatch.setattr(glue_intervals, "BOOTSTRAP_SEEDS", 2)
     found = coverage(3, 2, 0.0, 600, np.random.default_rng(32))
     assert found["rte"] < COVERAGE_BAND[0], found
 
@@ -301,7 +302,7 @@ def test_held_out_learning_rate_choice():
     made = glue.table({"x": {1: {"rte": rte}}}, "x", ["rte"])
     assert made["held_out"]["x"]["rte"]["mean"] == pytest.approx(55)
     assert made["scores"]["x"]["rte"]["mean"] == pytest.approx(90)
-    lines = glue.markdown(made)
+    lines = glue_markdown.markdown(made)
     assert "| x, lr held out | 55.00 | 55.00 |" in lines
     assert any("favours every score" in line for line in lines)
     one = summary("rte", {1e-5: [[0.9]]})

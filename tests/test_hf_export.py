@@ -1,5 +1,5 @@
 """tupe-export --format hf: every encoding loads with transformers' Auto classes in a process
-where tupe_ds cannot be imported (tests/hf_worker.py) and gives the tupe_ds model's logits; the
+where tupe_ds cannot be imported (tests/support/hf_worker.py) and gives the tupe_ds model's logits; the
 fill-mask pipeline, Trainer and tupe-finetune work on the folders; the export's limits (trained
 sequence length, vocabulary padding, finite fp16 masks); bad input is one line."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tupe_ds
+from runs import environment
 from test_finetune import FILLER, NEGATIVE, POSITIVE, write_sentiment
-from test_pretrain import environment
 from tp_inputs import inputs
 from tupe_ds.data.loader import MaskedSamples, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
@@ -29,12 +29,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_transformers(jobs, tmp_path):
-    """tests/hf_worker.py's results for `jobs`, in a fresh `python -I` (no tupe_ds)."""
+    """tests/support/hf_worker.py's results for `jobs`, in a fresh `python -I` (no tupe_ds)."""
     jobs_path, results_path = tmp_path / "jobs.json", tmp_path / "results.json"
     jobs_path.write_text(json.dumps(jobs))
     env = {**environment(), "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
            "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-I", os.path.join(HERE, "hf_worker.py"),
+    result = subprocess.run([sys.executable, "-I", os.path.join(HERE, "support", "hf_worker.py"),
                              str(jobs_path), str(results_path)], env=env, capture_output=True,
                             text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_pretrain import ROOT, log, train
+from runs import ROOT, log, train
 from tupe_ds.data.loader import MaskedSamples, Vocabulary
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.write import consolidated_state

@@ -1,5 +1,5 @@
 """Two nodes on one machine: a Slurm cluster whose controller and nodes n1, n2 are network
-namespaces of their own (tests/slurm_cluster.py: Network, SlurmCluster), with real sockets between
+namespaces of their own (tests/support/slurm_cluster.py: Network, SlurmCluster), with real sockets between
 them. Through the real sbatch script and torchrun, ranks on both nodes train over gloo on the
 192.0.2.0/24 addresses and write into one checkpoint folder; the losses and the exported weights
 equal one process's (fp32, same seed, dropout off). The nodes bind each task to its CPUs
@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from runs import ROOT, environment, free_port, log, train
 from slurm_cluster import Network, SlurmCluster, install_packages
 from test_index_cache import index_files, write_corpus
-from test_pretrain import ROOT, environment, free_port, log, train
 from test_slurm import TINY, logged_steps
 
 STEPS = 80  # about 6 s of training on two nodes: time for a signal to land midway
@@ -57,7 +57,7 @@ def one_process(data, tmp_path_factory):
     return out
 
 
-FAULT_WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
+FAULT_WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
 
 
 def submit(cluster, data, out, *flags, env=None):
@@ -275,7 +275,7 @@ def test_srun_tasks_meet_without_scontrol_on_the_cpus_the_job_asked_for(two_node
     of the step, on the port of the job id (or MASTER_PORT). A step asked for 1 CPU per task is
     bound to 1 (the binding is real); srun_requeue's step gets the job's 2 through
     SRUN_CPUS_PER_TASK, and runs on both."""
-    probe = os.path.join(ROOT, "tests", "rendezvous_probe.py")
+    probe = os.path.join(ROOT, "tests", "support", "rendezvous_probe.py")
     script = tmp_path / "job.sh"
     script.write_text(textwrap.dedent(f"""\
         #!/bin/bash

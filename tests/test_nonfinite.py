@@ -22,11 +22,11 @@ def deepspeed():
     """DeepSpeed over a one-process gloo group, destroyed at the end if this module started it."""
     import deepspeed  # before the group exists: see end_distributed
 
-    from tupe_ds.distributed.parallel import end_distributed, ensure_model_parallel
+    from tupe_ds.distributed.parallel import end_distributed, ensure_model_parallel, start_distributed
 
     started = not torch.distributed.is_initialized()
     ensure_model_parallel(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    start_distributed("gloo")
     yield deepspeed
     if started:
         end_distributed()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tupe_ds
-from test_pretrain import environment, free_port, log, train
+from runs import environment, free_port, log, train
 from tp_inputs import micro_batches
 from tupe_ds.model.config import ENCODINGS, ModelConfig
 from tupe_ds.model.pipeline import stage_layer_counts
@@ -42,7 +42,7 @@ def two_stage_steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_worker")
     env = {**environment(), "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
     run = subprocess.run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
-                          os.path.join(HERE, "pp_worker.py"), str(out), *ENCODINGS],
+                          os.path.join(HERE, "support", "pp_worker.py"), str(out), *ENCODINGS],
                          env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {(encoding, stage): torch.load(out / f"{encoding}.stage{stage}.pt")

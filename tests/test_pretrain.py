@@ -3,11 +3,9 @@
 `data` (conftest.py) is a small corpus prepared once per test session."""
 
 import glob
-import json
 import os
 import pickletools
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,55 +14,8 @@ import zipfile
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
-CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
-EXIT_WORKER = os.path.join(ROOT, "tests", "exit_worker.py")
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def command(launcher, processes, data, out, *flags):
-    """tupe-pretrain under a launcher, through tests/exit_worker.py: every rank must also leave
-    no process group behind (else its exit code is 3)."""
-    flags = ["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out),
-             "--seq-len", "64", "--log-interval", "1", "--eval-samples", "32", *flags]
-    if launcher == "deepspeed":
-        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(processes), "--master_port",
-                free_port(), EXIT_WORKER, "pretrain", *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", free_port(), EXIT_WORKER, "pretrain", *flags]
-
-
-def environment():
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
-            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                   os.path.join(ROOT, "build", "torch_extensions"))}
-
-
-def train(launcher, processes, data, out, *flags, timeout=400):
-    result = subprocess.run(command(launcher, processes, data, out, *flags), env=environment(),
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
-
-
-def log(out):
-    """{step: entry} of a run's train_log.jsonl; a step logged twice keeps its last entry."""
-    entries = {}
-    with open(os.path.join(out, "train_log.jsonl")) as f:
-        for line in f:
-            entry = json.loads(line)
-            entries.setdefault(entry["step"], {}).update(entry)
-    return entries
-
-
-def losses(out):
-    return {step: e["train/loss"] for step, e in log(out).items() if "train/loss" in e}
+from runs import (CPU_CONFIG, EXIT_WORKER, ROOT, assert_quiet, command, environment, log, losses,
+                  shipped_config_in_fp32, train)
 
 
 def pickled_classes(folder) -> set:
@@ -114,17 +65,6 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     assert "Train/Samples/lr" in deepspeed_events.Tags()["scalars"]  # DeepSpeed's own monitor
 
 
-def shipped_config_in_fp32(name, tmp_path):
-    """A shipped GPU config with fp16 off, which DeepSpeed refuses on a CPU; everything else
-    (ZeRO stage and options, micro-batch, optimizer) as shipped."""
-    with open(os.path.join(ROOT, "ds_configs", name)) as f:
-        config = json.load(f)
-    config["fp16"]["enabled"] = False
-    path = tmp_path / f"{name}.fp32.json"
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
 def test_the_shipped_config_on_two_ranks_equals_one_rank_split_otherwise(data, tmp_path):
     """The shipped BERT config's step (ZeRO-1 without gradient hooks), its micro-batch of 128
     cut to each rank's share of 8 and said so, against one rank in micro-batches of 4: the loss
@@ -160,6 +100,33 @@ def assert_tp2_matches_tp1(data, tmp_path, steps, names, *flags):
 
 def test_tensor_parallel_two_equals_one_under_torchrun(data, tmp_path):
     assert_tp2_matches_tp1(data, tmp_path, 5, ["train/loss"], "--pos-encoding", "tupe-r")
+
+
+def test_one_process_needs_no_launcher_no_mpi_and_no_port(data, tmp_path):
+    """tupe-pretrain typed as is, twice at once on one machine, where no MPI library loads
+    (mpi4py pointed at none), no launcher set RANK or MASTER_PORT and DS_ACCELERATOR is unset:
+    both train, each in a group of its own, print no third-party noise, and neither leaves
+    DeepSpeed's shared-memory buffers in /dev/shm."""
+    env = {name: value for name, value in environment().items()
+           if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                           "DS_ACCELERATOR")
+           and not name.startswith(("OMPI_", "PMI_", "SLURM_"))}
+    env["MPI4PY_LIBMPI"] = str(tmp_path / "no-libmpi.so")
+    shared_memory_before = set(os.listdir("/dev/shm"))
+    flags = ["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64",
+             "--log-interval", "1", "--eval-samples", "32", "--steps", "3"]
+    runs = [subprocess.Popen([sys.executable, EXIT_WORKER, "pretrain", *flags, "--out",
+                              str(tmp_path / f"run{index}")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for index in range(2)]
+    outputs = [run.communicate(timeout=400)[0] for run in runs]
+    for index, (run, output) in enumerate(zip(runs, outputs)):
+        assert run.returncode == 0, output[-4000:]
+        assert "1 process, no launcher" in output
+        assert_quiet(output)
+        assert sorted(losses(tmp_path / f"run{index}")) == [1, 2, 3]
+    left = {name for name in set(os.listdir("/dev/shm")) - shared_memory_before
+            if name.startswith("deepspeed")}
+    assert not left
 
 
 def wait_for(condition, process, timeout=300):

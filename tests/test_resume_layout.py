@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from test_pretrain import log, train
+from runs import log, train
 
 STEPS = ["--steps", "6", "--save-interval", "3", "--eval-interval", "6", "--keep-checkpoints",
          "5", "--dropout", "0", "--global-batch", "32", "--lr", "2e-3", "--warmup-steps", "2"]

@@ -1,6 +1,6 @@
 """A run never loses its work (tupe_ds/train/checkpoint/, tupe_ds/train/nonfinite.py): the fault
 matrix of docs/reliability.md's "What a run survives", with real processes under torchrun (2 CPU ranks,
-ZeRO-2, fp32, dropout off) and faults injected by tests/fault_worker.py. Each test checks what is
+ZeRO-2, fp32, dropout off) and faults injected by tests/support/fault_worker.py. Each test checks what is
 kept, what is resumed and what is said, and, where the fault allows, that the run ends with the
 losses and weights of an uninterrupted one."""
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log, losses
+from runs import CPU_CONFIG, ROOT, environment, free_port, log, losses
 from tupe_ds.train.checkpoint import manifest, resume, safe_load
 
-FAULT_WORKER = os.path.join(ROOT, "tests", "fault_worker.py")
+FAULT_WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
 FLAGS = ["--steps", "12", "--save-interval", "2", "--eval-interval", "12", "--dropout", "0",
          "--lr", "2e-3", "--warmup-steps", "2"]
 

@@ -1,5 +1,5 @@
 """Launching everywhere: the real sbatch scripts against a real Slurm (one node on 127.0.0.1,
-tests/slurm_cluster.py), mpirun, and how each launcher's ranks are read. Preemption and requeue,
+tests/support/slurm_cluster.py), mpirun, and how each launcher's ranks are read. Preemption and requeue,
 on two nodes: test_multinode.py.
 
 When Slurm, munge and OpenMPI cannot be installed, these tests are skipped with the reason."""
@@ -7,6 +7,7 @@ When Slurm, munge and OpenMPI cannot be installed, these tests are skipped with 
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 
@@ -14,11 +15,11 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from runs import CPU_CONFIG, ROOT, environment, free_port, log
 from slurm_cluster import SlurmCluster, install_packages
 from test_compare import write_glue
 from test_data_prep import near_copy, run as prep, unique_document, write_txt
-from test_pretrain import CPU_CONFIG, ROOT, environment, free_port, log
-from tupe_ds.distributed import launch
+from tupe_ds.distributed import launch, launchers
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "1",
         "--eval-samples", "32"]
@@ -317,3 +318,38 @@ def test_doctor_in_the_test_clusters_allocation_says_what_the_ranks_will_use(clu
     assert f":{launch.srun_port(job_id)}; backend gloo" in said
     assert f"torch extensions: {job_environment()['TORCH_EXTENSIONS_DIR']}" in said
     assert f"--out {tmp_path / 'run'}: " in said and f"--data {data}: " in said
+
+
+def test_ports_are_checked_free_below_the_ephemeral_range_and_a_taken_one_is_passed_over(
+        tmp_path):
+    said = []
+    with socket.socket() as held:
+        held.bind(("", launchers.free_port()))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert launchers.FIRST_PORT <= taken < launchers.ephemeral_ports()[0]
+        chosen = launchers.free_port(taken, say=lambda line, **_: said.append(line))
+    assert chosen != taken and said == [
+        f"tupe_ds: port {taken} is in use on this machine: port {chosen} instead"]
+    assert launchers.free_port(chosen, say=said.append) == chosen and len(said) == 1
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t50000\n")
+    assert launchers.ephemeral_ports(str(ranges)) == (40000, 50000)
+    assert launchers.ephemeral_ports(str(tmp_path / "none")) == (32768, 60999)
+
+
+def test_the_slurm_scripts_rendezvous_port_is_the_jobs_or_the_next_free_one():
+    """What slurm/srun_requeue.sh runs on the batch host before srun (the step's tasks then read
+    MASTER_PORT): the job id's port, or the next free one when another process holds it."""
+    with socket.socket() as held:
+        held.bind(("", launchers.free_port()))
+        held.listen()
+        taken = held.getsockname()[1]
+        job = str(taken - launch.SRUN_PORTS[0])  # a job id whose port is the one held
+        result = subprocess.run([sys.executable, "-m", "tupe_ds.distributed.launchers",
+                                 "srun-port"], env={**environment(), "SLURM_JOB_ID": job},
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    chosen = int(result.stdout)
+    assert chosen != taken and result.stderr == (
+        f"tupe_ds: port {taken} is in use on this machine: port {chosen} instead\n")

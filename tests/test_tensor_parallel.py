@@ -22,7 +22,7 @@ def tp2_results(tmp_path_factory):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--standalone", os.path.join(HERE, "tp_worker.py"), str(out), *RUNS]
+               "--standalone", os.path.join(HERE, "support", "tp_worker.py"), str(out), *RUNS]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {(enc, rank): torch.load(out / f"{enc}.rank{rank}.pt")

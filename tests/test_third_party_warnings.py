@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from test_pretrain import environment
+from runs import environment
 from tupe_ds.tools import third_party_warnings
 
 BIN = os.path.dirname(sys.executable)

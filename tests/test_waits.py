@@ -3,6 +3,7 @@ rendezvous, DeepSpeed's extension builds), and a build lock that no live build h
 killed build, on which every later run would wait forever) stops tupe-pretrain and tupe-doctor
 with where it is and what to do. A wait at a checkpoint barrier: test_multinode.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from test_pretrain import CPU_CONFIG, environment, free_port
+from runs import CPU_CONFIG, environment, free_port
 from tupe_ds.machine import doctor
 from tupe_ds.train import waits
 from tupe_ds.train.config import load
@@ -90,10 +91,10 @@ def test_tupe_pretrain_refuses_a_stale_lock_before_any_work(data, tmp_path, monk
     assert not (tmp_path / "run").exists()
 
 
-def waiting_line(env, data, out):
+def waiting_line(env, data, out, config=CPU_CONFIG):
     """Start one rank of tupe-pretrain with a notice time of 1 s; its first "waiting" line."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tupe_ds.pretrain", "--data", data, "--ds-config", CPU_CONFIG,
+        [sys.executable, "-m", "tupe_ds.pretrain", "--data", data, "--ds-config", config,
          "--out", str(out), "--steps", "1", "--model", "tiny", "--seq-len", "64"],
         env={**environment(), "TUPE_DS_WAIT_NOTICE": "1", "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": free_port(), "LOCAL_RANK": "0", **env},
@@ -116,13 +117,21 @@ def test_a_rank_waiting_for_the_others_at_the_rendezvous_says_so(data, tmp_path)
 
 
 def test_a_run_waiting_on_another_process_s_extension_build_names_it(data, tmp_path):
+    """DeepSpeed's FusedAdam (`"torch_adam": false`), which it builds for the CPU too, while
+    another process holds the build's lock."""
+    with open(CPU_CONFIG) as f:
+        config = json.load(f)
+    config["optimizer"]["params"]["torch_adam"] = False
+    fused_adam = tmp_path / "fused_adam.json"
+    fused_adam.write_text(json.dumps(config))
     extensions = tmp_path / "extensions"
-    held = lock(extensions, "deepspeed_shm_comm")  # the extension every CPU run loads
+    held = lock(extensions, "fused_adam")
     building = holder(held)
     try:
         assert building.stdout.readline() == "holding\n"
         line = waiting_line({"RANK": "0", "WORLD_SIZE": "1",
-                             "TORCH_EXTENSIONS_DIR": str(extensions)}, data, tmp_path / "run")
+                             "TORCH_EXTENSIONS_DIR": str(extensions)}, data, tmp_path / "run",
+                            str(fused_adam))
     finally:
         building.kill()
     assert line.startswith("tupe-pretrain rank 0: waiting "), line

@@ -6,14 +6,12 @@ import functools
 import gc
 import os
 import platform
-import socket
 import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -22,6 +20,8 @@ from megatron.core import parallel_state
 from bench.gpu.counts import count_ops, count_syncs
 from bench.gpu.runners import (PADDINGS, HFRunner, OursRunner, TrainingStepRunner, ds_config,
                          make_batches)
+from tupe_ds.distributed import launch
+from tupe_ds.distributed.parallel import start_distributed
 from tupe_ds.model.config import DTYPES
 from tupe_ds.model.electra import PAIRS
 
@@ -41,15 +41,8 @@ ELECTRA_ROWS = {
 def init_distributed(cuda: bool) -> None:
     """A 1-process group when started without a launcher (`python -m bench.gpu.step_time`)."""
     if not dist.is_initialized():
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                            ("WORLD_SIZE", "1")):
-            os.environ.setdefault(name, value)
-        backend = get_accelerator().communication_backend_name() if cuda else "gloo"
-        deepspeed.init_distributed(dist_backend=backend)
+        launch.discover()
+        start_distributed(get_accelerator().communication_backend_name() if cuda else "gloo")
     if dist.get_world_size() != 1:
         raise SystemExit("bench/gpu/step_time.py measures one GPU: run it with deepspeed --num_gpus 1")
     if not parallel_state.model_parallel_is_initialized():

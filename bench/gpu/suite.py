@@ -34,24 +34,19 @@ they are printed.
 
 import argparse
 import functools
-import json
 import os
 import subprocess
-import tempfile
 import time
 
-import psutil
 from deepspeed.accelerator import get_accelerator
 
-from bench import attention, data_stream
+from bench import attention
 from bench.gpu import step_time
-from bench.gpu.markdown import table, verdict, verdict_table
 from bench.gpu.measure import BUILDS
-from bench.gpu.report import report as gpu_report
-from bench.gpu.report import result_verdicts
 from bench.gpu.runners import PADDINGS
+from bench.gpu.suite_budget import Budget, estimate_s, guess_s
+from bench.gpu.suite_report import RowsFile, data_stream_figures, write_reports
 from tupe_ds.distributed.parallel import end_distributed
-from tupe_ds.tools.files import write_atomically
 
 PARTS = ("table", "electra", "attention", "data_stream", "sweep")  # in the order they run
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,55 +60,6 @@ PLANS = {  # the flags of each part, per device kind
             "attention": ["--steps", "1", "--warmup", "1"],
             "data_stream": ["--size", "tiny", "--samples", "640", "--reference-samples", "64"]},
 }
-# Seconds, for the estimates: guesses, not measurements. CUDA: step times from
-# ../shared/gpu/RESULTS.md (one H100, 2026-11-23, commit a01eb4b), BERT-Large at global batch 256:
-# ours 667-683 samples/s at seq 128 (0.4 s a step), HF 901; tupe-r 150 at seq 512 (1.7 s);
-# ELECTRA-Base 181 (1.4 s), BERT-Base about 1100 (0.25 s). Guessed, never measured: building a
-# model and its engine (BERT-Large initialised on the CPU), reading a profiled step's events
-# (~20,000/s in Python: 37,000 for a 24-layer tiny step took 1.7 s here; BERT-Large's 4 and 16
-# micro-batches at seq 128 and 512, kernels included), the start (imports, process group, the
-# first torch.compile), the attention candidates, the data stream. CPU: rough guesses for this
-# plan on a 2-core CPU.
-GUESSES = {
-    "cuda": dict(step_s={128: 0.4, 512: 1.7}, electra_pair_step_s=1.4 + 0.25, build_s=8,
-                 profile_s={128: 3, 512: 10}, start_s=45, attention_s=60, data_stream_s=30),
-    "cpu": dict(step_s={32: 0.15}, electra_pair_step_s=0.06, build_s=1, profile_s={32: 2},
-                start_s=10, attention_s=5, data_stream_s=10),
-}
-# Issue 21's targets for the data stream, samples/s on one core.
-DATA_STREAM_TARGETS = {128: 20_000, 512: 6_000}
-
-
-def guess_s(settings, kind: str, part: str, seq: int = None, padding: str = None) -> float:
-    """GUESSES' seconds for one row of `part` (step_time.py's: its build, warm-up, timed steps and, for
-    a profiled padding, the profiled steps and reading their events), or for the whole of
-    attention or data_stream."""
-    guess = GUESSES[kind]
-    if part in ("attention", "data_stream"):
-        return guess[f"{part}_s"]
-    step_s = guess["electra_pair_step_s"] / 2 if part == "electra" else guess["step_s"][seq]
-    profiled_steps = 2 if kind == "cuda" else 1  # the operator count (and the syncs on CUDA)
-    profiled = part != "sweep" and padding in settings.profiled_paddings
-    return (guess["build_s"] + (settings.warmup + settings.steps) * step_s
-            + profiled * (profiled_steps * step_s + guess["profile_s"][seq]))
-
-
-def estimate_s(settings, kind: str, parts=PARTS) -> dict:
-    """The start's and each of `parts`' seconds by GUESSES."""
-    models = 1 + len(settings.encodings) * len(settings.attention)
-    seq, pairs = min(settings.seqs), 2 * bool(settings.electra_encoding)
-    sweep_rows = len(settings.sweep_zero_stages) * len(settings.sweep_micro_batches)
-    estimate = {
-        "start": GUESSES[kind]["start_s"],
-        "table": sum(models * guess_s(settings, kind, "table", length, padding)
-                     for length in settings.seqs for padding in settings.padding),
-        "electra": sum(pairs * guess_s(settings, kind, "electra", seq, padding)
-                       for padding in settings.padding),
-        "attention": guess_s(settings, kind, "attention"),
-        "data_stream": guess_s(settings, kind, "data_stream"),
-        "sweep": sweep_rows * guess_s(settings, kind, "sweep", seq, settings.padding[0])}
-    return {part: s for part, s in estimate.items() if part == "start" or part in parts}
-
 
 def commit() -> str:
     try:
@@ -121,156 +67,6 @@ def commit() -> str:
                               capture_output=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git here)"
-
-
-def data_stream_figures(argv: list) -> dict:
-    """bench/data_stream.py's figures (it prints its own table)."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "data_stream.json")
-        data_stream.main(argv + ["--json", path])
-        with open(path) as f:
-            return json.load(f)
-
-
-def data_stream_verdicts(figures: dict) -> list:
-    return [verdict("data stream samples/s on one core", row["samples_per_s"],
-                    DATA_STREAM_TARGETS.get(int(seq)), False, seq=int(seq))
-            for seq, row in figures["later"]["seq"].items()]
-
-
-def data_stream_lines(figures: dict) -> list:
-    first, later = figures["first"]["seq"], figures["later"]["seq"]
-    return [f"Synthetic corpus `{figures['size']}`, one core of this machine:", ""] + table(
-        ["seq", "samples", "first start s (index built)", "later start s", "samples/s",
-         "per-sample reference samples/s", "what one H100 consumes, samples/s: BERT-Large "
-         "measured (../shared/gpu/RESULTS.md, 2026-11-23), base sizes estimated"],
-        [[seq, row["samples"], f"{first[seq]['start_s']:.2f}", f"{row['start_s']:.2f}",
-          f"{row['samples_per_s']:,.0f}", f"{row['reference_samples_per_s']:,.0f}",
-          ", ".join(f"{name} {rate}" for name, rate in
-                    data_stream.H100_RATES.get(int(seq), {}).items()) or "-"]
-         for seq, row in later.items()])
-
-
-class RowsFile:
-    """The run's measurements as JSON lines, each flushed and fsync'd as soon as it is known: a
-    run killed at any point keeps every line written before. Each line is one of
-    {"run": facts}, {"part", "head"}: a part's result before its rows, {"part", "key", "row"}:
-    a row of the head's list `key`, {"part", "elapsed_s"}, {"skipped": why}, {"finished": s}."""
-
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if os.path.exists(path):
-            print(f"the rows of an earlier run moved to {set_aside(path)}")
-        self.file = open(path, "x")
-
-    def write(self, **line) -> None:
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-
-def set_aside(path: str) -> str:
-    """Renames `path` to a free name stamped with its modification time; returns that name."""
-    base, extension = os.path.splitext(path)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
-    aside, n = f"{base}.{stamp}{extension}", 1
-    while os.path.exists(aside):
-        aside, n = f"{base}.{stamp}-{n}{extension}", n + 1
-    os.rename(path, aside)
-    return aside
-
-
-def read_rows(path: str) -> list:
-    """The complete lines of a rows file (a last line cut mid-write by a kill is left out)."""
-    with open(path) as f:
-        text = f.read()
-    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
-
-
-def content_of(lines: list) -> dict:
-    """The report's content from the rows file's lines, with the verdicts of what they hold."""
-    content = {"elapsed_s": {}, "skipped": []}
-    for line in lines:
-        if "run" in line:
-            content.update(line["run"])
-        elif "head" in line:
-            content[line["part"]] = line["head"]
-        elif "row" in line:
-            content[line["part"]][line["key"]].append(line["row"])
-        elif "elapsed_s" in line:
-            content["elapsed_s"][line["part"]] = line["elapsed_s"]
-        elif "skipped" in line:
-            content["skipped"].append(line["skipped"])
-        elif "finished" in line:
-            content["finished_s"] = line["finished"]
-    content["verdicts"] = []
-    if "gpu" in content:
-        gpu_result = content["gpu"]
-        gpu_result["verdicts"] = result_verdicts(gpu_settings_of(content), gpu_result)
-        content["verdicts"] += [{**v, "part": "gpu"} for v in gpu_result["verdicts"]]
-    if "data_stream" in content:
-        content["verdicts"] += [{**v, "part": "data_stream"}
-                                for v in data_stream_verdicts(content["data_stream"])]
-    return content
-
-
-def gpu_settings_of(content: dict) -> argparse.Namespace:
-    """step_time.py's settings as its report reads them, from the flags its result holds."""
-    return argparse.Namespace(**content["gpu"]["args"], cuda=content["kind"] == "cuda")
-
-
-def markdown(content: dict) -> str:
-    estimate = content["estimate_s"]
-    lines = [f"# bench/gpu/suite.py, {content['date']}, commit {content['commit']}", "",
-             f"Estimated (guessed timings, not measured): {sum(estimate.values()) / 60:.1f} min ("
-             + ", ".join(f"{part} {s:.0f} s" for part, s in estimate.items())
-             + f"); budget {content['budget_s']:.0f} s.", "",
-             "Measured, each part's time (s): " + (", ".join(
-                 f"{part} {s:.0f}" for part, s in content["elapsed_s"].items()) or "none yet")
-             + (f"; the whole run {content['finished_s']:.0f}." if "finished_s" in content else
-                "; unfinished: these are the rows written so far (or before the run was cut)."),
-             "", *[f"Skipped: {why}\n" for why in content["skipped"]],
-             "## All verdicts", "", *verdict_table(content["verdicts"])]
-    if "gpu" in content:
-        lines += ["", "## Step time, ELECTRA, ZeRO sweep (bench/gpu/step_time.py)", "",
-                  gpu_report(gpu_settings_of(content), content["gpu"])]
-    if "attention" in content:
-        lines += ["## Attention candidates (bench/attention.py)", "",
-                  attention.report(content["attention"])]
-    if "data_stream" in content:
-        lines += ["## Data stream (bench/data_stream.py)", "",
-                  *data_stream_lines(content["data_stream"])]
-    return "\n".join(lines) + "\n"
-
-
-def write_reports(paths: argparse.Namespace) -> None:
-    """The JSON and markdown of the rows file."""
-    content = content_of(read_rows(paths.rows))
-    write_atomically(paths.json, json.dumps(content, indent=1))
-    write_atomically(paths.markdown, markdown(content))
-
-
-class Budget:
-    """What is left of --budget-s since the process started, and what each kind of row (part,
-    seq, padding) is expected to take: the longest measured in this run, else the guess."""
-
-    def __init__(self, seconds: float, guess, clock=time.time, started: float = None):
-        self.seconds, self.guess, self.clock = seconds, guess, clock
-        self.started = psutil.Process().create_time() if started is None else started
-        self.measured = {}
-
-    def left_s(self) -> float:
-        return self.seconds - (self.clock() - self.started)
-
-    def estimate_s(self, kind: tuple) -> float:
-        return self.measured[kind] if kind in self.measured else self.guess(*kind)
-
-    def timed(self, kind: tuple, measure):
-        """measure()'s result, its time kept as `kind`'s if the longest."""
-        start = self.clock()
-        result = measure()
-        self.measured[kind] = max(self.measured.get(kind, 0), self.clock() - start)
-        return result
 
 
 class Run:

@@ -20,10 +20,11 @@ import os
 import sys
 
 from tupe_ds.compare.finetuning import finetune_flags, status_name
-from tupe_ds.compare.launching import LAUNCHERS, record_status
+from tupe_ds.compare.launching import record_status
 from tupe_ds.compare.plan import CompareError, Plan, read_plan
 from tupe_ds.compare.report import headline, write_report
 from tupe_ds.compare.runner import run_all
+from tupe_ds.distributed.launchers import LAUNCHERS
 from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.model.config import ENCODINGS
 

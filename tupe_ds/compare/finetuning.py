@@ -16,8 +16,9 @@ import sys
 
 from tqdm import tqdm
 
-from tupe_ds.compare.launching import follow, launcher_command, read_status, record_status
+from tupe_ds.compare.launching import follow, read_status, record_status
 from tupe_ds.compare.plan import CompareError, Plan, Run
+from tupe_ds.distributed.launchers import launcher_command
 from tupe_ds.export.read import ExportError, read_export_description
 from tupe_ds.finetune import run as tupe_finetune
 from tupe_ds.finetune.progress import finetune_settings, finished

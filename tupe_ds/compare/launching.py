@@ -1,35 +1,14 @@
-"""Starting a comparison's processes on this machine: a module under a launcher (deepspeed or
-torchrun) on a free port, its output appended to a log and followed by a progress bar, and the
-exit code of each attempt kept in OUT/status.json."""
+"""Following a comparison's processes on this machine (started by
+tupe_ds/distributed/launchers.py): their output appended to a log and followed by a progress bar,
+and the exit code of each attempt kept in OUT/status.json."""
 
 import json
 import os
-import socket
 import subprocess
-import sys
 
 from tupe_ds.tools.files import locked, write_atomically
 
-LAUNCHERS = ("deepspeed", "torchrun")
 STATUS_FILE = "status.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher_command(launcher: str, processes: int, module: str, argv: list) -> list:
-    """`python -m MODULE ARGV` in `processes` processes of this machine, as started by hand."""
-    port = str(free_port())
-    if launcher == "deepspeed":
-        prefix = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
-                  "--master_port", port, "--module"]
-    else:
-        prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                  str(processes), "--master_port", port, "-m"]
-    return [*prefix, module, *argv]
 
 
 def follow(command: list, log: str, bar, position) -> int:

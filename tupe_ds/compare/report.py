@@ -1,14 +1,14 @@
 """OUT/report.md, OUT/report.json and OUT/figures/*.png of a comparison: the headline (one
 sentence per result), the numbers of `results.py`, the figures of `figures.py`, the positional
 logits of each run's final checkpoint (exported to OUT/exports/NAME, the folder tupe-finetune
-takes) and Table 1 of the finished fine-tunes (`glue.py`).
+takes) and Table 1 of the finished fine-tunes (`glue.py`, `glue_markdown.py`).
 
 Only reads the runs: a run or fine-tune still going, stopped or failed shows as such."""
 
 import json
 import os
 
-from tupe_ds.compare import figures, glue
+from tupe_ds.compare import figures, glue, glue_markdown
 from tupe_ds.compare.finetuning import export_for, finetunes_of
 from tupe_ds.compare.launching import read_status
 from tupe_ds.compare.plan import Plan, Run
@@ -100,7 +100,7 @@ def headline(report: dict) -> list:
     """The comparison's results, one sentence each."""
     sentences = [race_sentence(report["race"], report["steps"])]
     if report["finetune"]:
-        sentences.append(glue.headline(report["finetune"]["table"]))
+        sentences.append(glue_markdown.headline(report["finetune"]["table"]))
     return sentences
 
 
@@ -165,7 +165,7 @@ def markdown(report: dict) -> str:
                   f"{len(states) - len(unfinished)} of {len(states)} fine-tunes complete"
                   + "".join(f"; {text}" for text in unfinished) + " (logs: OUT/logs/NAME.TASK.log)"
                   + ".", ""]
-        lines += glue.markdown(finetune["table"])
+        lines += glue_markdown.markdown(finetune["table"])
     else:
         lines.append("Not fine-tuned: run the comparison again with --finetune GLUE_DIR "
                      "(docs/export-finetune.md, \"GLUE data\").")

@@ -14,8 +14,9 @@ import sys
 from tqdm import tqdm
 
 from tupe_ds.compare.finetuning import finetune_run
-from tupe_ds.compare.launching import follow, launcher_command, record_status
+from tupe_ds.compare.launching import follow, record_status
 from tupe_ds.compare.plan import Plan, Run
+from tupe_ds.distributed.launchers import launcher_command
 
 STEP_LINE = re.compile(r"^step (\d+) loss ")
 RESUMED_LINE = re.compile(r"^resumed at step (\d+) of ")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from tupe_ds.demo.report import report
+from tupe_ds.distributed.launchers import launcher_command
 from tupe_ds.machine import doctor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,12 +50,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     processes, config, why = demo_launch(doctor.probe())
     print(f"demo: {why} ({config})", flush=True)
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
-               "--module", "tupe_ds.pretrain", "--data", args.data, "--model", "tiny",
-               "--pos-encoding", "tupe-r", "--ds-config", os.path.join(ROOT, config),
-               "--out", args.out, "--steps", str(args.steps), *TINY_MODEL_SETTINGS,
-               "--eval-interval", "250", "--save-interval", "500", "--image-interval", "500",
-               "--log-interval", "100"]
+    command = launcher_command("deepspeed", processes, "tupe_ds.pretrain", [
+        "--data", args.data, "--model", "tiny", "--pos-encoding", "tupe-r", "--ds-config",
+        os.path.join(ROOT, config), "--out", args.out, "--steps", str(args.steps),
+        *TINY_MODEL_SETTINGS, "--eval-interval", "250", "--save-interval", "500",
+        "--image-interval", "500", "--log-interval", "100"])
     code = subprocess.call(command)
     if code == 0:
         print(report(args.out, args.data), flush=True)

@@ -10,7 +10,8 @@
 - mpirun (OpenMPI's OMPI_COMM_WORLD_*, or PMI_* of MPICH and Intel MPI): the master is rank 0,
   its address sent to every rank through mpi4py: 127.0.0.1 when all ranks share one host, else
   the address of the interface named by GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME, else the first
-  of `hostname -I` (DeepSpeed's choice), unless MASTER_ADDR is set; port MASTER_PORT or 29500.
+  of `hostname -I` (DeepSpeed's choice), unless MASTER_ADDR is set; port MASTER_PORT or 29500;
+- none of them: one process, whose group needs no address (parallel.start_distributed).
 
 Written here because DeepSpeed's own discovery knows mpirun but not srun, and under mpirun takes
 the first address of `hostname -I`, whichever interface that is.

@@ -27,6 +27,31 @@ def accelerator_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
+def start_distributed(backend: str) -> None:
+    """torch.distributed and DeepSpeed's communication for this process, as launch.discover() set
+    RANK and WORLD_SIZE. One process gets an in-memory group: no port to collide with another run
+    and no MPI discovery (DeepSpeed's, without launcher variables, imports mpi4py, which fails
+    where no MPI library is installed, and takes port 29500 for every such run)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed's CPU backend builds and loads its shared-memory all-reduce (deepspeed_shm_comm)
+    # as the group starts, for inference_all_reduce (AutoTP inference) only, which training never
+    # calls: building it took 2.5 minutes on a fresh machine, and each run left two 66 MB buffers
+    # in /dev/shm. Marked incompatible (DeepSpeed keeps that dict for such edits), it is neither.
+    shared_memory = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if shared_memory is not None:
+        deepspeed.ops.__compatible_ops__[shared_memory.NAME] = False
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
+        # this process's own variables (DeepSpeed's engine requires LOCAL_RANK), set here, not
+        # by launch.discover(): a test or notebook that runs a command's main() in its own
+        # process would pass them on to every process it starts later
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(name, value)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on the accelerator without waiting for it: a copy from pageable memory would
     block the host until the device has caught up."""

@@ -7,12 +7,15 @@ message, where it comes from and why a tupe_ds user can ignore it; anything else
 process a launcher starts).
 """
 
+import glob
 import logging
 import os
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 VERBOSE = "TUPE_DS_VERBOSE"
 
@@ -23,6 +26,7 @@ class Quieted:
     origin: str  # the module that warns: a warnings module regex, or a logger's name
     why: str
     logger: bool = False  # a logging record (else a warnings.warn)
+    applies: Callable[[], bool] = lambda: True  # where it says nothing; elsewhere it shows
 
 
 QUIETED = (
@@ -35,10 +39,25 @@ QUIETED = (
     Quieted(r"is_fx_tracing will return true", "torch.fx._symbolic_trace",
             "megatron-core asks torch whether it is being traced; tupe_ds never traces it",
             logger=True),
+    Quieted(r"Attempting to get learning rate from scheduler before it has started", "DeepSpeed",
+            "DeepSpeed's WarmupLR and WarmupDecayLR ask themselves for their rate in their own "
+            "constructor, before step 0, and start at warmup_min_lr as they should",
+            logger=True),
+    Quieted(r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed",
+            "DeepSpeed's ZeRO calls all_gather_single by the name it had before torch 2.13: the "
+            "same collective"),
+    Quieted(r"Setting accelerator to CPU", "DeepSpeed",
+            "said on a machine without NVIDIA GPUs (no nvidia-smi, no /dev/nvidia*), where the "
+            "CPU is the only choice; where GPUs exist but CUDA was not found it still shows",
+            logger=True, applies=lambda: not nvidia_gpus_present()),
     Quieted(r"The PyTorch API of nested tensors is in prototype stage", r"torch\.",
             "tupe_ds's unpadded attention layout uses nested tensors on purpose and tests them "
             "against the dense layout (tests/test_attention.py)"),
 )
+
+
+def nvidia_gpus_present() -> bool:
+    return shutil.which("nvidia-smi") is not None or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def verbose() -> bool:
@@ -62,6 +81,8 @@ def quiet() -> None:
     if verbose():
         return
     for quieted in QUIETED:
+        if not quieted.applies():
+            continue
         if quieted.logger:
             logging.getLogger(quieted.origin).addFilter(MessageFilter(quieted))
         else:

@@ -16,7 +16,8 @@ from tupe_ds.data.blend import BlendedSamples
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import made_ahead
-from tupe_ds.distributed.parallel import MegatronMPU, accelerator_device, seed_tensor_parallel_rng
+from tupe_ds.distributed.parallel import (MegatronMPU, accelerator_device, seed_tensor_parallel_rng,
+                                          start_distributed)
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
@@ -177,6 +178,19 @@ def waiting_with_extensions(what: str):
     return text
 
 
+def started_by(world_size: int, launcher: str) -> str:
+    return ("1 process, no launcher" if launcher == "single process"
+            else f"{world_size} processes from {launcher}")
+
+
+def rendezvous_text(world_size: int) -> str:
+    if world_size == 1:
+        return "the process group of this one process"
+    return (f"the rendezvous of {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT): every process of the "
+            "run must start")
+
+
 def train(run: RunConfig, launcher: str) -> None:
     """Every process of the run calls it: trains from the latest checkpoint to --steps."""
     stop = StopSignal()  # SIGUSR1 from the start: Slurm's warning may come while the run starts
@@ -184,11 +198,8 @@ def train(run: RunConfig, launcher: str) -> None:
     device = accelerator_device()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
     rank = int(os.environ.get("RANK", "0"))
-    with announced(waiting_with_extensions(
-            f"the rendezvous of {run.world_size} processes at {os.environ.get('MASTER_ADDR')}:"
-            f"{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT): every process of the "
-            "run must start"), rank):
-        deepspeed.init_distributed(dist_backend=backend)
+    with announced(waiting_with_extensions(rendezvous_text(run.world_size)), rank):
+        start_distributed(backend)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.layout.tp,
                                                  pipeline_model_parallel_size=run.layout.pp)
     os.makedirs(run.out, exist_ok=True)
@@ -248,7 +259,7 @@ def train(run: RunConfig, launcher: str) -> None:
     monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank,
                       resumed_at=step)
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
-        f"{run.model} {run.models[0].pos_encoding}, {run.world_size} processes from {launcher} "
+        f"{run.model} {run.models[0].pos_encoding}, {started_by(run.world_size, launcher)} "
         f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
         f"{run.loss_normalization}, {data['train'].description(run.sources)}", flush=True)
 

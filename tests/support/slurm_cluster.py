@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tupe_ds.distributed.launchers import free_port
+
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "openmpi-bin"]
 PROGRAMS = ["sbatch", "scontrol", "slurmctld", "slurmd", "munged", "mpirun"]
 
@@ -44,12 +46,6 @@ def install_packages() -> Optional[str]:
             return f"`{' '.join(command)}` failed: {result.stderr.strip()[-500:]}"
     missing = [p for p in PROGRAMS if which(p) is None]
     return f"{', '.join(missing)} still missing after apt-get install" if missing else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def memory_mb() -> int:

@@ -5,7 +5,6 @@ for test_export.py to compare with the exported model's."""
 import os
 import sys
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -13,7 +12,8 @@ from megatron.core import parallel_state
 from tp_inputs import inputs
 from tupe_ds.data.loader import TrainBatches, Vocabulary
 from tupe_ds.distributed import launch
-from tupe_ds.distributed.parallel import accelerator_device, end_distributed, gather_tensor_parallel
+from tupe_ds.distributed.parallel import (accelerator_device, end_distributed, gather_tensor_parallel,
+                                          start_distributed)
 from tupe_ds.train.checkpoint.save import save
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import build_engine, datasets, saved_layout, write_run_description
@@ -23,7 +23,7 @@ from tupe_ds.train.objectives import OBJECTIVES
 def main(argv):
     launch.discover()
     run = load(argv)
-    deepspeed.init_distributed(dist_backend="gloo")
+    start_distributed("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.layout.tp,
                                              pipeline_model_parallel_size=run.layout.pp)
     os.makedirs(run.out, exist_ok=True)

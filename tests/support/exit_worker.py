@@ -3,12 +3,13 @@ the command left no process group behind: a gloo worker thread still alive when 
 finalizes can abort the process after the work is done
 (tupe_ds.distributed.parallel.end_distributed).
 
-    deepspeed --num_gpus 2 tests/exit_worker.py finetune ARGS...
-    torchrun --nproc_per_node 2 tests/exit_worker.py pretrain ARGS...
+    deepspeed --num_gpus 2 tests/support/exit_worker.py finetune ARGS...
+    torchrun --nproc_per_node 2 tests/support/exit_worker.py pretrain ARGS...
 
 Prints "exit worker: rank R, exit code C, gloo threads left N" and fails when N > 0.
 """
 
+import tupe_ds.tools.third_party_warnings  # noqa: F401  (first, as in the commands it runs)
 import os
 import sys
 

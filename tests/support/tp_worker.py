@@ -1,6 +1,6 @@
 """Run under torchrun with 2 processes: forward + backward of tp=2 models, results saved per rank.
 
-Usage: torchrun --nproc_per_node 2 tests/tp_worker.py OUT_DIR ENCODING [ENCODING ...]
+Usage: torchrun --nproc_per_node 2 tests/support/tp_worker.py OUT_DIR ENCODING [ENCODING ...]
 
 ENCODING:columns puts TUPE-A's positional term into q/k columns, as on CUDA
 (ModelConfig.untied_as_columns); the name `dropout` saves what each rank's dropout drew instead.

@@ -1,7 +1,7 @@
 """Run under `deepspeed --num_gpus 2`: one SGD step of a 2-stage BertPipeline (2 layers per stage)
 per encoding.
 
-Usage: deepspeed --num_gpus 2 tests/pp_worker.py OUT_DIR ENCODING [ENCODING ...]
+Usage: deepspeed --num_gpus 2 tests/support/pp_worker.py OUT_DIR ENCODING [ENCODING ...]
 
 Each stage saves the loss, how often it computed the positional term, and its copies of the tied
 parameters after the step, for test_pipeline.py to compare with one process.
@@ -15,7 +15,8 @@ import torch
 from megatron.core import parallel_state
 
 from tp_inputs import micro_batches
-from tupe_ds.distributed.parallel import end_distributed
+from tupe_ds.distributed import launch
+from tupe_ds.distributed.parallel import end_distributed, start_distributed
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import masked_lm_loss
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
@@ -35,7 +36,8 @@ def count_calls(method):
 
 
 def main(out_dir, encodings):
-    deepspeed.init_distributed(dist_backend="gloo")
+    launch.discover()
+    start_distributed("gloo")
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     PositionalEncoding.attention_bias = count_calls(PositionalEncoding.attention_bias)

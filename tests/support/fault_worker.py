@@ -1,4 +1,4 @@
-"""tests/exit_worker.py with faults injected, for test_run_integrity.py's fault matrix:
+"""tests/support/exit_worker.py with faults injected, for test_run_integrity.py's fault matrix:
 
     TUPE_DS_FAULT="kill-after-file:zero_pp_rank_1_*:4"   SIGKILL to the whole run (every rank
         and the launcher: a node lost) once a checkpoint file matching the pattern is written in
