@@ -16,10 +16,11 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$node_local}
 srun_requeue() {
   local requeue= step status=0 port=${MASTER_PORT:-}
   # The rendezvous port, checked free here on the batch host (the step's first node, where rank 0
-  # listens): the job id's port (tupe_ds/distributed/launch.py) or the next free one. Each task
-  # reads MASTER_PORT from the environment srun passes on; a MASTER_PORT set by the user is kept.
+  # listens) with the sbatch scripts' $python (else $PYTHON, python3): the job id's port
+  # (tupe_ds/distributed/launch.py) or the next free one. Each task reads MASTER_PORT from the
+  # environment srun passes on; a MASTER_PORT set by the user is kept.
   if [ -z "$port" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
-    port=$("$1" -m tupe_ds.distributed.launchers srun-port) || return
+    port=$("${python:-${PYTHON:-python3}}" -m tupe_ds.distributed.launchers srun-port) || return
   fi
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
