@@ -5,7 +5,8 @@
     tupe-prep merge --output data/all data/shard0 data/shard1 data/shard2 data/shard3
 """
 
-from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import sys
 
@@ -119,6 +120,7 @@ def source_table(sources: dict) -> list:
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["merge"]:

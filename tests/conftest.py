@@ -11,22 +11,50 @@ import torch  # noqa: E402
 
 import tupe_ds  # noqa: E402
 
-# `make test` runs the files in 2 processes (pytest-xdist, --dist loadgroup): each file whole in
-# one of them, so that a file's module fixtures (a reference run, a Slurm cluster) are made once;
-# the files that start Slurm clusters in one, one after the other.
+# `make test` runs the files in 2 processes (pytest-xdist, -n 2): each file whole in one of them,
+# so that a file's module fixtures (a reference run, a Slurm cluster) are made once; the files
+# that start Slurm clusters in one, one after the other (FileScheduling below).
 ONE_AT_A_TIME = {"test_slurm.py": "slurm", "test_multinode.py": "slurm"}
-# The longest first (seconds in one process, `pytest --durations`, 2026-11-26), so that neither
-# process is left alone with a long one at the end; the others after them, as collected.
-LONGEST = {"slurm": 297, "test_run_integrity.py": 316, "test_chaos.py": 162,
-           "test_compare.py": 139, "test_loss_normalization.py": 106,
-           "test_resume_layout.py": 101, "test_pipeline.py": 97}
+# The longest first (seconds in one of the 2 processes, `pytest -n 2 --durations=0`, 2026-11-26),
+# so that neither process is left alone with a long one at the end; the others after them, as
+# collected.
+LONGEST = {"test_run_integrity.py": 383, "slurm": 344, "test_chaos.py": 233,
+           "test_compare.py": 210, "test_hf_export.py": 198, "test_loss_normalization.py": 127,
+           "test_pretrain.py": 119, "test_resume_layout.py": 105, "test_pipeline.py": 103,
+           "test_export.py": 101}
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the other process's tests run beside this one's: one torch thread each for in-process work.
+    # With two, 60 AdamW steps of the tiny model took 26-49 s where one core was busy, 4.6 s with
+    # one (test_hf_export.py's pretraining, 2-core CPU, 2026-11-26).
+    torch.set_num_threads(1)
+
+
+def work_unit(nodeid: str) -> str:
+    """The tests one xdist process runs together: a file's, or the Slurm files'."""
+    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return ONE_AT_A_TIME.get(name, name)
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME.get(name, name)))
-    items.sort(key=lambda item: -LONGEST.get(ONE_AT_A_TIME.get(item.path.name, item.path.name), 0))
+    items.sort(key=lambda item: -LONGEST.get(work_unit(item.nodeid), 0))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope scheduling by work_unit, in the order above. (Not `--dist loadgroup`:
+    with pytest 9 its groups are lost, xdist 3.8 writes them to a nodeid pytest no longer
+    reads, and every test became a unit of its own, its module fixtures made in both
+    processes.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the longest first, not the most tests
+    return FileScheduling(config, log)
 
 
 def perturb(model, seed=1):

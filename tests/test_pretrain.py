@@ -12,10 +12,12 @@ import time
 import zipfile
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from runs import (CPU_CONFIG, EXIT_WORKER, ROOT, assert_quiet, command, environment, log, losses,
                   shipped_config_in_fp32, train)
+from tupe_ds.distributed.parallel import share_cpu_cores
 
 
 def pickled_classes(folder) -> set:
@@ -164,3 +166,17 @@ def test_fp16_without_cuda_stops_before_training_and_names_the_cpu_config(data, 
     assert result.returncode != 0
     assert "ds_configs/cpu_zero2.json" in result.stderr
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_cpu_ranks_share_the_cores_unless_omp_num_threads_says():
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    try:
+        for environ, threads in (({"LOCAL_SIZE": "2"}, max(1, cores // 2)),  # deepspeed's
+                                 ({"LOCAL_WORLD_SIZE": str(4 * cores)}, 1),  # torchrun's
+                                 ({}, cores),  # one process
+                                 ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, None)):
+            torch.set_num_threads(7)
+            share_cpu_cores(environ)
+            assert torch.get_num_threads() == (threads or 7), environ
+    finally:
+        torch.set_num_threads(before)

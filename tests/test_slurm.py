@@ -332,6 +332,19 @@ def test_ports_are_checked_free_below_the_ephemeral_range_and_a_taken_one_is_pas
     assert chosen != taken and said == [
         f"tupe_ds: port {taken} is in use on this machine: port {chosen} instead"]
     assert launchers.free_port(chosen, say=said.append) == chosen and len(said) == 1
+    # a port an ended run's rendezvous left in TIME_WAIT: free to torch's store, so free to us
+    with socket.socket() as server, socket.socket() as client:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore
+        server.bind(("127.0.0.1", launchers.free_port()))
+        server.listen()
+        client.connect(server.getsockname())
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: its port goes to TIME_WAIT
+        client.recv(1)
+        waiting = server.getsockname()[1]
+    with pytest.raises(OSError), socket.socket() as plain:
+        plain.bind(("", waiting))  # what the check did before
+    assert launchers.port_is_free(waiting)
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("40000\t50000\n")
     assert launchers.ephemeral_ports(str(ranges)) == (40000, 50000)

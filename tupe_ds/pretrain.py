@@ -15,7 +15,8 @@ job), saying why. Exit code 2: refused (the command, or what --out holds), sayin
 One job per --out: a second one is refused before any work (tupe_ds/train/run_lock.py).
 """
 
-import tupe_ds.tools.third_party_warnings  # noqa: F401  (first: filters what others warn at import)
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+import tupe_ds.tools.third_party_warnings  # noqa: F401  (filters what others warn at import)
 import os
 import sys
 
@@ -29,6 +30,7 @@ from tupe_ds.train.loop import TrainingStopped, train
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock

@@ -9,7 +9,8 @@ finalizes can abort the process after the work is done
 Prints "exit worker: rank R, exit code C, gloo threads left N" and fails when N > 0.
 """
 
-import tupe_ds.tools.third_party_warnings  # noqa: F401  (first, as in the commands it runs)
+import command_start  # noqa: F401  (first: starts as a tupe_ds command)
+import tupe_ds.tools.third_party_warnings  # noqa: F401  (as in the commands it runs)
 import os
 import sys
 

@@ -2,6 +2,7 @@
 save a checkpoint, and save the live engine's masked-LM logits on a fixed batch (OUT/live_logits.pt)
 for test_export.py to compare with the exported model's."""
 
+import command_start  # noqa: F401  (first: starts as a tupe_ds command)
 import os
 import sys
 
@@ -18,9 +19,11 @@ from tupe_ds.train.checkpoint.save import save
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import build_engine, datasets, saved_layout, write_run_description
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.tools import startup
 
 
 def main(argv):
+    startup.resume_collector()
     launch.discover()
     run = load(argv)
     start_distributed("gloo")

@@ -28,6 +28,7 @@
 Several faults are separated by ';'.
 """
 
+import command_start  # noqa: F401  (first: starts as a tupe_ds command)
 import errno
 import fnmatch
 import glob

@@ -7,6 +7,7 @@ Each stage saves the loss, how often it computed the positional term, and its co
 parameters after the step, for test_pipeline.py to compare with one process.
 """
 
+import command_start  # noqa: F401  (first: starts as a tupe_ds command)
 import os
 import sys
 
@@ -21,6 +22,7 @@ from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import masked_lm_loss
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.model.positional import PositionalEncoding
+from tupe_ds.tools import startup
 
 LR = 1.0  # large, so that a wrong gradient moves the weights visibly
 MICRO_BATCHES = 2
@@ -36,6 +38,7 @@ def count_calls(method):
 
 
 def main(out_dir, encodings):
+    startup.resume_collector()
     launch.discover()
     start_distributed("gloo")
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)

@@ -2,6 +2,7 @@
 port from tupe_ds.distributed.launch as tupe-pretrain does, meets the step's other tasks over gloo
 (an all-reduce of rank + 1), and prints one JSON line of what it used and the CPUs it may run on."""
 
+import command_start  # noqa: F401  (first: starts as a tupe_ds command)
 import datetime
 import json
 import os
@@ -12,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from tupe_ds.distributed import launch
+from tupe_ds.tools import startup
 
+startup.resume_collector()
 launcher = launch.discover()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 total = torch.tensor([dist.get_rank() + 1.0])

@@ -6,6 +6,7 @@ ENCODING:columns puts TUPE-A's positional term into q/k columns, as on CUDA
 (ModelConfig.untied_as_columns); the name `dropout` saves what each rank's dropout drew instead.
 """
 
+import command_start  # noqa: F401  (first: starts as a tupe_ds command)
 import os
 import sys
 
@@ -17,6 +18,7 @@ import tupe_ds
 from tp_inputs import inputs
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.model.kernel_layout import MaskedAttention
+from tupe_ds.tools import startup
 
 
 def gather_shards(param):
@@ -53,6 +55,7 @@ def dropout_draws(p=0.5) -> dict:
 
 
 def main(out_dir, encodings):
+    startup.resume_collector()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     rank = dist.get_rank()

@@ -13,7 +13,8 @@ Flags tupe-compare does not know go to every tupe-pretrain run. The same command
 what is unfinished and starts nothing that is done.
 """
 
-from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import contextlib
 import os
@@ -170,6 +171,7 @@ def plan_and_index(command: str, rest: list, count) -> tuple:
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("run", "plan", "report", "run-flags", "finetune-flags", "finetune-ended")
     if not argv or argv[0] not in commands:

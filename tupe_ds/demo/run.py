@@ -9,7 +9,8 @@ The tiny model's settings are TINY_MODEL_SETTINGS, on the corpus prepared with a
 vocabulary of 8,192, 300 steps) it learned word frequencies and nothing else.
 """
 
-from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import os
 import subprocess
@@ -41,6 +42,7 @@ def demo_launch(machine: doctor.Machine) -> tuple:
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     p = argparse.ArgumentParser(prog="python -m tupe_ds.demo.run",
                                 description=__doc__.split("\n")[0])
     add_verbose_flag(p)

@@ -27,7 +27,10 @@ def ephemeral_ports(path: str = PORT_RANGE_FILE) -> tuple:
 
 
 def port_is_free(port: int) -> bool:
+    """Whether a rendezvous server could listen on `port` now: torch's TCPStore sets
+    SO_REUSEADDR, so a port left in TIME_WAIT by a run that ended is free to it (and to us)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:

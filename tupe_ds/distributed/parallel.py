@@ -15,6 +15,8 @@ import torch.distributed.nn as dist_nn
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import random as megatron_random
 
+from tupe_ds.distributed.launch import processes_on_this_node
+
 
 def accelerator_device() -> torch.device:
     """The device of this process, as DeepSpeed's accelerator sees it (cuda:N, cpu, ...); without
@@ -50,6 +52,16 @@ def start_distributed(backend: str) -> None:
             os.environ.setdefault(name, value)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def share_cpu_cores(environ=os.environ) -> None:
+    """On the CPU, torch's threads of each process the launcher started on this machine: its share
+    of the cores this process may run on, unless OMP_NUM_THREADS says. torchrun sets 1; the
+    deepspeed launcher sets none, and each of its ranks took every core: 2 ranks of 2 threads on
+    2 cores (`make demo`'s) stepped 1.5-1.9x slower (bench/README.md, "Threads per rank")."""
+    if "OMP_NUM_THREADS" not in environ:
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // processes_on_this_node(environ)))
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

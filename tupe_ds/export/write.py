@@ -20,7 +20,8 @@ fine-tune) or, for transformers, the generator.
 installed).
 """
 
-from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import dataclasses
 import glob
@@ -275,6 +276,7 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     p = argparse.ArgumentParser(prog="tupe-export", description=__doc__.split("\n")[0])
     add_verbose_flag(p)
     p.add_argument("checkpoint", help="RUN_DIR, RUN_DIR/checkpoints (its newest) or .../stepN")

@@ -13,7 +13,8 @@ final dev-set metric, and the task the best configuration. OUT gets TASK.md / TA
 seed, the medians) and results.md / results.json: the best of every task fine-tuned into OUT.
 """
 
-from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import math
 import os
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tupe_ds.distributed import launch
-from tupe_ds.distributed.parallel import accelerator_device, end_distributed
+from tupe_ds.distributed.parallel import accelerator_device, end_distributed, share_cpu_cores
 from tupe_ds.export.read import ExportError, exported_config, load_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.progress import Progress, finetune_settings, finished
@@ -174,6 +175,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     args = parser().parse_args(argv)
     launch.discover()
     task = TASKS[args.task]
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = accelerator_device()  # before any process group: see end_distributed
+    if device.type == "cpu":
+        share_cpu_cores()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     writer = not dist.is_initialized() or dist.get_rank() == 0

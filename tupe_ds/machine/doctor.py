@@ -13,7 +13,8 @@ holds (every run would wait on it forever). `tupe-pretrain --check-only` prints 
 its nodes (tupe_ds/machine/cluster_check.py). Exit code 1 when a finding would stop the run.
 """
 
-from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import json
 import os
@@ -199,6 +200,7 @@ def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     p = argparse.ArgumentParser(prog="tupe-doctor", description=__doc__.split("\n")[0])
     add_verbose_flag(p)
     p.add_argument("--ds-config", help="a DeepSpeed config to check against this machine")

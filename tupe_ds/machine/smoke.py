@@ -7,7 +7,8 @@ Every model sees the same fixed masked-LM batch, so the loss must fall as it mem
 that does not fall, or is not finite, makes the command exit non-zero.
 """
 
-from tupe_ds.tools.third_party_warnings import add_verbose_flag  # first: filters import warnings
+from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import math
 import sys
@@ -61,6 +62,7 @@ def train(encoding: str, args) -> dict:
 
 
 def main(argv=None) -> int:
+    startup.resume_collector()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_verbose_flag(parser)

@@ -1,8 +1,9 @@
 """Third-party warnings that say nothing to a tupe_ds user, silenced at tupe_ds's entry points.
 
 Every command (tupe-*, `python -m tupe_ds.X`, `python -m data_prep.cli`) imports this module
-first, before megatron-core, DeepSpeed or torch warn at their own import. Each filter names the
-message, where it comes from and why a tupe_ds user can ignore it; anything else still shows.
+before any library (only tupe_ds/tools/startup.py comes earlier), so before megatron-core,
+DeepSpeed or torch warn at their own import. Each filter names the message, where it comes from
+and why a tupe_ds user can ignore it; anything else still shows.
 `--verbose` on the command line, or TUPE_DS_VERBOSE=1, shows them all (and, exported, in every
 process a launcher starts).
 """

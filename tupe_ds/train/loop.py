@@ -17,7 +17,7 @@ from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_b
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import made_ahead
 from tupe_ds.distributed.parallel import (MegatronMPU, accelerator_device, seed_tensor_parallel_rng,
-                                          start_distributed)
+                                          share_cpu_cores, start_distributed)
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
@@ -196,6 +196,8 @@ def train(run: RunConfig, launcher: str) -> None:
     stop = StopSignal()  # SIGUSR1 from the start: Slurm's warning may come while the run starts
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
     device = accelerator_device()
+    if device.type == "cpu":
+        share_cpu_cores()
     backend = "gloo" if device.type == "cpu" else get_accelerator().communication_backend_name()
     rank = int(os.environ.get("RANK", "0"))
     with announced(waiting_with_extensions(rendezvous_text(run.world_size)), rank):

@@ -1,0 +1,116 @@
+"""The collector paused while a command's libraries import (tupe_ds/tools/startup.py): every
+console script is a command whose main() resumes it; a command started either way pauses and
+resumes; a program importing tupe_ds keeps its collector; TUPE_DS_GC=on leaves it alone; a run
+trains the same either way."""
+
+import ast
+import configparser
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from runs import ROOT, environment, losses
+from tupe_ds.tools.startup import COMMANDS
+
+PROBE = """
+import gc, json, runpy, sys
+how, module = sys.argv[1:3]
+seen = {}
+if how == "console script":  # as the script pip writes: import, then main()
+    sys.argv = ["/venv/bin/" + sys.argv[3], "--help"]
+    command = __import__(module, fromlist=["main"])
+    seen["import"] = [gc.isenabled(), gc.get_freeze_count()]
+    run = command.main
+else:  # python -m MODULE --help
+    sys.argv = [module, "--help"]
+    run = lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)
+try:
+    run()
+except SystemExit:
+    pass
+seen["main"] = [gc.isenabled(), gc.get_freeze_count()]
+print(json.dumps(seen))
+"""
+
+
+def probe(*args, gc_setting=""):
+    result = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True,
+                            text=True, timeout=120,
+                            env={**environment(), "TUPE_DS_GC": gc_setting})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def console_scripts():
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    entries = config["options.entry_points"]["console_scripts"].strip().splitlines()
+    return dict(entry.replace(" ", "").split("=") for entry in entries)
+
+
+def test_every_console_script_is_a_command_whose_main_resumes_the_collector():
+    scripts = console_scripts()
+    assert {name: target for name, target in scripts.items()} == {
+        name: f"{module}:main" for module, name in COMMANDS.items() if name}
+    for module in COMMANDS:
+        main = importlib.import_module(module).main
+        first = ast.parse(inspect.getsource(main)).body[0].body[0]
+        assert ast.unparse(first) == "startup.resume_collector()", module
+
+
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_a_command_pauses_the_collector_while_it_imports_and_resumes_it_in_main(how):
+    seen = probe(how, "tupe_ds.pretrain", "tupe-pretrain")
+    if how == "console script":
+        assert seen["import"] == [False, 0]  # paused, nothing frozen yet
+    enabled, frozen = seen["main"]
+    assert enabled and frozen > 100_000  # torch, DeepSpeed and megatron-core's objects
+    reference = probe(how, "tupe_ds.pretrain", "tupe-pretrain", gc_setting="on")
+    assert reference["main"] == [True, 0] and reference.get("import", [True, 0]) == [True, 0]
+
+
+def test_a_program_that_imports_tupe_ds_keeps_its_collector():
+    code = "import gc, tupe_ds.pretrain; print(gc.isenabled(), gc.get_freeze_count())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=environment())
+    assert result.stdout.split() == ["True", "0"], result.stderr[-2000:]
+
+
+def test_a_run_trains_the_same_with_the_collector_on(data, tmp_path):
+    runs = {}
+    for gc_setting in ("", "on"):
+        out = tmp_path / (gc_setting or "paused")
+        result = subprocess.run(
+            [sys.executable, "-m", "tupe_ds.pretrain", "--data", data, "--model", "tiny",
+             "--ds-config", os.path.join(ROOT, "ds_configs", "cpu_zero2.json"), "--out",
+             str(out), "--seq-len", "64", "--steps", "3", "--global-batch", "8",
+             "--log-interval", "1", "--eval-samples", "16", "--dropout", "0"],
+            capture_output=True, text=True, timeout=300,
+            env={**environment(), "TUPE_DS_GC": gc_setting})
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        runs[gc_setting] = losses(out)
+    assert len(runs[""]) == 3 and runs[""] == runs["on"]
+
+
+def test_a_process_spawned_from_a_command_keeps_its_collector(tmp_path):
+    """A worker that multiprocessing spawns (macOS's default) imports the command's script again
+    but never runs its main(): its collector must not stay paused."""
+    script = tmp_path / "tupe-prep"  # named as the console script, doing what tupe-prep's pool would
+    script.write_text(
+        "import gc, multiprocessing, sys\n"
+        "from tupe_ds.tools import startup\n"
+        "def collector(_):\n"
+        "    return gc.isenabled()\n"
+        "if __name__ == '__main__':\n"
+        "    paused = not gc.isenabled()\n"
+        "    startup.resume_collector()\n"
+        "    with multiprocessing.get_context('spawn').Pool(2) as pool:\n"
+        "        print(paused, all(pool.map(collector, range(4))))\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, env=environment())
+    assert result.stdout.split() == ["True", "True"], result.stderr[-3000:]

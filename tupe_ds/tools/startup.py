@@ -1,0 +1,69 @@
+"""A shorter start and end for every tupe_ds process: Python's cyclic garbage collector paused
+while torch, DeepSpeed and megatron-core import, and kept off their objects afterwards.
+
+Their import makes about 400,000 Python objects. The collector walks the growing heap again and
+again while they are made, and all of it once more while the interpreter tears them down at
+exit: of the 5.3 CPU seconds a process of `tupe-pretrain` spends outside its steps, 0.8 s go to
+the first and 1.1 s to the second (bench/startup.py; bench/README.md, "startup.py"). Every
+launch of every rank pays it, and the test suite launches hundreds. So a command's process:
+
+- pauses the collector from its first import to the first line of its main()
+  (`pause_collector`, at the import of this module, which the command imports first;
+  `resume_collector`, in main);
+- then freezes what was imported (gc.freeze: the modules live as long as the process; the
+  collections during training no longer walk them) and turns the collector back on;
+- freezes everything at exit, so that the teardown frees objects without walking them.
+
+Only processes that run a command do this (COMMANDS, their console scripts, the test suite's
+workers that call pause_collector): a program that imports tupe_ds as a library keeps its
+collector as it was. TUPE_DS_GC=on leaves the collector alone in every process (the reference
+the bench compares with).
+"""
+
+import atexit
+import gc
+import os
+import sys
+
+COMMANDS = {"tupe_ds.pretrain": "tupe-pretrain", "tupe_ds.finetune.run": "tupe-finetune",
+            "tupe_ds.export.write": "tupe-export", "tupe_ds.compare.cli": "tupe-compare",
+            "tupe_ds.machine.doctor": "tupe-doctor", "tupe_ds.machine.smoke": "tupe-smoke",
+            "data_prep.cli": "tupe-prep", "tupe_ds.demo.run": None}
+GC_SETTING = "TUPE_DS_GC"
+_paused = False
+
+
+def running_a_command() -> bool:
+    """Whether this process's program is one of COMMANDS, by `python -m` or console script. Not
+    in a process that multiprocessing spawns from one (macOS's default, Linux's forkserver): it
+    imports the command's module again, and never calls its main()."""
+    if "multiprocessing.spawn" in sys.modules:
+        return False
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return spec.name in COMMANDS
+    return os.path.basename(sys.argv[0] if sys.argv else "") in COMMANDS.values()
+
+
+def pause_collector() -> None:
+    """Turns the collector off until resume_collector, and freezes it at exit (see above)."""
+    global _paused
+    if os.environ.get(GC_SETTING, "") == "on" or _paused or not gc.isenabled():
+        return
+    gc.disable()
+    _paused = True
+    atexit.register(gc.freeze)  # registered first, run last: after every other exit handler
+
+
+def resume_collector() -> None:
+    """The command's imports are done: freezes them and turns the collector back on."""
+    global _paused
+    if _paused:
+        gc.freeze()
+        gc.enable()
+        _paused = False
+
+
+if running_a_command():
+    pause_collector()
