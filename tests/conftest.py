@@ -43,10 +43,12 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's loadscope scheduling by work_unit, in the order above. (Not `--dist loadgroup`:
-    with pytest 9 its groups are lost, xdist 3.8 writes them to a nodeid pytest no longer
-    reads, and every test became a unit of its own, its module fixtures made in both
-    processes.)"""
+    """For `-n N` (xdist's default `--dist load`): its loadscope scheduling by work_unit, in the
+    order above; another --dist is xdist's own. (Not `--dist loadgroup`: with pytest 9 its
+    groups are lost, xdist 3.8 writes them to a nodeid pytest no longer reads, and every test
+    became a unit of its own, its module fixtures made in both processes.)"""
+    if config.getoption("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class FileScheduling(LoadScopeScheduling):

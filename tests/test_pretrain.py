@@ -180,3 +180,22 @@ def test_cpu_ranks_share_the_cores_unless_omp_num_threads_says():
             assert torch.get_num_threads() == (threads or 7), environ
     finally:
         torch.set_num_threads(before)
+
+
+def test_one_process_variables_are_removed_when_its_group_ends(monkeypatch):
+    """A notebook or test that runs a command's main() in its own process: RANK, WORLD_SIZE and
+    LOCAL_RANK exist while the one-process group does, and not afterwards (a process it starts
+    later, under srun or mpirun, reads its own)."""
+    import torch.distributed as dist
+
+    from tupe_ds.distributed.parallel import end_distributed, start_distributed
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # one given by the caller stays
+    start_distributed("gloo")
+    assert dist.get_world_size() == 1 and os.environ["RANK"] == "0"
+    end_distributed()
+    assert not dist.is_initialized()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+    assert os.environ["LOCAL_RANK"] == "0"

@@ -70,7 +70,7 @@ def test_a_command_pauses_the_collector_while_it_imports_and_resumes_it_in_main(
         assert seen["import"] == [False, 0]  # paused, nothing frozen yet
     enabled, frozen = seen["main"]
     assert enabled and frozen > 100_000  # torch, DeepSpeed and megatron-core's objects
-    reference = probe(how, "tupe_ds.pretrain", "tupe-pretrain", gc_setting="on")
+    reference = probe(how, "tupe_ds.pretrain", "tupe-pretrain", gc_setting="True")
     assert reference["main"] == [True, 0] and reference.get("import", [True, 0]) == [True, 0]
 
 

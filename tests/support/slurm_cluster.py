@@ -12,6 +12,7 @@ and tasks are not confined (task/none).
 """
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tupe_ds.distributed.launch import SRUN_PORTS
 from tupe_ds.distributed.launchers import free_port
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "openmpi-bin"]
@@ -145,6 +147,13 @@ class Network:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def daemon_port() -> int:
+    """A free port for slurmctld or slurmd, below the ports that jobs' rendezvous take
+    (launch.srun_port: SRUN_PORTS from the job id), so that a daemon never holds a job's."""
+    return free_port(random.randrange(SRUN_PORTS[0] // 2, SRUN_PORTS[0] - 100),
+                     say=lambda *_, **__: None)
+
+
 class SlurmCluster:
     def __init__(self, root: Path, network: Optional[Network] = None,
                  task_plugin: str = "task/none"):
@@ -178,8 +187,8 @@ class SlurmCluster:
         self.conf.write_text(f"""\
 ClusterName=tupe-test
 SlurmctldHost={self.node}({network.addresses["ctl"] if network else "127.0.0.1"})
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+SlurmctldPort={daemon_port()}
+SlurmdPort={daemon_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -29,6 +29,9 @@ def accelerator_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
+_ONE_PROCESS_VARIABLES = []  # what start_distributed set for a process without a launcher
+
+
 def start_distributed(backend: str) -> None:
     """torch.distributed and DeepSpeed's communication for this process, as launch.discover() set
     RANK and WORLD_SIZE. One process gets an in-memory group: no port to collide with another run
@@ -45,11 +48,13 @@ def start_distributed(backend: str) -> None:
     if shared_memory is not None:
         deepspeed.ops.__compatible_ops__[shared_memory.NAME] = False
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
-        # this process's own variables (DeepSpeed's engine requires LOCAL_RANK), set here, not
-        # by launch.discover(): a test or notebook that runs a command's main() in its own
-        # process would pass them on to every process it starts later
+        # this process's own variables (DeepSpeed's engine requires LOCAL_RANK), set here and
+        # removed by end_distributed: a test or notebook that runs a command's main() in its own
+        # process would otherwise pass them on to every process it starts later
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-            os.environ.setdefault(name, value)
+            if name not in os.environ:
+                os.environ[name] = value
+                _ONE_PROCESS_VARIABLES.append(name)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
@@ -116,8 +121,11 @@ def end_distributed() -> None:
     aborts the process ("terminate called without an active exception", exit -6; pytorch#190489).
     Releasing every reference here lets each group's destructor join its threads now. (DeepSpeed's
     comm module holds the world group in a default argument when it is imported after the group
-    exists: import it first, as accelerator_device() does.)
+    exists: import it first, as accelerator_device() does.) Then removes the variables
+    start_distributed set for one process.
     """
+    while _ONE_PROCESS_VARIABLES:
+        os.environ.pop(_ONE_PROCESS_VARIABLES.pop(), None)
     if not dist.is_initialized():
         return
     dist.barrier()
