@@ -182,20 +182,23 @@ def test_cpu_ranks_share_the_cores_unless_omp_num_threads_says():
         torch.set_num_threads(before)
 
 
-def test_one_process_variables_are_removed_when_its_group_ends(monkeypatch):
+def test_one_process_variables_are_removed_when_its_group_ends():
     """A notebook or test that runs a command's main() in its own process: RANK, WORLD_SIZE and
     LOCAL_RANK exist while the one-process group does, and not afterwards (a process it starts
-    later, under srun or mpirun, reads its own)."""
-    import torch.distributed as dist
-
-    from tupe_ds.distributed.parallel import end_distributed, start_distributed
-
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "0")  # one given by the caller stays
-    start_distributed("gloo")
-    assert dist.get_world_size() == 1 and os.environ["RANK"] == "0"
-    end_distributed()
-    assert not dist.is_initialized()
-    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
-    assert os.environ["LOCAL_RANK"] == "0"
+    later, under srun or mpirun, reads its own). In a process of its own: this one may hold a
+    group another test left."""
+    probe = (
+        "import os, torch.distributed as dist\n"
+        "from tupe_ds.distributed.parallel import end_distributed, start_distributed\n"
+        "start_distributed('gloo')\n"
+        "during = [dist.get_world_size(), os.environ['RANK'], os.environ['WORLD_SIZE']]\n"
+        "end_distributed()\n"
+        "print(during, dist.is_initialized(), 'RANK' in os.environ, 'WORLD_SIZE' in os.environ,\n"
+        "      os.environ['LOCAL_RANK'])\n")
+    env = {name: value for name, value in environment().items()
+           if name not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["LOCAL_RANK"] = "0"  # one given by the caller stays
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.split("\n")[-2] == "[1, '0', '1'] False False False 0", \
+        result.stdout[-2000:] + result.stderr[-2000:]
