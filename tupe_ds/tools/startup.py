@@ -3,8 +3,8 @@ while torch, DeepSpeed and megatron-core import, and kept off their objects afte
 
 Their import makes about 400,000 Python objects. The collector walks the growing heap again and
 again while they are made, and all of it once more while the interpreter tears them down at
-exit: of the 5.3 CPU seconds a process of `tupe-pretrain` spends outside its steps, 0.8 s go to
-the first and 1.1 s to the second (bench/startup.py; bench/README.md, "startup.py"). Every
+exit: of the 5.0 CPU seconds `python -m tupe_ds.pretrain --help` took, 0.8 s went to the first
+and 1.1 s to the second (bench/startup.py; bench/README.md, "startup.py", 2026-11-26). Every
 launch of every rank pays it, and the test suite launches hundreds. So a command's process:
 
 - pauses the collector from its first import to the first line of its main()
