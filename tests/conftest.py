@@ -11,7 +11,8 @@ import torch  # noqa: E402
 
 import tupe_ds  # noqa: E402
 
-# `make test` runs the files in 2 processes (pytest-xdist, -n 2): each file whole in one of them,
+# `make test` runs the files in 3 processes (pytest-xdist, -n 3; the suite's tests wait on the
+# processes they start, so 3 keep 2 cores busier than 2 do): each file whole in one of them,
 # so that a file's module fixtures (a reference run, a Slurm cluster) are made once; the files
 # that start Slurm clusters in one, one after the other (FileScheduling below).
 ONE_AT_A_TIME = {"test_slurm.py": "slurm", "test_multinode.py": "slurm"}
@@ -25,7 +26,7 @@ LONGEST = {"test_run_integrity.py": 383, "slurm": 344, "test_chaos.py": 233,
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the other process's tests run beside this one's: one torch thread each for in-process work.
+    # the other processes' tests run beside this one's: one torch thread each for in-process work.
     # With two, 60 AdamW steps of the tiny model took 26-49 s where one core was busy, 4.6 s with
     # one (test_hf_export.py's pretraining, 2-core CPU, 2026-11-26).
     torch.set_num_threads(1)
