@@ -1,14 +1,24 @@
-"""Time and memory of the de-duplication across folders (data_prep/across.py: `tupe-prep merge`,
-`--dedup-against`) at BERT's corpus size.
+"""Time, memory and precision of near-duplicate removal (data_prep/near.py) at corpus scale: across
+folders (data_prep/across.py: `tupe-prep merge`, `--dedup-against`) and within a run
+(data_prep/dedup.py's Deduplicator, --within).
 
-Writes SHARDS synthetic shard folders of DOCUMENTS documents in all (train split only): random
-128-value signatures, of which a share (--near) are near-copies of a document of an earlier
-shard (--changed of their values redrawn: Jaccard about 1 - changed/128), with the keys and band
-keys tupe-prep writes; then, in a fresh process, runs across.duplicates over them and prints the
-time, the process's peak resident memory (ru_maxrss, memory-mapped file pages included) and the
-peak of numpy's allocations (tracemalloc), against the band tables' 12 bytes x bands per document.
+Writes SHARDS synthetic shard folders of DOCUMENTS documents in all (train split only), each a set
+of shingle hashes written as tupe-prep writes them (content keys, signatures, shingles, band
+index). Web-like (--boilerplate B): every page holds one of --templates blocks of B shingles
+(navigation, footer) and --unique shingles of its own, so pages of one template are alike at
+Jaccard B / (B + 2U) (0.75 by default: below the threshold 0.8) and fall into their template's
+LSH buckets by the thousand. Planted (--planted share of the documents of each later shard): near-copies of a page
+of shard 0 at each Jaccard of --levels, exactly. Then, in a fresh process, runs
+across.duplicates over them: time, the process's peak resident memory (memory-mapped file pages
+included), the peak of numpy's allocations (tracemalloc), and per Jaccard level the share of
+planted copies removed, and how many unplanted pages went (all of them below the threshold).
 
-    .venv/bin/python bench/dedup_across.py --documents 10000000 --shards 10 --folder /tmp/dd
+    .venv/bin/python bench/dedup_across.py --documents 1000000 --shards 10 --folder /tmp/dd
+    .venv/bin/python bench/dedup_across.py --within --documents 20000 --folder /tmp/dd-within
+
+Signatures are computed here a batch at a time (the template's minimum once per template), with
+datasketch's affine32 permutations and hash mixing: the same values data_prep/near.py's
+`signature` gives one document at a time (tests/test_data_prep.py checks it).
 """
 
 import argparse
@@ -25,39 +35,118 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from data_prep import across  # noqa: E402
+from data_prep import across, near  # noqa: E402
 
 THRESHOLD, NUM_PERM = 0.8, 128
+LEVELS = (0.6, 0.65, 0.7, 0.75, 0.85, 0.9, 0.95)
 
 
-def make(folder: str, documents: int, shards: int, near: float, changed: int, seed: int) -> dict:
-    bands, rows = across.lsh_shape(THRESHOLD, NUM_PERM)
-    rng = np.random.default_rng(seed)
-    bounds = np.linspace(0, documents, shards + 1).astype(np.int64)
-    planted, started = 0, time.perf_counter()
-    first_shard = None
-    for shard in range(shards):
-        count = int(bounds[shard + 1] - bounds[shard])
-        prefix = os.path.join(folder, f"shard{shard}", "train")
+def signatures(hashes: np.ndarray, num_perm: int = NUM_PERM) -> np.ndarray:
+    """[n, num_perm] uint32 MinHash signatures of n sets of shingle hashes ([n, k] uint32), as
+    data_prep.near.signature gives them."""
+    from datasketch.minhash import _fmix  # the library's own mixing, so that values agree
+
+    a, b = near._permutations(num_perm)
+    mixed = _fmix(np.asarray(hashes, dtype=np.uint32), 32)
+    with np.errstate(over="ignore"):
+        return (mixed[:, :, None] * a[None, None, :] + b[None, None, :]).min(axis=1)
+
+
+def copy_at(rng, page: np.ndarray, jaccard: float) -> np.ndarray:
+    """A copy of a page's shingles with r of them replaced, so that page and copy are at
+    `jaccard` exactly (to the nearest shingle): shared T - r, union T + r."""
+    replaced = int(round(len(page) * (1 - jaccard) / (1 + jaccard)))
+    copy = page.copy()
+    copy[rng.choice(len(page), size=replaced, replace=False)] = rng.integers(
+        0, 2**32, size=replaced, dtype=np.uint32)
+    return copy
+
+
+def pages(rng, count: int, args, blocks: np.ndarray, first_shard=None):
+    """(own shingles [count, unique], each page's template, planted copies: row -> its whole
+    shingle set, and (row, source row, Jaccard) of each)."""
+    own = rng.integers(0, 2**32, size=(count, args.unique), dtype=np.uint32)
+    template = rng.integers(0, max(1, args.templates), size=count)
+    copies, planted = {}, []
+    if first_shard is not None:
+        rows = rng.choice(count, size=int(args.planted * count), replace=False)
+        for row, level in zip(rows.tolist(), np.resize(args.levels, len(rows))):
+            source = int(rng.integers(0, len(first_shard[0])))
+            page = np.concatenate([blocks[first_shard[1][source]], first_shard[0][source]])
+            copies[row] = copy_at(rng, page, level)
+            shared = len(np.intersect1d(page, copies[row]))
+            planted.append((row, source, shared / (2 * len(page) - shared)))
+    return own, template, copies, planted
+
+
+def write_shard(prefix: str, own: np.ndarray, template: np.ndarray, copies: dict,
+                blocks: np.ndarray, rng, chunk: int = 1 << 14) -> None:
+    """The files tupe-prep writes for near-duplicate removal: pages of `own` shingles and
+    their template's block (blocks[template], possibly 0 wide), or for the rows of `copies`
+    the shingles given there."""
+    count = len(own)
+    block_min = signatures(blocks) if blocks.shape[1] else None
+    sig = np.lib.format.open_memmap(f"{prefix}.{across.SIGNATURES}", mode="w+", dtype=np.uint32,
+                                    shape=(count, NUM_PERM))
+    for start in range(0, count, chunk):
+        part = signatures(own[start:start + chunk])
+        if block_min is not None:
+            part = np.minimum(part, block_min[template[start:start + chunk]])
+        sig[start:start + chunk] = part
+    for row, page in copies.items():
+        sig[row] = signatures(page[None])[0]
+    sig.flush()
+
+    def shingles():
+        for start in range(0, count, chunk):
+            rows = np.sort(np.concatenate([blocks[template[start:start + chunk]],
+                                           own[start:start + chunk]], axis=1), axis=1)
+            for row, values in enumerate(rows, start):
+                yield np.sort(copies[row]) if row in copies else values
+
+    # random hashes: distinct within a page but by a one-in-a-million chance
+    near.write_shingles(prefix, shingles(), count * (blocks.shape[1] + own.shape[1]), count)
+    across.write_band_index(prefix, sig, THRESHOLD, NUM_PERM)
+    np.save(f"{prefix}.keys.npy", rng.integers(0, 2**63, size=count, dtype=np.uint64))
+
+
+def make(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    blocks = rng.integers(0, 2**32, size=(max(1, args.templates), args.boilerplate),
+                          dtype=np.uint32)
+    bounds = np.linspace(0, args.documents, args.shards + 1).astype(np.int64)
+    started, first_shard, planted = time.perf_counter(), None, []
+    for shard in range(args.shards):
+        own, template, copies, planted_here = pages(
+            rng, int(bounds[shard + 1] - bounds[shard]), args, blocks, first_shard)
+        if shard == 0:
+            first_shard = (own, template)
+        planted += [(shard, *row) for row in planted_here]
+        prefix = os.path.join(args.folder, f"shard{shard}", "train")
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        signatures = rng.integers(0, 2**32, size=(count, NUM_PERM), dtype=np.uint32)
-        if shard > 0:  # near-copies of documents of shard 0
-            copies = rng.choice(count, size=int(near * count), replace=False)
-            sources = rng.integers(0, len(first_shard), size=len(copies))
-            signatures[copies] = first_shard[sources]
-            redrawn = rng.integers(0, NUM_PERM, size=(len(copies), changed))
-            signatures[copies[:, None], redrawn] = rng.integers(
-                0, 2**32, size=redrawn.shape, dtype=np.uint32)
-            planted += len(copies)
-        else:
-            first_shard = signatures
-        np.save(f"{prefix}.{across.SIGNATURES}", signatures)
-        np.save(f"{prefix}.{across.BANDS}", across.band_keys(signatures, bands, rows))
-        np.save(f"{prefix}.keys.npy", rng.integers(0, 2**63, size=count, dtype=np.uint64))
-        print(f"shard {shard}: {count:,} documents ({time.perf_counter() - started:.0f} s)",
+        write_shard(prefix, own, template, copies, blocks, rng)
+        print(f"shard {shard}: {len(own):,} documents ({time.perf_counter() - started:.0f} s)",
               flush=True)
-    return {"documents": documents, "shards": shards, "planted": planted, "bands": bands,
-            "rows": rows, "make_seconds": round(time.perf_counter() - started, 1)}
+    with open(os.path.join(args.folder, "planted.json"), "w") as f:
+        json.dump(planted, f)
+    return {"documents": args.documents, "shards": args.shards, "planted": len(planted),
+            "bands_rows": across.lsh_shape(THRESHOLD, NUM_PERM),
+            "make_seconds": round(time.perf_counter() - started, 1)}
+
+
+def removal_by_level(folder: str, removed: list) -> dict:
+    """Per planted Jaccard level: (removed, planted); and the unplanted pages removed."""
+    with open(os.path.join(folder, "planted.json")) as f:
+        planted = json.load(f)
+    levels, planted_rows = {}, set()
+    for shard, row, _, jaccard in planted:
+        level = levels.setdefault(f"{jaccard:.2f}", [0, 0])
+        level[0] += bool(removed[shard][row])
+        level[1] += 1
+        planted_rows.add((shard, row))
+    others = sum(int(gone[row]) for shard, gone in enumerate(removed)
+                 for row in np.flatnonzero(gone) if (shard, row) not in planted_rows)
+    return {"by_level": dict(sorted(levels.items())), "unplanted_removed": others}
 
 
 def measure(folder: str, shards: int) -> dict:
@@ -66,40 +155,69 @@ def measure(folder: str, shards: int) -> dict:
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracemalloc.start()
     started = time.perf_counter()
-    removed = across.duplicates(parts, THRESHOLD)
+    removed = across.duplicates(parts, THRESHOLD, NUM_PERM)
     seconds = time.perf_counter() - started
     _, traced_peak = tracemalloc.get_traced_memory()
-    return {"seconds": round(seconds, 1), "near_removed": int(sum(r.near.sum() for r in removed)),
-            "exact_removed": int(sum(r.exact.sum() for r in removed)),
+    return {"seconds": round(seconds, 1),
             "peak_rss_gb": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                   - baseline) / 2**20, 2),
-            "numpy_peak_gb": round(traced_peak / 2**30, 2)}
+            "numpy_peak_gb": round(traced_peak / 2**30, 2),
+            **removal_by_level(folder, [r.near for r in removed])}
+
+
+def measure_within(folder: str) -> dict:
+    """The shards' pages, in order, through one Deduplicator (one prep run's stage)."""
+    from data_prep.dedup import Deduplicator
+
+    dedup = Deduplicator("minhash", THRESHOLD, NUM_PERM, os.path.join(folder, "spool"))
+    removed, started = [], time.perf_counter()
+    shard = 0
+    while os.path.exists(os.path.join(folder, f"shard{shard}")):
+        part = across.Part(os.path.join(folder, f"shard{shard}", "train"))
+        sig, shingles = part.signatures(), near.ShingleFile(part.prefix)
+        removed.append(np.array([not dedup.keep(key, sig[row], shingles[row])
+                                 for row, key in enumerate(part.keys().tolist())]))
+        shard += 1
+    return {"seconds": round(time.perf_counter() - started, 1),
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            **removal_by_level(folder, removed)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--documents", type=int, default=10_000_000)
+    parser.add_argument("--documents", type=int, default=1_000_000)
     parser.add_argument("--shards", type=int, default=10)
-    parser.add_argument("--near", type=float, default=0.01, help="share of near-copies planted")
-    parser.add_argument("--changed", type=int, default=8, help="values redrawn in a copy")
+    parser.add_argument("--boilerplate", type=int, default=120,
+                        help="shingles of the block shared by a template's pages (0: none)")
+    parser.add_argument("--templates", type=int, default=10)
+    parser.add_argument("--unique", type=int, default=20, help="shingles of each page's own")
+    parser.add_argument("--planted", type=float, default=0.01,
+                        help="share of each later shard planted as near-copies of shard 0's")
+    parser.add_argument("--levels", type=lambda s: [float(v) for v in s.split(",")],
+                        default=list(LEVELS), help="Jaccard levels of the planted copies")
+    parser.add_argument("--within", action="store_true",
+                        help="one Deduplicator over every page in order, not across.duplicates")
     parser.add_argument("--folder", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_only:
-        print(json.dumps(measure(args.folder, args.shards)))
+        result = measure_within(args.folder) if args.within else measure(args.folder, args.shards)
+        print(json.dumps(result))
         return
-    made = make(args.folder, args.documents, args.shards, args.near, args.changed, args.seed)
-    result = subprocess.run([sys.executable, __file__, "--measure-only", "--folder", args.folder,
-                             "--shards", str(args.shards)], capture_output=True, text=True,
-                            check=True)
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    tables_gb = args.documents * made["bands"] * 12 / 2**30
-    print(json.dumps({**made, **measured, "band_tables_gb": round(tables_gb, 2)}, indent=1))
-    print(f"{args.documents:,} documents in {args.shards} shards: across.duplicates in "
-          f"{measured['seconds']} s, peak resident {measured['peak_rss_gb']} GB (numpy "
-          f"{measured['numpy_peak_gb']} GB; band tables {tables_gb:.2f} GB); found "
-          f"{measured['near_removed']:,} of {made['planted']:,} planted near-copies")
+    made = make(args)
+    command = [sys.executable, __file__, "--measure-only", "--folder", args.folder, "--shards",
+               str(args.shards)] + ["--within"] * args.within
+    measured = json.loads(subprocess.run(command, capture_output=True, text=True, check=True)
+                          .stdout.strip().splitlines()[-1])
+    print(json.dumps({**made, **measured}, indent=1))
+    curve = ", ".join(f"J {level}: {gone}/{count}"
+                      for level, (gone, count) in measured["by_level"].items())
+    print(f"{args.documents:,} pages ({args.boilerplate} boilerplate + {args.unique} own shingles, "
+          f"{args.templates} templates) in {args.shards} shards, "
+          f"{'within one run' if args.within else 'across.duplicates'}: {measured['seconds']} s, "
+          f"peak resident {measured['peak_rss_gb']} GB; planted removed: {curve}; "
+          f"unplanted removed: {measured['unplanted_removed']}")
 
 
 if __name__ == "__main__":

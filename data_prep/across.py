@@ -1,20 +1,23 @@
 """De-duplication across prepared folders (the shards of a merge, the corpora of --dedup-against):
-exact (the cleaned text's key), then near (MinHash, with the LSH bands and Jaccard threshold of
-the within-run stage), keeping each document in the first place it appears in the order given.
+exact (the cleaned text's key), then near (data_prep/near.py's LSH candidates checked on the
+true shingle Jaccard, at the within-run stage's threshold), keeping each document in the first
+place it appears in the order given.
 
 Each prepared folder keeps, per split, for the documents it kept (in their order):
 SPLIT.keys.npy (uint64 content keys), SPLIT.minhash.npy ([documents, num_perm] uint32
-signatures) and SPLIT.bands.npy ([bands, documents] uint64: a hash of each LSH band's values).
+signatures), SPLIT.shingles.npy and .shingle_offsets.npy (each document's shingle hashes) and
+its LSH index: SPLIT.band_keys.npy ([bands, documents] uint64, each band's keys sorted) with
+SPLIT.band_order.npy (the documents in that order).
 
-Near duplicates are found as the within-run Deduplicator finds them (datasketch's MinHashLSH,
-then the signatures' agreement checked against the threshold), over the whole collection: a
-document of a later part is removed when it shares a band with a kept document of an earlier
-part whose signature agrees on `threshold` of its values. Instead of an LSH of inserted keys,
-each band is one sorted table over every document of the collection (12 bytes a document: key
-and number), so memory is 12 x bands bytes a document (144 with the default 12 bands: 1.6 GB
-of allocations and 67 s at 10M documents, bench/README.md) and signatures are read,
-memory-mapped, only for candidate pairs. No library does this over files of signatures: datatrove's and NeMo-Curator's pipelines
-are for their own formats and runtimes, datasketch's LSH holds Python objects per key.
+A document of a later part is removed when its true Jaccard with a kept document of an earlier
+part reaches the threshold, that document being among the CANDIDATES_PER_BUCKET earliest of a
+bucket it shares. The folders being merged get one in-memory table per band (12 bytes a
+document and band, the keys recomputed from the signatures); the corpora de-duplicated against
+are searched in their stored indexes, memory-mapped, so they cost no memory however large.
+Candidate pairs are at most bands x CANDIDATES_PER_BUCKET a document, made a chunk of
+documents at a time. No library does this over files of signatures: datatrove's and
+NeMo-Curator's pipelines are for their own formats and runtimes, datasketch's LSH holds Python
+objects per key.
 """
 
 import os
@@ -22,31 +25,24 @@ from dataclasses import dataclass
 from typing import List, Sequence
 
 import numpy as np
-from datasketch import MinHashLSH
 
-from tupe_ds.data.counter_random import absorb
+from data_prep.near import (CANDIDATES_PER_BUCKET, SHINGLE_OFFSETS, SHINGLES, ShingleFile,
+                            band_keys, jaccards, lsh_shape, to_verify)
 
-LSH_WEIGHTS = (0.2, 0.8)  # false positives vs false negatives: few near-duplicates missed
-SIGNATURES, BANDS = "minhash.npy", "bands.npy"
-
-
-def lsh_shape(threshold: float, num_perm: int) -> tuple:
-    """(bands, rows per band) of the within-run LSH (datasketch's choice for these weights)."""
-    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS)
-    return lsh.b, lsh.r
+SIGNATURES, BAND_KEYS, BAND_ORDER = "minhash.npy", "band_keys.npy", "band_order.npy"
+NEAR_FILES = (SIGNATURES, SHINGLES, SHINGLE_OFFSETS, BAND_KEYS, BAND_ORDER)
+QUERY_CHUNK = 1 << 15  # documents whose candidate pairs are made at once
 
 
-def band_keys(signatures: np.ndarray, bands: int, rows: int, chunk: int = 1 << 16) -> np.ndarray:
-    """[bands, documents] uint64: band j's key hashes signature values [j*rows, (j+1)*rows)."""
-    keys = np.empty((bands, len(signatures)), dtype=np.uint64)
-    for start in range(0, len(signatures), chunk):
-        block = np.asarray(signatures[start:start + chunk], dtype=np.uint64)
-        for band in range(bands):
-            key = np.zeros(len(block), dtype=np.uint64)
-            for column in range(band * rows, (band + 1) * rows):
-                key = absorb(key, block[:, column])
-            keys[band, start:start + len(block)] = key
-    return keys
+def write_band_index(prefix: str, signatures: np.ndarray, threshold: float,
+                     num_perm: int) -> None:
+    """PREFIX.band_keys.npy and .band_order.npy: each LSH band's keys of the documents'
+    signatures, sorted, and the documents in that order (stable: the earliest first)."""
+    keys = band_keys(signatures, *lsh_shape(threshold, num_perm))
+    order = np.argsort(keys, axis=1, kind="stable")
+    np.save(f"{prefix}.{BAND_KEYS}", np.take_along_axis(keys, order, axis=1))
+    np.save(f"{prefix}.{BAND_ORDER}", order.astype(np.uint32 if len(signatures) < 2**32
+                                                   else np.int64))
 
 
 @dataclass
@@ -63,8 +59,9 @@ class Part:
     def signatures(self) -> np.ndarray:
         return np.load(f"{self.prefix}.{SIGNATURES}", mmap_mode="r")
 
-    def bands(self) -> np.ndarray:
-        return np.load(f"{self.prefix}.{BANDS}", mmap_mode="r")
+    def band_index(self) -> tuple:
+        return (np.load(f"{self.prefix}.{BAND_KEYS}", mmap_mode="r"),
+                np.load(f"{self.prefix}.{BAND_ORDER}", mmap_mode="r"))
 
 
 @dataclass
@@ -83,22 +80,26 @@ class Removed:
 
 
 def check_near_files(parts: Sequence[Part], num_perm: int, bands: int) -> None:
-    """Every part has signatures of num_perm values and `bands` band keys per document."""
+    """Every part has signatures of num_perm values, shingles and an index of `bands` bands."""
     for part in parts:
-        for name in (SIGNATURES, BANDS):
+        for name in NEAR_FILES:
             if not os.path.exists(f"{part.prefix}.{name}"):
                 raise ValueError(f"{part.prefix}.{name}: missing; near duplicates across folders "
                                  "need every folder prepared by tupe-prep with --dedup minhash "
                                  "(prepared before this version: prepare it again)")
-        shape, count = part.signatures().shape, len(part.keys())
-        if shape != (count, num_perm) or part.bands().shape != (bands, count):
-            raise ValueError(f"{part.prefix}: signatures {shape} and band keys "
-                             f"{part.bands().shape} for {count} documents; expected "
-                             f"({count}, {num_perm}) and ({bands}, {count}): prepared with "
-                             "another --num-perm or --jaccard-threshold?")
+        count = len(part.keys())
+        shapes = (part.signatures().shape, part.band_index()[0].shape,
+                  len(ShingleFile(part.prefix)))
+        if shapes != ((count, num_perm), (bands, count), count):
+            raise ValueError(f"{part.prefix}: signatures, band index and shingles of shapes "
+                             f"{shapes} for {count} documents; expected "
+                             f"{((count, num_perm), (bands, count), count)}: prepared with "
+                             "another --num-perm or --jaccard-threshold, or before this version "
+                             "(prepare it again)?")
 
 
-def duplicates(parts: List[Part], threshold: float = 0.0, near: bool = True) -> List[Removed]:
+def duplicates(parts: List[Part], threshold: float = 0.0, num_perm: int = 128,
+               near: bool = True) -> List[Removed]:
     """What to remove from each part: exact duplicates of any earlier part's document, then
     (`near`) documents whose signature agrees on at least `threshold` of its values with a kept
     document of an earlier part that shares an LSH band with it. Fixed parts lose nothing."""
@@ -114,7 +115,7 @@ def duplicates(parts: List[Part], threshold: float = 0.0, near: bool = True) -> 
         result.append(Removed(exact=exact, near=np.zeros(size, dtype=bool),
                               exact_by_fixed=int(fixed[copy[exact]].sum())))
     if near:
-        find_near(parts, offsets, result, threshold, fixed)
+        find_near(parts, offsets, result, threshold, fixed, num_perm)
     return result
 
 
@@ -125,53 +126,84 @@ def first_copies(keys: np.ndarray) -> np.ndarray:
     return order[np.searchsorted(keys[order], keys, side="left")]
 
 
-def band_tables(parts: List[Part]) -> list:
-    """Per band: (every document's key sorted, the documents in that order)."""
-    tables = []
-    for band in range(parts[0].bands().shape[0]):
-        keys = np.concatenate([np.asarray(part.bands()[band]) for part in parts])
-        order = np.argsort(keys, kind="stable")
-        tables.append((keys[order], order.astype(np.int32 if len(keys) < 2**31 else np.int64)))
-    return tables
+class BandTables:
+    """Per band, the collection's documents in key order, to find each query's bucket heads (its
+    CANDIDATES_PER_BUCKET earliest documents): one table over the parts being merged, held in
+    memory, and the stored index of each fixed part, memory-mapped."""
 
+    def __init__(self, parts: List[Part], offsets: np.ndarray, threshold: float, num_perm: int):
+        self.shape = lsh_shape(threshold, num_perm)
+        self.tables = []  # (sorted keys [bands, n], documents [bands, n], first position)
+        merged = [index for index, part in enumerate(parts) if not part.fixed]
+        for index, part in enumerate(parts):
+            if part.fixed:
+                self.tables.append((*part.band_index(), offsets[index]))
+        if merged:
+            keys = np.concatenate([band_keys(parts[index].signatures(), *self.shape)
+                                   for index in merged], axis=1)
+            positions = np.concatenate([np.arange(offsets[index], offsets[index + 1])
+                                        for index in merged])
+            order = np.argsort(keys, axis=1, kind="stable")
+            self.tables.append((np.take_along_axis(keys, order, axis=1),
+                                positions[order].astype(np.int64), 0))
 
-def sharing_a_band(tables: list, bands: np.ndarray, documents: np.ndarray, before: int,
-                   gone: np.ndarray) -> tuple:
-    """(document, candidate) pairs: `documents` (rows of `bands`, a part's band keys) with each
-    document of the collection before position `before`, not `gone`, sharing a band with it."""
-    pairs = []
-    for band, (sorted_keys, order) in enumerate(tables):
-        queries = np.asarray(bands[band])[documents]
-        by_key = np.argsort(queries)  # sorted queries search in cache-friendly order
-        low, counts = np.empty_like(by_key), np.empty_like(by_key)
-        low[by_key] = np.searchsorted(sorted_keys, queries[by_key], side="left")
-        counts[by_key] = np.searchsorted(sorted_keys, queries[by_key], side="right") - low[by_key]
-        document = np.repeat(documents, counts)
-        at = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        candidate = order[np.repeat(low, counts) + at].astype(np.int64)
-        earlier = (candidate < before) & ~gone[candidate]
-        pairs.append(np.stack([document[earlier], candidate[earlier]]))
-    pairs = np.unique(np.concatenate(pairs, axis=1), axis=1)
-    return pairs[0], pairs[1]
+    def candidates(self, queries: np.ndarray) -> tuple:
+        """(query, position) pairs: each query document (a column of `queries`, [bands, n] band
+        keys) with the heads of every bucket it falls in, as collection positions."""
+        query, position = [], []
+        for sorted_keys, documents, first in self.tables:
+            for band in range(queries.shape[0]):
+                keys = sorted_keys[band]
+                low = np.searchsorted(keys, queries[band], side="left")
+                counts = np.minimum(np.searchsorted(keys, queries[band], side="right") - low,
+                                    CANDIDATES_PER_BUCKET)
+                at = np.repeat(low, counts) + (np.arange(counts.sum())
+                                               - np.repeat(np.cumsum(counts) - counts, counts))
+                query.append(np.repeat(np.arange(queries.shape[1]), counts))
+                position.append(np.asarray(documents[band][at]).astype(np.int64) + first)
+        return np.concatenate(query), np.concatenate(position)
 
 
 def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], threshold: float,
-              fixed: np.ndarray) -> None:
-    tables = band_tables(parts)
+              fixed: np.ndarray, num_perm: int) -> None:
+    tables = BandTables(parts, offsets, threshold, num_perm)
     gone = np.concatenate([removed.exact for removed in result])  # grows part by part
     signatures = [part.signatures() for part in parts]
+    shingles = [ShingleFile(part.prefix) for part in parts]
     for index, (part, removed) in enumerate(zip(parts, result)):
         if part.fixed:
             continue
         first = offsets[index]
-        document, candidate = sharing_a_band(tables, part.bands(),
-                                             np.flatnonzero(~removed.exact), first, gone)
-        similar = agreement(signatures, offsets, index, document, candidate) >= threshold
-        removed.near[document[similar]] = True
         by_fixed = np.zeros(len(removed.near), dtype=bool)
-        by_fixed[document[similar & fixed[candidate]]] = True
+        queried = np.flatnonzero(~removed.exact)
+        for start in range(0, len(queried), QUERY_CHUNK):
+            documents = queried[start:start + QUERY_CHUNK]
+            queries = band_keys(np.asarray(signatures[index][documents]), *tables.shape)
+            query, candidate = tables.candidates(queries)
+            earlier = (candidate < first) & ~gone[candidate]
+            pairs = np.unique(np.stack([documents[query[earlier]], candidate[earlier]]), axis=1)
+            document, candidate = pairs[0], pairs[1]
+            checked = to_verify(document, agreement(signatures, offsets, index, document,
+                                                    candidate), threshold)
+            document, candidate = document[checked], candidate[checked]
+            similar = similarity(shingles, offsets, index, document, candidate) >= threshold
+            removed.near[document[similar]] = True
+            by_fixed[document[similar & fixed[candidate]]] = True
         removed.near_by_fixed = int(by_fixed.sum())
         gone[first:first + len(removed.near)] |= removed.near
+
+
+def similarity(shingles: list, offsets: np.ndarray, index: int, document: np.ndarray,
+               candidate: np.ndarray) -> np.ndarray:
+    """The true Jaccard of each pair (document of part `index`, candidate anywhere before it),
+    over their shingles, read from the memory-mapped files part by part."""
+    result = np.empty(len(document), dtype=np.float64)
+    owner = np.searchsorted(offsets, candidate, side="right") - 1
+    for part in np.unique(owner):
+        here = owner == part
+        result[here] = jaccards(shingles[index].gather(document[here]),
+                                shingles[part].gather(candidate[here] - offsets[part]))
+    return result
 
 
 def agreement(signatures: list, offsets: np.ndarray, index: int, document: np.ndarray,

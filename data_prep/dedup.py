@@ -1,16 +1,13 @@
-"""Stage 2, de-duplication of documents: exact (hash of the cleaned text), then MinHash LSH."""
+"""Stage 2, de-duplication of documents: exact (hash of the cleaned text), then near duplicates
+(data_prep/near.py: LSH candidates, checked on the true Jaccard of their shingles)."""
 
-import functools
 import hashlib
-import re
+import os
 
 import numpy as np
-from datasketch import MinHash, MinHashLSH
 
-from data_prep.across import LSH_WEIGHTS
-
-WORD = re.compile(r"\w+")
-SCHEME = "affine32"  # named, so that signatures made in workers can be rebuilt here
+from data_prep.near import (CANDIDATES_PER_BUCKET, band_keys, jaccards, lsh_shape,
+                            to_verify)
 
 
 def exact_key(text: str) -> int:
@@ -18,58 +15,74 @@ def exact_key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-@functools.lru_cache(maxsize=4)
-def _permutations(num_perm: int):
-    return MinHash(num_perm=num_perm, scheme=SCHEME).permutations  # costly to draw each time
-
-
-def minhash(num_perm: int, hashvalues=None) -> MinHash:
-    return MinHash(num_perm=num_perm, hashvalues=hashvalues, permutations=_permutations(num_perm),
-                   scheme=SCHEME)
-
-
-def minhash_signature(text: str, num_perm: int, shingle: int) -> np.ndarray:
-    """MinHash of the text's word `shingle`-grams (lower-cased)."""
-    words = WORD.findall(text.lower())
-    grams = {" ".join(words[i:i + shingle]) for i in range(max(1, len(words) - shingle + 1))}
-    signature = minhash(num_perm)
-    signature.update_batch([g.encode("utf-8") for g in grams])
-    return signature.hashvalues
-
-
 class Deduplicator:
     """Keeps the first of each group of duplicates, in input order.
 
-    mode: "exact", "minhash" (exact first, then near-duplicates at Jaccard >= threshold), "none".
-    The LSH bands are tuned to miss few near-duplicates; each candidate they return is then
-    checked against the threshold on the signatures, so that few unique documents go either.
+    mode: "exact", "minhash" (exact first, then near duplicates: a document goes when its true
+    shingle Jaccard with a kept one reaches `threshold`), "none". The kept documents' shingle
+    hashes go to `shingle_spool` (a file, read back only to check candidates), their
+    signatures stay in memory (num_perm x 4 bytes each) and each LSH bucket holds at most
+    CANDIDATES_PER_BUCKET of them.
     """
 
-    def __init__(self, mode: str = "minhash", threshold: float = 0.8, num_perm: int = 128):
+    def __init__(self, mode: str = "minhash", threshold: float = 0.8, num_perm: int = 128,
+                 shingle_spool: str = None):
         self.mode = mode
-        self.num_perm = num_perm
         self.threshold = threshold
         self.seen = set()
-        self.signatures = {}  # LSH key -> signature (uint32: affine32 values fit)
-        self.lsh = (MinHashLSH(threshold=threshold, num_perm=num_perm, weights=LSH_WEIGHTS)
-                    if mode == "minhash" else None)
         self.exact_removed = 0
         self.near_removed = 0
+        if mode == "minhash":
+            self.bands, self.rows = lsh_shape(threshold, num_perm)
+            self.buckets = [{} for _ in range(self.bands)]  # band key -> kept documents
+            self.signatures = np.empty((1024, num_perm), dtype=np.uint32)
+            self.offsets = [0]  # kept document i's hashes: spool items [offsets[i], offsets[i+1])
+            self.spool = open(shingle_spool, "w+b", buffering=0)  # closed with this object
 
-    def keep(self, key: int, signature) -> bool:
+    @property
+    def kept(self) -> int:
+        return len(self.offsets) - 1
+
+    def keep(self, key: int, signature=None, shingles=None) -> bool:
         if self.mode == "none":
             return True
         if key in self.seen:
             self.exact_removed += 1
             return False
         self.seen.add(key)
-        if self.lsh is not None:
-            signature = np.asarray(signature, dtype=np.uint32)
-            sketch = minhash(self.num_perm, signature)
-            for candidate in self.lsh.query(sketch):
-                if np.mean(self.signatures[candidate] == signature) >= self.threshold:
-                    self.near_removed += 1
-                    return False
-            self.signatures[key] = signature
-            self.lsh.insert(key, sketch)
+        if self.mode != "minhash":
+            return True
+        signature = np.asarray(signature, dtype=np.uint32)
+        keys = [int(k) for k in band_keys(signature[None], self.bands, self.rows)[:, 0]]
+        candidates = np.array(sorted({document for band, k in enumerate(keys)
+                                      for document in self.buckets[band].get(k, ())}), np.int64)
+        if len(candidates):
+            agreement = (self.signatures[candidates] == signature).mean(axis=1)
+            checked = candidates[to_verify(np.zeros(len(candidates), np.int64), agreement,
+                                           self.threshold)]
+            theirs = [self.shingles_of(int(document)) for document in checked]
+            own = np.tile(np.asarray(shingles, dtype=np.uint32), len(checked))
+            if len(checked) and jaccards((own, np.full(len(checked), len(shingles))),
+                                         (np.concatenate(theirs), [len(t) for t in theirs])
+                                         ).max() >= self.threshold:
+                self.near_removed += 1
+                return False
+        self.add(keys, signature, np.asarray(shingles, dtype=np.uint32))
         return True
+
+    def add(self, keys, signature: np.ndarray, shingles: np.ndarray) -> None:
+        document = self.kept
+        if document == len(self.signatures):
+            self.signatures = np.concatenate([self.signatures, np.empty_like(self.signatures)])
+        self.signatures[document] = signature
+        os.pwrite(self.spool.fileno(), shingles.tobytes(), self.offsets[-1] * 4)
+        self.offsets.append(self.offsets[-1] + len(shingles))
+        for band, k in enumerate(keys):
+            members = self.buckets[band].setdefault(k, [])
+            if len(members) < CANDIDATES_PER_BUCKET:
+                members.append(document)
+
+    def shingles_of(self, document: int) -> np.ndarray:
+        start, end = self.offsets[document], self.offsets[document + 1]
+        return np.frombuffer(os.pread(self.spool.fileno(), (end - start) * 4, start * 4),
+                             np.uint32)

@@ -10,6 +10,7 @@ same to one run's own output (tupe-prep --dedup-against).
 
 import os
 import shutil
+import sys
 import time
 from typing import List, Sequence
 
@@ -19,6 +20,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from tqdm import tqdm
 
 from data_prep import across
+from data_prep.near import ShingleFile, write_shingles
 from data_prep.output import SPLITS, publish, read_manifest, work_folder
 from tupe_ds.tools.files import file_digest
 
@@ -46,7 +48,9 @@ def merge(shards: List[str], output: str, quiet: bool = False,
         kept, split_counts = write_deduplicated(
             shards, work, np.dtype(manifests[0]["dtype"]), dedup_against, near, quiet)
         manifest = {key: sum(m[key] for m in manifests) for key in SUMMED}
-        manifest.update(shards=shards, splits=split_counts, vocab_size=manifests[0]["vocab_size"],
+        manifest.update(config={name: manifests[0]["config"][name] for name in NEAR_SETTINGS}
+                        if near else {"dedup": "exact"},
+                        shards=shards, splits=split_counts, vocab_size=manifests[0]["vocab_size"],
                         dtype=manifests[0]["dtype"],
                         seconds={"merge": round(time.perf_counter() - started, 3)})
         manifest.update(across_counts(kept, split_counts, dedup_against, near))
@@ -57,20 +61,32 @@ def merge(shards: List[str], output: str, quiet: bool = False,
     return manifest
 
 
+NEAR_SETTINGS = ("dedup", "jaccard_threshold", "num_perm", "shingle")
+
+
 def near_settings(folders: Sequence[str], manifests: List[dict], against: Sequence[str]):
-    """(threshold, num_perm) when every folder was prepared with --dedup minhash at one setting
-    (then near duplicates are removed across them), else None (exact ones only)."""
-    configs = [m.get("config", {}) for m in manifests]
-    if any(c.get("dedup") != "minhash" for c in configs):
+    """(threshold, num_perm) when every folder, and every corpus de-duplicated against, was
+    prepared (or merged) with --dedup minhash at one setting: then near duplicates are removed
+    across them. Else None (exact ones only), said in one line unless no folder has them."""
+    configs = {folder: m.get("config", {}) for folder, m in zip(folders, manifests)}
+    configs.update({folder: read_manifest(folder).get("config", {}) for folder in against})
+    without = [folder for folder, c in configs.items() if c.get("dedup") != "minhash"]
+    if without:
         if against:
-            raise ValueError("--dedup-against needs folders prepared with --dedup minhash "
-                             f"(here: {', '.join(sorted({c.get('dedup', '?') for c in configs}))})")
+            raise ValueError("--dedup-against needs folders prepared with --dedup minhash; "
+                             + ", ".join(f"{folder} has --dedup {configs[folder].get('dedup', '?')}"
+                                         for folder in without))
+        if len(without) < len(configs):
+            print(f"merge: near duplicates across the folders are not removed, exact ones only: "
+                  f"{', '.join(without)} had no --dedup minhash", file=sys.stderr)
         return None
-    settings = {(c["jaccard_threshold"], c["num_perm"]) for c in configs}
+    settings = {tuple(c.get(name) for name in NEAR_SETTINGS[1:]) for c in configs.values()}
     if len(settings) != 1:
-        raise ValueError(f"merge: the shards were prepared with different --jaccard-threshold / "
-                         f"num_perm {sorted(settings)}; near duplicates across them need one")
-    return settings.pop()
+        raise ValueError("merge: the folders were prepared with different --jaccard-threshold / "
+                         f"--num-perm / --shingle {sorted(settings)}; near duplicates across "
+                         "them need one")
+    threshold, num_perm, _ = settings.pop()
+    return threshold, num_perm
 
 
 def parts_of(shards: Sequence[str], against: Sequence[str], near) -> List[across.Part]:
@@ -93,22 +109,23 @@ def write_deduplicated(folders, work, dtype, against, near, quiet):
     counts)."""
     parts = parts_of(folders, against, near)
     threshold = near[0] if near is not None else 0.0
-    removed = across.duplicates(parts, threshold, near=near is not None)
+    removed = across.duplicates(parts, threshold, near[1] if near else 0, near=near is not None)
     mine = [(part, gone) for part, gone in zip(parts, removed) if not part.fixed]
     kept, split_counts = [], {}
     for split in SPLITS:
         chosen = [(part, gone) for part, gone in mine if part.prefix.endswith(os.sep + split)]
         counts = write_kept([(part.prefix, ~gone.any) for part, gone in chosen],
-                            os.path.join(work, split), dtype, near is not None, quiet)
+                            os.path.join(work, split), dtype, near, quiet)
         kept += [(part, gone, count) for (part, gone), count in zip(chosen, counts)]
         split_counts[split] = {key: sum(count[key] for count in counts)
                                for key in ("documents", "sentences", "tokens")}
     return kept, split_counts
 
 
-def write_kept(sources, prefix: str, dtype, signatures: bool, quiet: bool) -> list:
+def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
     """The documents of each (source prefix, kept mask), in order, as one indexed dataset at
-    `prefix` with its .keys.npy (and .minhash.npy, .bands.npy); returns each source's counts
+    `prefix` with its .keys.npy (and, with `near` settings, its near-duplicate files); returns
+    each source's counts
     of what it gave (documents, sentences, tokens)."""
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype.type)
     keys, kept_rows, counts = [], [], []
@@ -135,8 +152,8 @@ def write_kept(sources, prefix: str, dtype, signatures: bool, quiet: bool) -> li
     builder.finalize(f"{prefix}.idx")
     np.save(f"{prefix}.keys.npy", np.concatenate(keys).astype(np.uint64) if keys
             else np.zeros(0, np.uint64))
-    if signatures:
-        write_kept_signatures(sources, kept_rows, prefix)
+    if near is not None:
+        write_kept_near_files(sources, kept_rows, prefix, *near)
     return counts
 
 
@@ -155,26 +172,26 @@ def filter_against(work: str, against: Sequence[str], near, dtype, quiet: bool) 
     return counts, {os.path.basename(part.prefix): gone for part, gone, _ in kept}
 
 
-def write_kept_signatures(sources, kept_rows, prefix: str, chunk: int = 1 << 16) -> None:
-    """PREFIX.minhash.npy and .bands.npy: the kept rows of each source's, streamed."""
+def write_kept_near_files(sources, kept_rows, prefix: str, threshold: float, num_perm: int,
+                          chunk: int = 1 << 16) -> None:
+    """PREFIX's signatures and shingles (the kept rows of each source's, streamed) and its band
+    index (data_prep/across.py)."""
     total = sum(len(rows) for rows in kept_rows)
-    num_perm = np.load(f"{sources[0][0]}.{across.SIGNATURES}", mmap_mode="r").shape[1]
-    bands = np.load(f"{sources[0][0]}.{across.BANDS}", mmap_mode="r").shape[0]
     signatures = np.lib.format.open_memmap(f"{prefix}.{across.SIGNATURES}", mode="w+",
                                            dtype=np.uint32, shape=(total, num_perm))
-    band_keys = np.lib.format.open_memmap(f"{prefix}.{across.BANDS}", mode="w+",
-                                          dtype=np.uint64, shape=(bands, total))
     at = 0
     for (source, _), rows in zip(sources, kept_rows):
         theirs = np.load(f"{source}.{across.SIGNATURES}", mmap_mode="r")
-        their_bands = np.load(f"{source}.{across.BANDS}", mmap_mode="r")
         for start in range(0, len(rows), chunk):
             block = rows[start:start + chunk]
             signatures[at:at + len(block)] = theirs[block]
-            band_keys[:, at:at + len(block)] = np.asarray(their_bands)[:, block]
             at += len(block)
     signatures.flush()
-    band_keys.flush()
+    shingles = [(ShingleFile(source), rows) for (source, _), rows in zip(sources, kept_rows)]
+    write_shingles(prefix, (file[row] for file, rows in shingles for row in rows),
+                   sum(int((file.offsets[rows + 1] - file.offsets[rows]).sum())
+                       for file, rows in shingles), total)
+    across.write_band_index(prefix, signatures, threshold, num_perm)
 
 
 def across_counts(kept, split_counts, against, near) -> dict:

@@ -7,10 +7,11 @@ import shutil
 
 from tupe_ds.tools.files import fresh_folder
 
-SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy,minhash.npy,bands.npy}
+SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy} and near-duplicate files
 WORK_DIR = ".tmp-prep"
 SPOOL = "documents.jsonl"  # prepare's kept documents, from pass 1 to pass 2: not published
 SIGNATURE_SPOOL = "signatures.spool"  # their MinHash signatures, likewise
+SHINGLE_SPOOL = "shingles.spool"  # their shingle hashes, likewise
 
 
 def read_manifest(folder: str) -> dict:
@@ -40,7 +41,7 @@ def publish(work: str, output: str, manifest: dict) -> None:
     with open(os.path.join(work, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     names = sorted(n for n in os.listdir(work)
-                   if n not in (SPOOL, SIGNATURE_SPOOL, "manifest.json"))
+                   if n not in (SPOOL, SIGNATURE_SPOOL, SHINGLE_SPOOL, "manifest.json"))
     for name in names + ["manifest.json"]:
         os.replace(os.path.join(work, name), os.path.join(output, name))
     shutil.rmtree(work)

@@ -24,10 +24,11 @@ from tqdm import tqdm
 
 from data_prep.clean import Cleaner
 from data_prep.config import PrepConfig
-from data_prep.dedup import Deduplicator, exact_key, minhash_signature
-from data_prep.across import BANDS, SIGNATURES, band_keys, lsh_shape
+from data_prep.across import SIGNATURES, write_band_index
+from data_prep.dedup import Deduplicator, exact_key
+from data_prep.near import shingle_hashes, signature, write_shingles
 from data_prep.merge import filter_against
-from data_prep.output import SIGNATURE_SPOOL, SPLITS, SPOOL, publish, work_folder
+from data_prep.output import SHINGLE_SPOOL, SIGNATURE_SPOOL, SPLITS, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
 from data_prep.sentences import SentenceSplitter
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
@@ -62,13 +63,14 @@ def _process(text: str) -> dict:
         return {"drop": "short", "seconds": timings}
     start = time.perf_counter()
     key = exact_key(clean)
-    signature = (minhash_signature(clean, config.num_perm, config.shingle)
-                 if config.dedup == "minhash" else None)
+    shingles = shingle_hashes(clean, config.shingle) if config.dedup == "minhash" else None
+    minhash = signature(shingles, config.num_perm) if shingles is not None else None
     timings["dedup"] = time.perf_counter() - start
     start = time.perf_counter()
     sentences = _worker["splitter"].split(clean)
     timings["split"] = time.perf_counter() - start
-    return {"key": key, "signature": signature, "sentences": sentences, "seconds": timings}
+    return {"key": key, "signature": minhash, "shingles": shingles, "sentences": sentences,
+            "seconds": timings}
 
 
 def _map(config: PrepConfig, texts):
@@ -100,7 +102,8 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     seconds = {"clean": 0.0, "dedup": 0.0, "split": 0.0}
 
     reader = Reader(config.text_key, config.txt_documents, config.skip_bad_lines)
-    dedup = Deduplicator(config.dedup, config.jaccard_threshold, config.num_perm)
+    dedup = Deduplicator(config.dedup, config.jaccard_threshold, config.num_perm,
+                         os.path.join(work, SHINGLE_SPOOL))
     counts = {"documents_in": 0, "empty_dropped": 0, "short_dropped": 0, "documents_out": 0,
               "sentences": 0}
     source_of = {path: given for given in config.inputs for path in expand_inputs([given])}
@@ -136,7 +139,7 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                     continue
                 start = time.perf_counter()
                 exact_before = dedup.exact_removed
-                kept = dedup.keep(result["key"], result["signature"])
+                kept = dedup.keep(result["key"], result["signature"], result["shingles"])
                 seconds["dedup"] += time.perf_counter() - start
                 if not kept:
                     kind = "exact" if dedup.exact_removed > exact_before else "near"
@@ -196,7 +199,7 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
         builders[split].finalize(os.path.join(work, f"{split}.idx"))
         np.save(os.path.join(work, f"{split}.keys.npy"), np.array(keys[split], dtype=np.uint64))
     if config.dedup == "minhash":
-        write_signatures(work, signature_spool, rows, config)
+        write_near_files(work, signature_spool, dedup, rows, config)
     seconds["encode_write"] = time.perf_counter() - start
     against, removed = {}, {}
     if config.dedup_against:
@@ -233,21 +236,23 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     return manifest
 
 
-def write_signatures(work: str, spool: str, rows: dict, config: PrepConfig,
+def write_near_files(work: str, spool: str, dedup: Deduplicator, rows: dict, config: PrepConfig,
                      chunk: int = 1 << 16) -> None:
-    """SPLIT.minhash.npy and SPLIT.bands.npy of each split's documents (data_prep/across.py),
-    from the spool of every kept document's signature, chunk by chunk."""
+    """Each split's signatures, shingles and band index (data_prep/across.py), from the spool of
+    every kept document's signature and the deduplicator's of their shingles."""
     spooled = np.memmap(spool, dtype=np.uint32, mode="r").reshape(-1, config.num_perm)
-    bands, band_rows = lsh_shape(config.jaccard_threshold, config.num_perm)
     for split in SPLITS:
         order = np.array(rows[split], dtype=np.int64)
-        path = os.path.join(work, f"{split}.{SIGNATURES}")
-        signatures = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint32,
-                                               shape=(len(order), config.num_perm))
+        prefix = os.path.join(work, split)
+        signatures = np.lib.format.open_memmap(f"{prefix}.{SIGNATURES}", mode="w+",
+                                               dtype=np.uint32, shape=(len(order), config.num_perm))
         for start in range(0, len(order), chunk):
             signatures[start:start + chunk] = spooled[order[start:start + chunk]]
         signatures.flush()
-        np.save(os.path.join(work, f"{split}.{BANDS}"), band_keys(signatures, bands, band_rows))
+        offsets = np.asarray(dedup.offsets, dtype=np.int64)
+        write_shingles(prefix, (dedup.shingles_of(row) for row in order),
+                       int((offsets[order + 1] - offsets[order]).sum()), len(order))
+        write_band_index(prefix, signatures, config.jaccard_threshold, config.num_perm)
         del signatures
 
 

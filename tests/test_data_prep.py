@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -297,6 +298,34 @@ def test_near_duplicates_across_shards_and_corpora_go_the_first_copy_stays(tmp_p
     assert again["cross_shard_near_duplicates_removed"] == 3 and again["documents_out"] == 36
 
 
+def test_merging_a_merged_folder_removes_what_one_merge_removes(tmp_path, capsys):
+    """merge(merge(a, b), c) == merge(a, b, c): the merged folder records its de-duplication
+    settings and keeps every kept document's near-duplicate files; a folder without them is
+    named when near duplicates cannot be removed across."""
+    rng = random.Random(11)
+    originals = [unique_document(rng, words=200) for _ in range(30)]
+    parts = [originals[:10], originals[10:20] + [near_copy(t) for t in originals[:3]],
+             originals[20:] + [near_copy(t) for t in originals[3:5] + originals[12:14]]]
+    files = [write_txt(tmp_path / f"part{i}.txt", texts) for i, texts in enumerate(parts)]
+    run(files, tmp_path / "exact", dedup="exact")
+    options = dict(tokenizer=str(tmp_path / "exact" / "tokenizer.json"), valid_fraction=0.2)
+    shards = [str(tmp_path / f"shard{i}") for i in range(3)]
+    for file, shard in zip(files, shards):
+        run([file], shard, **options)
+    at_once = merge(shards, str(tmp_path / "abc"), quiet=True)
+    first = merge(shards[:2], str(tmp_path / "ab"), quiet=True)
+    then = merge([str(tmp_path / "ab"), shards[2]], str(tmp_path / "ab-c"), quiet=True)
+    assert at_once["near_duplicates_removed"] == 7
+    assert (first["near_duplicates_removed"], then["near_duplicates_removed"]) == (3, 7)
+    assert then["near_duplicates_across"] and then["config"]["dedup"] == "minhash"
+    assert sorted(kept_texts(tmp_path / "ab-c")) == sorted(kept_texts(tmp_path / "abc"))
+    assert then["documents_out"] == at_once["documents_out"] == 30
+
+    mixed = merge([shards[0], str(tmp_path / "exact")], str(tmp_path / "mixed"), quiet=True)
+    assert not mixed["near_duplicates_across"]
+    assert f"{tmp_path / 'exact'} had no --dedup minhash" in capsys.readouterr().err
+
+
 def test_two_novels_share_no_near_duplicate(data, tmp_path):
     """False positives on text with none planted: another novel de-duplicated against the first
     (thousands of paragraphs each) loses nothing."""
@@ -307,15 +336,89 @@ def test_two_novels_share_no_near_duplicate(data, tmp_path):
             other["cross_corpus_near_duplicates_removed"]) == (0, 0)
 
 
-def test_band_keys_are_the_within_run_lsh_bands():
-    from data_prep.across import band_keys, lsh_shape
-    from data_prep.dedup import Deduplicator
+def test_band_keys_differ_only_in_the_band_of_a_changed_value():
+    from data_prep.near import band_keys, lsh_shape
 
     bands, rows = lsh_shape(0.8, 128)
-    lsh = Deduplicator("minhash", 0.8, 128).lsh
-    assert (bands, rows) == (lsh.b, lsh.r) and bands * rows <= 128
+    assert (bands, rows) == (18, 7)
     signatures = np.random.default_rng(0).integers(0, 2**32, size=(2, 128), dtype=np.uint32)
     signatures[1] = signatures[0]
     signatures[1, 3 * rows + 2] += 1  # one value of band 3 differs
     keys = band_keys(signatures, bands, rows, chunk=1)
     assert (keys[:, 0] == keys[:, 1]).tolist() == [band != 3 for band in range(bands)]
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.7, 0.8, 0.9, 0.95])
+def test_lsh_shape_finds_pairs_at_the_threshold_with_the_fewest_bands(threshold):
+    from data_prep.near import RECALL_AT_THRESHOLD, lsh_shape
+
+    def found(rows):
+        return 1 - (1 - threshold ** rows) ** (128 // rows)
+
+    bands, rows = lsh_shape(threshold, 128)
+    assert bands == 128 // rows and found(rows) >= RECALL_AT_THRESHOLD > found(rows + 1)
+
+
+def test_jaccards_of_many_pairs_at_once_equal_the_sets():
+    from data_prep.near import jaccards
+
+    rng = np.random.default_rng(3)
+    sets = [np.unique(rng.integers(0, 60, size=rng.integers(0, 40))).astype(np.uint32)
+            for _ in range(200)]
+    pairs = [(sets[i], sets[j]) for i, j in rng.integers(0, 200, size=(300, 2))]
+    got = jaccards((np.concatenate([a for a, _ in pairs]), [len(a) for a, _ in pairs]),
+                   (np.concatenate([b for _, b in pairs]), [len(b) for _, b in pairs]))
+    want = [len(set(a) & set(b)) / max(1, len(set(a) | set(b))) for a, b in pairs]
+    assert np.allclose(got, want)
+
+
+def test_the_bench_signs_pages_as_prep_does():
+    from bench.dedup_across import signatures
+    from data_prep.near import shingle_hashes, signature
+
+    hashes = shingle_hashes(unique_document(random.Random(1), words=80), 5)
+    assert (signatures(hashes[None])[0] == signature(hashes, 128)).all()
+
+
+def web_pages(folder, documents, shards, planted=0.1):
+    """bench/dedup_across.py's web-like shards: every page of 1 template's 120-shingle block
+    and 20 of its own (pairwise Jaccard 0.75, one LSH bucket of thousands per band), and
+    near-copies of shard 0's pages at Jaccard 0.6-0.95 planted in the later shards."""
+    from bench import dedup_across
+
+    dedup_across.make(SimpleNamespace(documents=documents, shards=shards, boilerplate=120,
+                                      templates=1, unique=20, planted=planted, seed=0,
+                                      levels=list(dedup_across.LEVELS), folder=str(folder)))
+    return dedup_across
+
+
+def assert_precise_at_the_threshold(result):
+    """Nothing below the threshold removed; at 0.85 and above, 95% or more."""
+    assert result["unplanted_removed"] == 0
+    for level, (removed, planted) in result["by_level"].items():
+        if float(level) < 0.8:
+            assert removed == 0, (level, removed, planted)
+        elif float(level) >= 0.85:
+            assert removed >= 0.95 * planted, (level, removed, planted)
+
+
+def test_pages_sharing_a_block_are_kept_and_their_near_copies_removed(tmp_path, monkeypatch):
+    """Across shards and within one run, over buckets of thousands: exact at the threshold, and
+    each page checks a bounded number of candidates (the old LSH compared each page with its
+    whole bucket and removed 54% of such pages)."""
+    from data_prep import across, near
+
+    bench = web_pages(tmp_path, documents=4000, shards=2)
+    checked = []
+
+    def to_verify(document, *args):
+        chosen = near.to_verify(document, *args)
+        checked.append(np.bincount(document[chosen]).max(initial=0))
+        return chosen
+
+    monkeypatch.setattr(across, "to_verify", to_verify)
+    assert_precise_at_the_threshold(bench.measure(str(tmp_path), 2))
+    assert max(checked) == near.VERIFIED_PER_DOCUMENT  # a bucket of thousands, 8 checked
+    assert_precise_at_the_threshold(bench.measure_within(str(tmp_path)))
+
+
