@@ -31,7 +31,7 @@ from data_prep.near import (CANDIDATES_PER_BUCKET, SHINGLE_OFFSETS, SHINGLES, Sh
 
 SIGNATURES, BAND_KEYS, BAND_ORDER = "minhash.npy", "band_keys.npy", "band_order.npy"
 NEAR_FILES = (SIGNATURES, SHINGLES, SHINGLE_OFFSETS, BAND_KEYS, BAND_ORDER)
-QUERY_CHUNK = 1 << 15  # documents whose candidate pairs are made at once
+QUERY_CHUNK = 4096  # documents whose candidate pairs are made at once
 
 
 def write_band_index(prefix: str, signatures: np.ndarray, threshold: float,
@@ -207,17 +207,18 @@ def similarity(shingles: list, offsets: np.ndarray, index: int, document: np.nda
 
 
 def agreement(signatures: list, offsets: np.ndarray, index: int, document: np.ndarray,
-              candidate: np.ndarray) -> np.ndarray:
+              candidate: np.ndarray, block: int = 1 << 15) -> np.ndarray:
     """The share of equal signature values of each pair (document of part `index`, candidate
-    anywhere before it), read from the memory-mapped signatures part by part."""
+    anywhere before it), read from the memory-mapped signatures part by part, `block` pairs at a
+    time (two signatures a pair: 16 MB at 128 values)."""
     result = np.empty(len(document), dtype=np.float64)
-    if len(document) == 0:
-        return result
-    rows, back = np.unique(document, return_inverse=True)
-    own = np.asarray(signatures[index][rows])[back]
     owner = np.searchsorted(offsets, candidate, side="right") - 1
-    for part in np.unique(owner):
-        here = owner == part
-        rows, back = np.unique(candidate[here] - offsets[part], return_inverse=True)
-        result[here] = (own[here] == np.asarray(signatures[part][rows])[back]).mean(axis=1)
+    for start in range(0, len(document), block):
+        pairs = slice(start, start + block)
+        own = np.asarray(signatures[index][document[pairs]])
+        theirs = np.empty_like(own)
+        for part in np.unique(owner[pairs]):
+            here = owner[pairs] == part
+            theirs[here] = signatures[part][candidate[pairs][here] - offsets[part]]
+        result[pairs] = (own == theirs).mean(axis=1)
     return result
