@@ -133,7 +133,7 @@ class BandTables:
 
     def __init__(self, parts: List[Part], offsets: np.ndarray, threshold: float, num_perm: int):
         self.shape = lsh_shape(threshold, num_perm)
-        self.tables = []  # (sorted keys [bands, n], documents [bands, n], first position)
+        self.tables = []  # (sorted keys [bands, n], documents of each band, first position)
         merged = [index for index, part in enumerate(parts) if not part.fixed]
         for index, part in enumerate(parts):
             if part.fixed:
@@ -143,9 +143,13 @@ class BandTables:
                                    for index in merged], axis=1)
             positions = np.concatenate([np.arange(offsets[index], offsets[index + 1])
                                         for index in merged])
-            order = np.argsort(keys, axis=1, kind="stable")
-            self.tables.append((np.take_along_axis(keys, order, axis=1),
-                                positions[order].astype(np.int64), 0))
+            kind = np.int32 if offsets[-1] < 2**31 else np.int64
+            documents = []
+            for band in range(len(keys)):  # one band's temporaries at a time, keys sorted in place
+                order = np.argsort(keys[band], kind="stable")
+                keys[band] = keys[band][order]
+                documents.append(positions[order].astype(kind))
+            self.tables.append((keys, documents, 0))
 
     def candidates(self, queries: np.ndarray) -> tuple:
         """(query, position) pairs: each query document (a column of `queries`, [bands, n] band
