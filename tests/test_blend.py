@@ -1,15 +1,18 @@
 """Blending several prepared folders into one stream (tupe_ds/data/blend.py, `--data W1 F1 W2
-F2`): the schedule's shares over any window, the single-corpus stream as the oracle, the same
-samples in every layout and after a resume, vocabularies checked, and a run that validates each
-source and logs the shares."""
+F2`): every positive weight drawn at its share, each source within its bound of it at any sample
+(weights over 8 decades, token counts too), the single-corpus stream as the oracle, the same
+samples in every layout and after a resume, the sources' names, vocabularies checked, a run that
+validates each source and logs the shares, and DATA through pretrain.sbatch."""
 
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from tupe_ds.data.blend import PERIOD, BlendedSamples, Schedule, parse_sources, whole_shares
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
@@ -19,7 +22,12 @@ from tupe_ds.data.packing import PackedSentences
 from runs import log, train
 from test_index_cache import write_corpus
 
-WEIGHTS = [(0.7, 0.3), (1, 1, 1), (0.5, 0.3, 0.2), (0.999, 0.001), (3, 0, 1), (0.123, 0.877)]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WEIGHTS = [(0.7, 0.3), (1, 1, 1), (0.5, 0.3, 0.2), (0.999, 0.001), (3, 0, 1), (0.123, 0.877),
+           (1, 4e-5), (3.2e9, 4e6), (3, 6e-5, 6e-5), (1e11, 4e6, 4e6, 2e7)]
+# a web corpus and five small domain ones: Megatron's rule (the schedule before) put one of them
+# 1.67 samples off its share
+SIX = (0.9591, 0.0148, 0.0111, 0.0068, 0.0065, 0.0018)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +35,8 @@ def second(data, tmp_path_factory):
     """Another novel, prepared with the first folder's tokenizer."""
     from data_prep.pipeline import PrepConfig, prepare
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path_factory.mktemp("northanger")
-    prepare(PrepConfig(inputs=[os.path.join(root, "data", "sample", "northangerabbey.txt.gz")],
+    prepare(PrepConfig(inputs=[os.path.join(ROOT, "data", "sample", "northangerabbey.txt.gz")],
                        output=str(out), tokenizer=os.path.join(data, "tokenizer.json"),
                        workers=1, valid_fraction=0.05, quiet=True))
     return str(out)
@@ -52,26 +59,70 @@ def assert_same(one, other):
         torch.testing.assert_close(one[key], other[key], rtol=0, atol=0, msg=key)
 
 
-@pytest.mark.parametrize("weights", WEIGHTS)
-def test_every_window_holds_each_source_within_2_samples_of_its_share(weights):
+def assert_within_bounds(schedule, first, count):
+    """Global samples [first, first + count): each source's own samples come in order, each once,
+    and at each of its draws its count of the samples before g (k) and through g (k + 1) is
+    within `within` of g x share (exactly: counts scaled by PERIOD)."""
+    source, own = schedule.locate(np.arange(first, first + count))
+    for i, size in enumerate(schedule.per_period):
+        mine = np.flatnonzero(source == i)
+        if not size:
+            assert not mine.size
+            continue
+        if mine.size:
+            assert np.array_equal(own[mine], own[mine[0]] + np.arange(mine.size))
+        k, g = own[mine].astype(object), (first + mine).astype(object)  # Python's exact ints
+        bound = schedule.within[i] * PERIOD
+        assert max(np.abs(k * PERIOD - g * int(size)), default=0) <= bound, (i, first)
+        assert max(np.abs((k + 1) * PERIOD - (g + 1) * int(size)), default=0) <= bound
+    return source
+
+
+@pytest.mark.parametrize("weights", WEIGHTS + [SIX])
+def test_each_source_is_within_one_sample_of_its_share_at_any_sample(weights):
     schedule = Schedule(weights)
+    shares = np.array(weights) / sum(weights)
     assert schedule.per_period.sum() == PERIOD
-    assert np.abs(schedule.per_period - np.array(weights) / sum(weights) * PERIOD).max() <= 1
-    source, own = schedule.locate(np.arange(2 * PERIOD))
-    for i, share in enumerate(schedule.per_period / PERIOD):
-        mine = source == i
-        # a source's own samples come in order, each once
-        assert np.array_equal(own[mine], np.arange(mine.sum()))
-        # over a window [a, b) the count differs from (b - a) x share by at most the spread of
-        # (count so far - n x share) over n
-        behind = np.concatenate([[0], np.cumsum(mine)]) - np.arange(2 * PERIOD + 1) * share
-        assert behind.max() - behind.min() < 2, (weights, i)
-    assert np.array_equal(schedule.counts(12345, PERIOD), schedule.per_period)
+    assert np.abs(schedule.per_period - shares * PERIOD).max() <= 1
+    assert ((schedule.per_period > 0) == (shares > 0)).all()  # every positive weight draws
+    assert schedule.within.max() < 1
+    for first in (0, 12345, PERIOD - 2000, 3 * PERIOD + 7, 2 ** 45):
+        source = assert_within_bounds(schedule, first, 4000)
+        # hence over any window, each count is within 2 x within of window x share
+        window = np.bincount(source[1000:3500], minlength=len(weights))
+        assert (np.abs(window - 2500 * schedule.per_period / PERIOD)
+                <= 2 * schedule.within).all()
+    g = np.random.default_rng(0).integers(0, 2 ** 50, 1000)
+    source, own = schedule.locate(g)
+    later, own_later = schedule.locate(g + PERIOD)  # a period on, each source has its share more
+    assert np.array_equal(later, source)
+    assert np.array_equal(own_later, own + schedule.per_period[source])
+
+
+@st.composite
+def blends(draw):
+    """2 to 6 weights over 8 decades, as fractions or token counts, some of them 0."""
+    scale = draw(st.sampled_from([1e-6, 1.0, 1e9]))
+    weight = st.one_of(st.just(0.0), st.tuples(st.floats(1, 10), st.integers(0, 7)).map(
+        lambda drawn: drawn[0] * 10.0 ** drawn[1] * scale))
+    weights = draw(st.lists(weight, min_size=2, max_size=6))
+    return weights if sum(weights) else weights + [scale]
+
+
+@settings(max_examples=40, deadline=None)
+@given(blends(), st.integers(0, 2 ** 50))
+def test_any_weights_keep_each_source_within_its_bound_and_under_1_up_to_four(weights, first):
+    schedule = Schedule(weights)
+    shares = np.array(weights) / sum(weights)
+    assert ((schedule.per_period > 0) == (shares > 0)).all()
+    if (shares > 0).sum() <= 4:
+        assert schedule.within.max() < 1
+    assert_within_bounds(schedule, first, 3000)
 
 
 def test_weights_are_whole_shares_of_the_period_by_largest_remainders():
-    assert whole_shares([1, 1, 1]).tolist() == [3334, 3333, 3333]
-    assert whole_shares([0.7, 0.3]).tolist() == [7000, 3000]
+    assert whole_shares([1, 1, 1]).tolist() == [715827883, 715827883, 715827882]
+    assert whole_shares([0.75, 0.25]).tolist() == [3 * PERIOD // 4, PERIOD // 4]
     assert whole_shares([2, 0]).tolist() == [PERIOD, 0]
 
 
@@ -81,17 +132,40 @@ def test_weights_are_whole_shares_of_the_period_by_largest_remainders():
     (["-1", "a", "2", "b"], "the weight of a is -1"),
     (["0", "a", "0", "b"], "every weight is 0"),
     (["1", "a", "1", "a/"], "a folder is named twice"),
+    (["1", "a", "4e-10", "b"], r"the weight of b, 4e-10, is 4e-10 of the total, below the "
+                               r"blend's resolution \(a sample in 2\^31\)"),
+    (["1e308", "a", "1e308", "b"], "add up to more than a float holds"),
+    (["1", "x/books", "1", "y/books"], "x/books and y/books are both named books; name one: "
+                                      "NAME=y/books"),
+    (["1", "wiki=a", "1", "wiki=b"], "wiki=a and wiki=b are both named wiki"),
+    (["1", "my wiki=a", "1", "b"], r"--data my wiki=a: 'my wiki' is not a source name \(letters, "
+                                   r"digits, '.', '_' and '-', from a letter or digit\)$"),
+    (["1", "x/my wiki", "1", "b"], "--data x/my wiki: 'my wiki' is not a source name .*; name "
+                                   "the source: NAME=x/my wiki"),
+    (["1", "x/a=b", "1", "c"], "'a=b' is not a source name .*; name the source: NAME=x/a=b"),
+    (["1", "wiki=", "1", "b"], "--data wiki=: no folder after the name"),
+    (["-x=a"], "'-x' is not a source name"),
 ])
 def test_a_wrong_data_flag_is_refused_with_what_to_write(values, message):
     with pytest.raises(ValueError, match=message):
         parse_sources(values)
 
 
-def test_sources_are_named_by_folder_and_numbered_where_names_repeat():
-    names = [s.name for s in parse_sources(["1", "x/wiki", "1", "y/books", "1", "z/books"])]
-    assert names == ["wiki", "books-2", "books-3"]
+def test_sources_carry_the_names_given_else_their_folders_or_above_a_merged_one():
+    from tupe_ds.compare.cli import absolute_data
+
+    sources = parse_sources(["3.2e9", "prep/wiki/merged", "4e6", "law=prep/l2", "8e8", "books",
+                             "1e8", "n=x/a=b"])
+    assert [(s.folder, s.weight, s.name) for s in sources] == [
+        ("prep/wiki/merged", 3.2e9, "wiki"), ("prep/l2", 4e6, "law"), ("books", 8e8, "books"),
+        ("x/a=b", 1e8, "n")]
     assert [(s.folder, s.weight, s.name) for s in parse_sources(["prep/"])] == [
         ("prep/", 1.0, "prep")]
+    assert parse_sources(["wiki=prep/"])[0].name == "wiki"
+    assert parse_sources(["x/my data"])[0].name == "my data"  # alone: no tag carries it
+    assert absolute_data(["3.2e9", "wiki=prep/wiki", "1", "prep/books/merged"]) == (
+        "3.2e9", f"wiki={os.path.abspath('prep/wiki')}", "1",
+        os.path.abspath("prep/books/merged"))
 
 
 def test_one_source_and_a_weight_of_zero_give_the_single_corpus_stream(data, second,
@@ -172,15 +246,15 @@ def test_a_folder_with_an_empty_split_is_refused_before_work(data, tmp_path):
 
 
 def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, tmp_path):
-    """Two ranks, 6 steps of 16 samples on 0.75 / 0.25: valid/loss is the blend of the sources'
-    validation losses, train/share/NAME the shares of each logged step's samples; resuming
-    with other weights is refused before work."""
+    """Two ranks, 6 steps of 16 samples on 0.75 / 0.25, the second source named novel: valid/loss
+    is the blend of the sources' validation losses, train/share/NAME the shares of each logged
+    step's samples; resuming with other weights is refused before work."""
     from tupe_ds.train.config import CPU_CONFIG, load
 
     out = tmp_path / "run"
     stdout = train("torchrun", 2, data, out, "--steps", "6", "--global-batch", "16",
-                   "--eval-interval", "6", "--data", "0.75", data, "0.25", second)
-    first, other = os.path.basename(data), os.path.basename(second)
+                   "--eval-interval", "6", "--data", "0.75", data, "0.25", f"novel={second}")
+    first, other = os.path.basename(data), "novel"
     assert f"train samples: {first} " in stdout and f"(75%), {other} " in stdout
     entries = log(out)
     shares = [(entries[s][f"train/share/{first}"], entries[s][f"train/share/{other}"])
@@ -192,9 +266,48 @@ def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, t
         0.75 * final[f"valid/{first}/loss"] + 0.25 * final[f"valid/{other}/loss"], rel=1e-6)
     assert final[f"valid/{first}/loss"] != final[f"valid/{other}/loss"]
     description = json.loads((out / "run.json").read_text())
-    assert [s["weight"] for s in description["sources"]] == [0.75, 0.25]
+    assert [(s["folder"], s["weight"], s["name"]) for s in description["sources"]] == [
+        (data, 0.75, first), (second, 0.25, "novel")]
     with pytest.raises(SystemExit, match=r"the data \(--data\): other content than the "
                                          r"checkpoint's \(data.blend\[0\].per_period\)"):
         load(["--data", "0.5", data, "0.5", second, "--model", "tiny", "--ds-config", CPU_CONFIG,
               "--out", str(out), "--steps", "7", "--seq-len", "64", "--global-batch", "16"],
              world_size=2)
+
+
+def test_pretrain_script_passes_token_count_weights_and_named_folders(tmp_path):
+    """DATA of pretrain.sbatch with weights in e-notation (token counts) and NAME=FOLDER: --data's
+    values as written. A stand-in python and srun print what they are given."""
+    for program in ("python", "srun"):
+        (tmp_path / program).write_text('#!/usr/bin/env python3\nimport json, sys\n'
+                                        'print(json.dumps(sys.argv[1:]))\n')
+        (tmp_path / program).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHON": "python",
+           "TUPE_DS_ROOT": ROOT}
+    expected = ["3.2e9", "/p/wiki/merged", "4E+6", "law=/p/l2"]
+    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "pretrain.sbatch"), "bert-large",
+                             " ".join(expected), "/runs/x"], env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    commands = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
+    assert len(commands) == 2  # the check, then the step
+    for argv in commands:
+        start = argv.index("--data") + 1
+        assert argv[start:start + 5] == [*expected, "--out"], argv
+
+
+def test_a_blend_checkpoint_of_the_old_schedule_is_refused_naming_the_schedule():
+    """A checkpoint of a blend recorded before the schedule was changed (samples per 10,000, no
+    schedule recorded): a resume names the schedule and what to do; a single source is unaffected."""
+    from tupe_ds.data.blend import SCHEDULE
+    from tupe_ds.train.checkpoint.identity import differences
+
+    old = {"data": {"blend": [{"per_period": 7000}, {"per_period": 3000}]}}
+    now = {"data": {"schedule": SCHEDULE,
+                    "blend": [{"per_period": 1503238554}, {"per_period": 644245094}]}}
+    lines = differences(old, now)
+    assert any(line.startswith("the blend's schedule: samples per 10,000") and "--init-from" in line
+               for line in lines), lines
+    assert differences(now, now) == []
+    assert not any(line.startswith("the blend's schedule")
+                   for line in differences({"data": {"train": "x"}}, now))

@@ -45,8 +45,8 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
                                        "--lr, --eval-interval, ...) go to every tupe-pretrain run.")
     add_verbose_flag(p)
     p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
-                   help="a folder written by tupe-prep, or a weighted blend of several "
-                        "(tupe-pretrain's --data)")
+                   help="a folder written by tupe-prep, or a weighted blend of several, "
+                        "NAME=FOLDER naming one (tupe-pretrain's --data)")
     p.add_argument("--encodings", required=True, type=comma_list(str),
                    help=f"comma-separated, from: {', '.join(ENCODINGS)}")
     p.add_argument("--seeds", type=comma_list(int), default=(1,),
@@ -110,11 +110,20 @@ def finetune_plan(args) -> dict:
 
 
 def absolute_data(values: list) -> tuple:
-    """--data's values with its folders made absolute: a folder, or weights and folders."""
+    """--data's values with its folders made absolute: a folder, or weights and folders, a
+    NAME=FOLDER keeping its name."""
+    from tupe_ds.data.blend import named_folder  # imports torch: not for the other commands
+
+    def absolute(value):
+        try:
+            name, folder = named_folder(value)
+        except ValueError as error:
+            raise CompareError(str(error)) from None
+        return os.path.abspath(value) if folder == value else f"{name}={os.path.abspath(folder)}"
+
     if len(values) == 1:
-        return (os.path.abspath(values[0]),)
-    return tuple(value if i % 2 == 0 else os.path.abspath(value)
-                 for i, value in enumerate(values))
+        return (absolute(values[0]),)
+    return tuple(value if i % 2 == 0 else absolute(value) for i, value in enumerate(values))
 
 
 def make_plan(args, pretrain_flags: list) -> Plan:

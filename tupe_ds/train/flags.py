@@ -27,7 +27,9 @@ def parser() -> argparse.ArgumentParser:
     add_verbose_flag(p)
     p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
                    help="a folder written by tupe-prep, or a blend of several with their "
-                        "weights: --data 0.7 wiki 0.3 books (same tokenizer)")
+                        "weights (token counts too): --data 0.7 wiki 0.3 books (same "
+                        "tokenizer); NAME=FOLDER names a source's metrics (default: the "
+                        "folder's name, or its parent's for a .../NAME/merged)")
     p.add_argument("--objective", default="mlm", choices=["mlm", "electra"],
                    help="mlm: BERT masked LM; electra: generator + discriminator")
     p.add_argument("--model", default="bert-base", choices=sorted(set(PRESETS) | set(PAIRS)),

@@ -11,7 +11,7 @@ import os
 import re
 from typing import List, Sequence
 
-from tupe_ds.data.blend import Source, whole_shares
+from tupe_ds.data.blend import SCHEDULE, Source, whole_shares
 from tupe_ds.data.packing import dataset_digest
 from tupe_ds.tools.files import file_digest
 
@@ -40,7 +40,8 @@ def run_identity(objective: str, model: str, models: tuple, sources: Sequence[So
         data = digests(sources[0])
     else:
         per_period = whole_shares([source.weight for source in sources])
-        data = {"blend": [{"per_period": int(count), **digests(source)}
+        data = {"schedule": SCHEDULE,
+                "blend": [{"per_period": int(count), **digests(source)}
                           for source, count in zip(sources, per_period)]}
     return {
         "objective": objective, "model": model, "seed": seed, "seq_len": seq_len,
@@ -108,7 +109,13 @@ def differences(saved: dict, current: dict, which=lambda key: True) -> List[str]
             continue
         if before.get(key) != now.get(key) and not both_nan(before.get(key), now.get(key)):
             top = key.split(".")[0].split("[")[0]
-            if top in DESCRIPTIONS:
+            if key == "data.schedule" and key in now and any(
+                    name.startswith("data.blend") for name in before):
+                written = before.get(key, "samples per 10,000 (before 2026-11-26)")
+                line = (f"the blend's schedule: {written} in the checkpoint, {now[key]} now: "
+                        "resume with the tupe_ds that wrote the checkpoint, or start a new run "
+                        "from it with --init-from")
+            elif top in DESCRIPTIONS:
                 line = f"{DESCRIPTIONS[top]}: other content than the checkpoint's ({key})"
             else:
                 line = f"{key}: {before.get(key)!r} in the checkpoint, {now.get(key)!r} now"
