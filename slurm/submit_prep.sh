@@ -10,35 +10,66 @@
 # source's merge also removes what an earlier source holds (--dedup-against their merged
 # folders, once their merges succeeded), so that a blend of them holds each text once.
 # TOKENIZER: a tokenizer.json shared by all shards, e.g. from a tupe-prep run on a sample.
-# Slurm options (partition, account) go in SBATCH_* variables or SUBMIT_ARGS.
+# Read here and passed to the jobs as arguments, with the paths made absolute (the jobs need
+# nothing from this shell's environment, so SUBMIT_ARGS may hold --export=NONE): SUBMIT_ARGS,
+# sbatch options (partition, account); TUPE_PREP_ARGS, extra tupe-prep options of the shards
+# (e.g. "--lowercase"); PYTHON (default python3), the interpreter that has tupe_ds installed.
+# Printed per source: the job ids, and the commands that re-run one failed shard K alone and
+# then the merge (a failed shard leaves the merge pending, never to run: scancel it first).
 set -euo pipefail
 if [ $# -lt 4 ]; then
-  sed -n '2,14p' "$0" >&2
+  sed -n '2,18p' "$0" >&2
   exit 2
 fi
-count=$1 out=$2 tokenizer=$3
-shift 3
+count=$1
+shift
+if ! [[ $count =~ ^[1-9][0-9]*$ ]]; then
+  echo "N: the number of shards, a whole number >= 1, not '$count'" >&2
+  exit 2
+fi
 here=$(cd "$(dirname "$0")" && pwd)
+absolute() { [[ $1 == /* ]] && echo "$1" || echo "$PWD/$1"; }
+out=$(absolute "$1") tokenizer=$(absolute "$2")
+shift 2
+if ! python=$(command -v "${PYTHON:-python3}"); then
+  echo "PYTHON: no '${PYTHON:-python3}' here; set PYTHON to the interpreter that has tupe_ds" >&2
+  exit 2
+fi
+python=$(absolute "$python")
+if ! "$python" -c "import data_prep" 2>/dev/null; then
+  echo "PYTHON: $python cannot import data_prep; set PYTHON to the interpreter that has tupe_ds" >&2
+  exit 2
+fi
+read -ra submit_args <<< "${SUBMIT_ARGS:-}"
+read -ra prep_args <<< "${TUPE_PREP_ARGS:-}"
+quoted() { local line; line=$(printf '%q ' "$@"); echo "${line% }"; }  # as a shell reads it
 
-# submit OUT INPUT...: the shard array and the merge of one source; sets $merge (its job id)
+# submit FOLDER INPUT...: the shard array and the merge of one source (the merge de-duplicated
+# against the folders in $against, after the jobs in $after); sets $merge (its job id)
 submit() {
-  local folder=$1 array
+  local folder=$1 array inputs=() input
   shift
+  for input in "$@"; do inputs+=("$(absolute "$input")"); done
+  local shard=("$here/prep_shard.sbatch" --count "$count" --python "$python" "$folder"
+               "$tokenizer" "${inputs[@]}" ${prep_args[@]+-- "${prep_args[@]}"})
+  local merging=("$here/prep_merge.sbatch" --count "$count" --python "$python" "$folder"
+                 ${against[@]+--dedup-against "${against[@]}"})
   mkdir -p "$folder"
-  array=$(sbatch --parsable ${SUBMIT_ARGS:-} --array=0-$((count - 1)) \
-    "$here/prep_shard.sbatch" "$folder" "$tokenizer" "$@")
+  array=$(sbatch --parsable "${submit_args[@]}" --array=0-$((count - 1)) "${shard[@]}")
   array=${array%%;*}
-  merge=$(DEDUP_AGAINST="${against:-}" sbatch --parsable ${SUBMIT_ARGS:-} \
-    --dependency=afterok:"$array${after:+:$after}" "$here/prep_merge.sbatch" "$folder" "$count")
+  merge=$(sbatch --parsable "${submit_args[@]}" --dependency=afterok:"$array${after:+:$after}" \
+    "${merging[@]}")
   merge=${merge%%;*}
   echo "shards: job $array (array 0-$((count - 1))), merge: job $merge -> $folder/merged"
+  echo "  re-run shard K alone: $(quoted sbatch "${submit_args[@]}" --array=K "${shard[@]}")"
+  echo "  then the merge: $(quoted sbatch "${submit_args[@]}" "${merging[@]}")"
 }
 
+against=() after=
 if [[ $1 != *=* ]]; then
   submit "$out" "$@"
   exit 0
 fi
-against= after=
 for source in "$@"; do
   if [[ $source != *=* ]]; then
     echo "$source: with several sources, name each: NAME=INPUT[,INPUT ...]" >&2
@@ -47,5 +78,5 @@ for source in "$@"; do
   IFS=, read -ra inputs <<< "${source#*=}"
   echo -n "${source%%=*}: "
   submit "$out/${source%%=*}" "${inputs[@]}"
-  against="${against:+$against }$out/${source%%=*}/merged" after="${after:+$after:}$merge"
+  against+=("$out/${source%%=*}/merged") after="${after:+$after:}$merge"
 done

@@ -4,9 +4,11 @@ on two nodes: test_multinode.py.
 
 When Slurm, munge and OpenMPI cannot be installed, these tests are skipped with the reason."""
 
+import hashlib
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -142,39 +144,87 @@ def test_two_phase_chain_starts_phase_2_from_phase_1_once_it_succeeded(cluster, 
     assert cluster.job(phase1)["EndTime"] <= job["StartTime"]
 
 
-def test_prep_arrays_of_two_sources_equal_one_run_and_the_second_loses_the_firsts_texts(
-        cluster, tmp_path):
-    """submit_prep.sh with sources a and b, 2 shards each: a's merge equals one tupe-prep run;
-    b's merge, after a's, removes b's near-copies of 2 of a's documents."""
+@pytest.fixture(scope="module")
+def prep_arrays(cluster, tmp_path_factory):
+    """submit_prep.sh under --export=NONE (the jobs get every setting as an argument), sources a
+    and b, 2 shards each, b's near-copies of 2 of a's documents; its output once both merges
+    completed."""
+    root = tmp_path_factory.mktemp("prep")
     rng = random.Random(5)
     first = [unique_document(rng, words=200) for _ in range(12)]
     second = [unique_document(rng, words=200) for _ in range(8)] + [near_copy(first[1]),
                                                                      near_copy(first[8])]
-    files = {name: [write_txt(tmp_path / f"{name}{i}.txt", texts[i * 6:(i + 1) * 6])
+    files = {name: [write_txt(root / f"{name}{i}.txt", texts[i * 6:(i + 1) * 6])
                     for i in range(2)] for name, texts in (("a", first), ("b", second))}
-    prep(files["a"] + files["b"], tmp_path / "tok", dedup="exact")
-    tokenizer = str(tmp_path / "tok" / "tokenizer.json")
-    prep(files["a"], tmp_path / "single", valid_fraction=0.01, tokenizer=tokenizer)
-    env = {**cluster.env, **environment(), "TUPE_PREP": f"{sys.executable} -m data_prep",
-           "SUBMIT_ARGS": f"--cpus-per-task=1 --mem=1G --time=10 --chdir={tmp_path}"}
+    prep(files["a"] + files["b"], root / "tok", dedup="exact")
+    tokenizer = str(root / "tok" / "tokenizer.json")
+    prep(files["a"], root / "single", valid_fraction=0.01, tokenizer=tokenizer)
+    env = {**cluster.env, **environment(), "PYTHON": sys.executable,
+           "SUBMIT_ARGS": f"--export=NONE --cpus-per-task=1 --mem=1G --time=10 --chdir={root}"}
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "submit_prep.sh"), "2",
-                             str(tmp_path / "out"), tokenizer,
+                             str(root / "out"), tokenizer,
                              *(f"{name}={','.join(paths)}" for name, paths in files.items())],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    merges = [part.split()[0] for part in result.stdout.split("merge: job ")[1:]]
-    for merge in merges:
-        job = cluster.wait_until_done(merge)
-        assert job["JobState"] == "COMPLETED", cluster.logs()
-    merged = IndexedDataset(str(tmp_path / "out" / "a" / "merged" / "train"))
-    one = IndexedDataset(str(tmp_path / "single" / "train"))
+    for merge in re.findall(r"merge: job (\d+)", result.stdout):
+        job = cluster.wait(merge, lambda job: job["JobState"] not in (
+            "PENDING", "CONFIGURING", "RUNNING", "COMPLETING") or job["Reason"] == (
+            "DependencyNeverSatisfied"))  # a shard failed
+        assert job["JobState"] == "COMPLETED", job_outputs(root) + cluster.logs()
+    return root, result.stdout
+
+
+def job_outputs(folder):
+    return "".join(f"== {path}\n{path.read_text()[-2000:]}" for path in folder.glob("*.out"))
+
+
+def test_prep_arrays_of_two_sources_equal_one_run_and_the_second_loses_the_firsts_texts(
+        prep_arrays):
+    """a's merge equals one tupe-prep run; b's merge, after a's and --dedup-against it (an
+    argument of the job, not its environment), removes b's near-copies of 2 of a's documents."""
+    root, _ = prep_arrays
+    merged = IndexedDataset(str(root / "out" / "a" / "merged" / "train"))
+    one = IndexedDataset(str(root / "single" / "train"))
     assert (merged.sequence_lengths == one.sequence_lengths).all()
     assert all((merged[i] == one[i]).all() for i in range(len(one)))
-    with open(tmp_path / "out" / "b" / "merged" / "manifest.json") as f:
+    with open(root / "out" / "b" / "merged" / "manifest.json") as f:
         manifest = json.load(f)
-    assert manifest["dedup_against"] == [str(tmp_path / "out" / "a" / "merged")]
+    assert manifest["dedup_against"] == [str(root / "out" / "a" / "merged")]
     assert manifest["cross_corpus_near_duplicates_removed"] == 2
     assert manifest["documents_out"] == 8
+
+
+def file_states(folder):
+    """{path: (inode, mtime_ns, sha256)} of every file under `folder`."""
+    return {str(path.relative_to(folder)): (path.stat().st_ino, path.stat().st_mtime_ns,
+                                            hashlib.sha256(path.read_bytes()).hexdigest())
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_the_printed_command_re_runs_one_shard_of_the_array_and_nothing_else(cluster,
+                                                                              prep_arrays):
+    """`sbatch --array=1 ...` as submit_prep.sh prints it (--export=NONE too) writes shard 1 of
+    2 again, the same as the first time: shard 0, the merge and source b are untouched."""
+    root, printed = prep_arrays
+    before = file_states(root / "out")
+    manifest = root / "out" / "a" / "shard1" / "manifest.json"
+    first = json.loads(manifest.read_text())
+    command = re.search(r"re-run shard K alone: (.*)", printed).group(1)  # source a's
+    assert "--array=K " in command
+    result = subprocess.run(["bash", "-c", command.replace("--array=K ", "--array=1 ")],
+                            env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    job = cluster.wait_until_done(re.search(r"Submitted batch job (\d+)", result.stdout).group(1))
+    assert job["JobState"] == "COMPLETED", job_outputs(root) + cluster.logs()
+    after = file_states(root / "out")
+    assert after.keys() == before.keys()
+    rewritten = {path for path in after if after[path][:2] != before[path][:2]}
+    assert rewritten == {path for path in after if path.startswith("a/shard1/")}, rewritten
+    changed = {path for path in after if after[path][2] != before[path][2]}
+    assert changed <= {"a/shard1/manifest.json"}, changed
+    again = json.loads(manifest.read_text())
+    assert again["config"]["shard"] == [1, 2] and again["inputs"] == [str(root / "a1.txt")]
+    assert {**again, "seconds": None} == {**first, "seconds": None}
 
 
 def test_mpirun_trains_like_the_deepspeed_launcher(cluster, data, tmp_path):
@@ -295,10 +345,25 @@ def test_pretrain_script_passes_a_blend_or_a_folder_as_data(tmp_path, data, expe
         assert argv[start:start + len(expected) + 1] == [*expected, "--out"], argv
 
 
-def test_shard_script_explains_its_usage():
-    result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "prep_shard.sbatch")],
-                            capture_output=True, text=True)
+def test_shard_script_explains_its_usage_and_takes_its_shard_from_the_task_id_and_count():
+    def shard_script(*arguments, task=None):
+        env = {**os.environ, "SLURM_ARRAY_TASK_ID": task, "SLURM_CPUS_PER_TASK": "3"} if (
+            task) else None
+        return subprocess.run(["bash", os.path.join(ROOT, "slurm", "prep_shard.sbatch"),
+                               *arguments], env=env, capture_output=True, text=True)
+
+    result = shard_script()
     assert result.returncode == 2 and "usage: sbatch --array" in result.stderr
+    result = shard_script("out", "tok.json", "input", task="7")
+    assert result.returncode == 2 and "--count N, the number of shards, is required" in (
+        result.stderr)
+    result = shard_script("--count", "4", "out", "tok.json", "input", task="7")
+    assert result.returncode == 2 and "array task 7 is no shard of --count 4" in result.stderr
+    result = shard_script("--count", "8", "--python", "echo", "out", "tok.json", "in0", "in1",
+                          "--", "--lowercase", task="7")
+    assert result.returncode == 0 and result.stdout.split() == [
+        "-m", "data_prep", "--input", "in0", "in1", "--output", "out/shard7", "--tokenizer",
+        "tok.json", "--shard", "7/8", "--workers", "3", "--quiet", "--lowercase"]
 
 
 def test_doctor_in_the_test_clusters_allocation_says_what_the_ranks_will_use(cluster, data,
