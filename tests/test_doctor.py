@@ -176,8 +176,10 @@ def test_doctor_for_a_slurm_job_names_each_problem_with_its_fix(tmp_path):
                   "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
                   "SLURM_CPUS_PER_TASK": "8", "NCCL_SOCKET_IFNAME": "ib0",
                   "TORCH_EXTENSIONS_DIR": f"{tmp_path}/local/ext"}
+    ports = tmp_path / "ip_local_port_range"
+    ports.write_text("32768\t60999\n")
     lines, found = slurm_report(allocation, "nccl", f"{tmp_path}/home/data",
-                                f"{tmp_path}/home/run", mounts=str(mounts))
+                                f"{tmp_path}/home/run", mounts=str(mounts), port_range=str(ports))
     assert found == []
     assert "rendezvous: gpu07:20077; backend nccl" in lines
     assert "network: NCCL_SOCKET_IFNAME=ib0" in lines
@@ -185,10 +187,12 @@ def test_doctor_for_a_slurm_job_names_each_problem_with_its_fix(tmp_path):
     planted = {**allocation, "MASTER_PORT": "40000", "TORCH_EXTENSIONS_DIR": f"{tmp_path}/home/x"}
     del planted["SLURM_CPUS_PER_TASK"]
     _, found = slurm_report(planted, "nccl", f"{tmp_path}/data", f"{tmp_path}/run",
-                            mounts=str(mounts))
+                            mounts=str(mounts), port_range=str(ports))
     texts = [f.text for f in found]
     assert texts[0].startswith("no --cpus-per-task in this job: ")
-    assert "MASTER_PORT=40000 is in Linux's ephemeral range" in texts[1]
+    assert texts[1] == (f"MASTER_PORT=40000 is in this node's ephemeral port range (32768-60999, "
+                        f"{ports}), where another process may hold it; set MASTER_PORT to a "
+                        "free port below 32768")
     assert "on a nfs4 filesystem every node shares" in texts[2]
     assert texts[3].startswith(f"--out {tmp_path}/run is on a filesystem of this node (ext4), "
                                "which other nodes do not see: every rank writes its checkpoint")
@@ -196,3 +200,89 @@ def test_doctor_for_a_slurm_job_names_each_problem_with_its_fix(tmp_path):
     assert [f.fatal for f in found] == [False, False, False, True, False]
     lines, found = slurm_report({}, "gloo", None, None)
     assert lines == [] and found[0].fatal and "no Slurm allocation here" in found[0].text
+
+
+def test_doctor_reads_this_nodes_ephemeral_port_range(tmp_path):
+    """The job's own port (20000 + job id mod 12768) is flagged where the node's range starts
+    lower than Linux's default; the default where the file cannot be read."""
+    from tupe_ds.machine.cluster_check import slurm_report
+
+    allocation = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu07", "SLURM_CPUS_PER_TASK": "8"}
+    ports = tmp_path / "ip_local_port_range"
+    ports.write_text("15000 60999\n")
+    _, found = slurm_report(allocation, "nccl", None, None, port_range=str(ports))
+    assert [f.text.split(",")[0] for f in found] == [
+        "MASTER_PORT=20077 is in this node's ephemeral port range (15000-60999"]
+    _, found = slurm_report({**allocation, "MASTER_PORT": "32768"}, "nccl", None, None,
+                            port_range=str(tmp_path / "none"))
+    assert [f.text.split(",")[0] for f in found] == [
+        "MASTER_PORT=32768 is in this node's ephemeral port range (32768-60999"]
+
+
+SHARED = ("lustre", "gpfs", "nfs", "nfs4", "beegfs", "ceph", "fuse.ceph-fuse", "dvs", "wekafs",
+          "gfs2", "ocfs2", "pvfs2")  # pvfs2: OrangeFS
+
+
+@pytest.mark.parametrize("kind", SHARED)
+def test_doctor_knows_the_shared_filesystems(tmp_path, kind):
+    """A run folder on a filesystem every node mounts is no finding on two nodes; one on a
+    node's own disk is an error; one of a type it does not know, a warning."""
+    from tupe_ds.machine.cluster_check import slurm_report
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/x {tmp_path}/shared {kind} rw 0 0\n"
+                      f"mystery {tmp_path}/odd fuse.mystery rw 0 0\n")
+    allocation = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_PER_TASK": "8",
+                  "TORCH_EXTENSIONS_DIR": f"{tmp_path}/local/ext"}
+    ports = tmp_path / "ip_local_port_range"
+    ports.write_text("32768 60999\n")
+    lines, found = slurm_report(allocation, "nccl", f"{tmp_path}/shared/data",
+                                f"{tmp_path}/shared/run", mounts=str(mounts), port_range=str(ports))
+    assert found == [] and f"--out {tmp_path}/shared/run: {kind}; locks: flock" in lines
+    _, found = slurm_report(allocation, "nccl", f"{tmp_path}/odd/data", f"{tmp_path}/run",
+                            mounts=str(mounts), port_range=str(ports))
+    assert [(f.fatal, f.text.split(":")[0]) for f in found] == [
+        (True, f"--out {tmp_path}/run is on a filesystem of this node (ext4), which other nodes "
+               "do not see"),
+        (False, f"--data {tmp_path}/odd/data is on a filesystem tupe-doctor does not know "
+                "(fuse.mystery)")]
+
+
+def test_doctor_says_which_lock_a_run_takes_in_its_folders(tmp_path, monkeypatch):
+    """flock where it works, else the lock files made by hard links; a filesystem without hard
+    links is an error for --out (run.lock is one), and for the index cache without flock."""
+    import errno
+    import fcntl
+
+    from tupe_ds.machine.cluster_check import slurm_report
+
+    def fails(code):
+        def call(*args):
+            raise OSError(code, os.strerror(code))
+        return call
+
+    allocation = {"SLURM_JOB_ID": "77", "SLURM_CPUS_PER_TASK": "8"}
+    data, out = tmp_path / "data", tmp_path / "runs" / "run"  # --out: made by the run
+    data.mkdir()
+    ports = tmp_path / "ip_local_port_range"
+    ports.write_text("32768 60999\n")
+
+    def report():
+        lines, found = slurm_report(allocation, "nccl", str(data), str(out),
+                                    port_range=str(ports))
+        return [line.split("; ", 1)[1] for line in lines if line.startswith("--")], found
+
+    assert report() == (["locks: flock"] * 2, [])
+    monkeypatch.setattr(fcntl, "flock", fails(errno.ENOSYS))
+    assert report() == (["locks: lock files (NAME.lock.holder, as flock fails here: Function not "
+                         "implemented)"] * 2, [])
+    monkeypatch.setattr(os, "link", fails(errno.EPERM))
+    locks, found = report()
+    assert locks == ["locks: none"] * 2 and [f.fatal for f in found] == [True, True]
+    assert found[0].text.startswith(f"--out {out}: hard links fail here (Operation not "
+                                    "permitted), and OUT/run.lock is made by one")
+    assert found[1].text == (f"--data {data}: neither flock (Function not implemented) nor hard "
+                             "links (Operation not permitted) work here, so the index cache "
+                             "cannot lock: give --index-cache a folder on another filesystem")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["data", ports.name] and os.listdir(data) == []

@@ -1,8 +1,19 @@
-"""Outputs appear whole or not at all (tupe_ds/tools/files.py)."""
+"""Outputs appear whole or not at all (tupe_ds/tools/files.py); the lock that guards them holds
+where flock fails (tupe_ds/tools/lock.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
+from tupe_ds.tools import lock
 from tupe_ds.tools.files import replacing_folder, write_atomically
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -38,3 +49,64 @@ def test_a_finished_folder_replaces_the_old_one_and_a_leftover_temporary(tmp_pat
         assert folder == str(tmp_path / "export.tmp")
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+# --- locked where flock fails (tupe_ds/tools/lock.py) ------------------------------------------
+
+COUNTER = """
+import errno, fcntl, os, sys
+def no_flock(*args):
+    raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+fcntl.flock = no_flock  # Lustre mounted without -o flock
+from tupe_ds.tools.files import locked
+path = sys.argv[1]
+for _ in range(10):
+    with locked(path + ".lock"):
+        with open(path) as f:
+            value = int(f.read())
+        with open(path, "w") as f:  # not atomic: a reader outside the lock would see it empty
+            f.write(str(value + 1))
+"""
+
+
+def test_locked_without_flock_lets_one_process_in_at_a_time(tmp_path):
+    """Four processes whose flock fails with ENOSYS add to one counter under `locked`: the lock
+    files made by hard links let one in at a time (no update lost, no half-written read)."""
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    processes = [subprocess.Popen([sys.executable, "-c", COUNTER, str(counter)], cwd=ROOT,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errors = [process.communicate(timeout=120)[1] for process in processes]
+    assert [process.returncode for process in processes] == [0] * 4, errors
+    assert counter.read_text() == "40"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counter", "counter.lock"]
+
+
+def test_a_lock_file_held_elsewhere_is_waited_for_then_taken_over_when_its_lease_runs_out(
+        tmp_path, monkeypatch):
+    """A holder on another node is waited for, saying whom and which file to remove, while its
+    lease is renewed; once it has not been for LEASE_SECONDS (a lost node), it is taken over."""
+    monkeypatch.setattr(lock, "WAIT_NOTICE_SECONDS", 0.05)
+    path = tmp_path / "index.lock.holder"
+    path.write_text(json.dumps({**lock.this_holder(), "host": "node-elsewhere", "pid": 4242,
+                                "started": "2026-11-26T00:00:00+00:00"}))
+    said, taken = [], []
+    waiter = threading.Thread(target=lambda: taken.append(
+        lock.LinkLock.acquire(str(path), "fix", say=said.append)))
+    waiter.start()
+    deadline = time.time() + 30
+    while not said and time.time() < deadline:
+        time.sleep(0.01)
+    assert said == [f"tupe_ds: waiting for {path}, held by process 4242 on node-elsewhere, "
+                    "started 2026-11-26T00:00:00+00:00 (its lease renewed 0 s ago, taken over "
+                    f"once not renewed for {lock.LEASE_SECONDS:.0f} s); if that process is gone, "
+                    f"remove {path}"]
+    assert not taken
+    old = time.time() - lock.LEASE_SECONDS - 60
+    os.utime(path, (old, old))  # its holder stopped renewing it
+    waiter.join(timeout=30)
+    assert taken and said[1].startswith(f"tupe_ds: took over {path} from process 4242 on "
+                                        "node-elsewhere") and "(its node is lost)" in said[1]
+    assert json.loads(path.read_text())["token"] == taken[0].holder["token"]
+    taken[0].release()
+    assert list(tmp_path.iterdir()) == []

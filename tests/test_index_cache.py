@@ -5,8 +5,12 @@ Processes are real (python subprocesses opening the same dataset); a build is sl
 killed by wrapping a function in the subprocess only.
 """
 
+import errno
+import fcntl
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +19,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from tupe_ds.data.index_cache import cached_array
+from tupe_ds.data.index_cache import cached_array, cached_path
 from tupe_ds.data.packing import PackedSentences, pack
 
 CLS, SEP = 2, 3
@@ -225,19 +229,115 @@ def test_the_dataset_digest_is_kept_and_a_rewritten_corpus_is_hashed_anew(tmp_pa
     assert sorted(kept().values()) == sorted([rewritten, other])
 
 
-def test_a_filesystem_that_cannot_lock_names_the_folder_and_the_flag(tmp_path, monkeypatch):
-    import errno
-    import types
+def no_flock(*args):
+    raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
-    from tupe_ds.tools import files
 
-    def refuse(handle, operation):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+NO_FLOCK = """
+import errno, fcntl, os
+def no_flock(*args):
+    raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+fcntl.flock = no_flock  # Lustre mounted without -o flock
+"""
 
-    monkeypatch.setattr(files, "fcntl", types.SimpleNamespace(flock=refuse, LOCK_EX=0, LOCK_UN=0))
-    with pytest.raises(OSError, match=rf"{tmp_path}/thing\.\w+\.lock: this filesystem cannot "
-                                      r"lock files .*point --index-cache at a folder"):
+
+def leftovers(cache):
+    """Lock files, take-overs and temporary files left in the cache folder (a flock's empty
+    NAME.lock is no leftover: it stays)."""
+    return [name for name in os.listdir(cache) if name.endswith((".holder", ".break"))
+            or ".holder." in name or ".tmp" in name]
+
+
+def building_code(cache, ready, before=""):
+    """Code for a python process whose flock fails, light (numpy and the cache only), that runs `before`
+    (code), waits until every process of `ready` is there, then takes the array 'thing' from
+    the cache, building it slowly (1 s), and prints its sum."""
+    code = "\n".join([
+        "import os, sys, time, numpy as np",
+        "import tupe_ds.data.index_cache as index_cache",
+        NO_FLOCK,
+        before,
+        "def build():",
+        "    print('building', flush=True)",
+        "    time.sleep(1)",
+        "    return np.arange(1000)",
+        f"open(os.path.join({ready!r}, str(os.getpid())), 'w').close()",
+        f"while len(os.listdir({ready!r})) < int(sys.argv[1]):",
+        "    time.sleep(0.01)",
+        f"array, path, built = index_cache.cached_array({cache!r}, 'thing', {{'a': 1}}, build)",
+        "print('sum:', int(array.sum()), flush=True)"])
+    return code
+
+
+def test_without_flock_processes_starting_together_build_once(tmp_path):
+    """flock fails with ENOSYS in both processes: the lock file made by a hard link takes its
+    place; one builds while the other waits, and both map the one copy."""
+    cache, ready = str(tmp_path / "cache"), tmp_path / "ready"
+    ready.mkdir()
+    code = building_code(cache, str(ready))
+    processes = [subprocess.Popen([sys.executable, "-c", code, "2"], cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                 for _ in range(2)]
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    assert sum(output.count("building") for output in outputs) == 1, outputs
+    assert all("sum: 499500" in output for output in outputs), outputs
+    assert [name for name in os.listdir(cache) if name.endswith(".npy")] == [
+        os.path.basename(cached_path(cache, "thing", {"a": 1}))]
+    assert leftovers(cache) == []
+
+
+def test_without_flock_a_killed_builders_lock_is_taken_over(tmp_path, monkeypatch, capsys):
+    """A build killed while writing, flock failing: its lock file names a process of this
+    machine that has ended, so the next builder takes it over at once, saying so; the half
+    written array was never linked into place and is removed."""
+    cache, ready = str(tmp_path / "cache"), tmp_path / "ready"
+    ready.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-c", building_code(cache, str(ready), KILLED_WHILE_WRITING), "1"],
+        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = iter(process.stdout.readline, "")
+    assert "writing" in (line.strip() for line in lines), "the build never started writing"
+    holder = cached_path(cache, "thing", {"a": 1})[:-len(".npy")] + ".lock.holder"
+    with open(holder) as f:
+        assert json.load(f)["pid"] == process.pid
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert [name for name in os.listdir(cache) if ".npy.tmp-" in name]  # half written
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    array, path, built = cached_array(cache, "thing", {"a": 1}, lambda: np.arange(1000))
+    said = capsys.readouterr().out
+    assert said.startswith(f"tupe_ds: took over {holder} from process {process.pid} on "
+                           f"{socket.gethostname()}, started ")
+    assert said.endswith(": its process has ended\n") and said.count("\n") == 1
+    assert built and int(array.sum()) == 499500
+    assert [name for name in os.listdir(cache) if ".npy" in name] == [os.path.basename(path)]
+    assert leftovers(cache) == []
+
+
+def test_without_flock_the_digest_and_the_indexes_are_kept_through_lock_files(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    write_corpus(prefix, seed=0)
+    first = PackedSentences(prefix, 32, CLS, SEP, cache)
+    assert np.array_equal(first.boundaries, expected_boundaries(first))
+    again = PackedSentences(prefix, 32, CLS, SEP, cache)
+    assert again.index_path == first.index_path and leftovers(cache) == []
+
+
+def test_without_flock_or_hard_links_the_error_names_the_lock_and_the_flag(tmp_path,
+                                                                           monkeypatch):
+    def no_link(*args):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setattr(os, "link", no_link)
+    with pytest.raises(OSError, match=rf"{tmp_path}/thing\.\w+\.lock\.holder: this filesystem "
+                                      r"can lock files neither with flock nor with hard links "
+                                      r"\(Operation not permitted\); point --index-cache at a "):
         cached_array(str(tmp_path), "thing", {"a": 1}, lambda: np.arange(3))
+    assert [name.endswith(".lock") for name in os.listdir(tmp_path)] == [True]  # no record
 
 
 def test_a_builder_removes_only_its_hosts_dead_builders_remains(tmp_path):

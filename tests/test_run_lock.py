@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tupe_ds.tools.lock import process_start
 from tupe_ds.train import run_lock
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
@@ -113,7 +114,7 @@ def test_a_live_holder_in_another_pid_namespace_holds_by_its_lease(tmp_path):
 def test_a_stopped_holder_of_this_machine_is_not_promised_a_lease(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        plant(tmp_path, pid=sleeper.pid, pid_start=run_lock.process_start(sleeper.pid))
+        plant(tmp_path, pid=sleeper.pid, pid_start=process_start(sleeper.pid))
         old = time.time() - run_lock.LEASE_SECONDS - 60
         os.utime(tmp_path / "run.lock", (old, old))
         with pytest.raises(RunFolderBusy) as busy:

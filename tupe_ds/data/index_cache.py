@@ -2,14 +2,16 @@
 
 An array is named by a digest of its key (what it was computed from: the input's content digest,
 the rule, its parameters), so a changed input or rule names another file and an old file is
-never read for it. The first process to need it builds it under an exclusive lock on the cache
-folder's filesystem while the others wait on the lock; a training run does not rely on the lock
-alone (NFS with local_lock, BeeGFS and Lustre's localflock lock per node): its rank 0 builds
-while the other ranks wait at a barrier (tupe_ds/train/loop.py). An array is written to a
-temporary file named by host and process and linked into place, the first copy staying where two
-nodes built at once, so a build that is killed leaves nothing that is read; the next builder on
-that host removes the remains of builders that are no longer running there, and never touches
-another host's.
+never read for it. A process that finds the array there maps it without any lock. The first
+process to need it builds it under an exclusive lock on the cache folder's filesystem while the
+others wait on the lock: `flock`, or where the filesystem has none (Lustre mounted without
+`-o flock`), a lock file that names its holder and is taken over once that holder is gone
+(tupe_ds/tools/lock.py). A training run does not rely on the lock alone (NFS with local_lock,
+BeeGFS and Lustre's localflock lock per node): its rank 0 builds while the other ranks wait at a
+barrier (tupe_ds/train/loop.py). An array is written to a temporary file named by host and
+process and linked into place, the first copy staying where two nodes built at once, so a build
+that is killed leaves nothing that is read; the next builder on that host removes the remains of
+builders that are no longer running there, and never touches another host's.
 """
 
 import errno
@@ -38,8 +40,8 @@ def cached_path(folder: str, name: str, key: dict) -> str:
     return os.path.join(folder, f"{name}.{digest}.npy")
 
 
-LOCK_FIX = ("point --index-cache at a folder on one that can (a local disk is enough: each "
-            "node then builds its own copy)")
+LOCK_FIX = ("point --index-cache at a folder on a filesystem that can (a local disk is enough: "
+            "each node then builds its own copy)")
 
 
 def publish_npy(path: str, array: np.ndarray) -> bool:

@@ -96,9 +96,11 @@ def dataset_digest(prefix: str, cache_folder: str) -> str:
     Hashing them reads the whole .idx (680 MB at BERT's corpus size), so the digest is kept in
     `cache_folder` beside the sample indexes, named by PREFIX's path and the version of its .idx
     (inode, size, modification time): the other ranks of a run and later starts read it there,
-    and a rewritten .idx (a new version) is hashed anew, its old versions' digests removed. The
-    first processes of a node to need it hash under the cache's lock, one at a time, so that the
-    others read what the first wrote. Computed once per process and version."""
+    and a rewritten .idx (a new version) is hashed anew, its old versions' digests removed. A
+    process that finds it there reads it without any lock. The first processes to need it hash
+    under the cache's lock (`flock`, or a lock file where the filesystem has none:
+    tupe_ds/tools/lock.py), one at a time, so that the others read what the first wrote.
+    Computed once per process and version."""
     status = os.stat(prefix + ".idx")
     version = (status.st_ino, status.st_size, status.st_mtime_ns)
     place = hashlib.sha256(os.path.realpath(prefix).encode()).hexdigest()[:8]

@@ -10,7 +10,10 @@ optimizer that needs a compiler that is not there, more processes than GPUs, env
 variables known to break DeepSpeed, a lock in the torch extensions folder that no live build
 holds (every run would wait on it forever). `tupe-pretrain --check-only` prints the same. With
 --slurm, also what the ranks of a job in this allocation will use and what will go wrong across
-its nodes (tupe_ds/machine/cluster_check.py). Exit code 1 when a finding would stop the run.
+its nodes: the filesystem of --data and --out (shared or of this node) and the lock a run takes
+there (flock, or lock files where flock fails), the rendezvous port against this node's
+ephemeral range (tupe_ds/machine/cluster_check.py). Exit code 1 when a finding would stop the
+run.
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import

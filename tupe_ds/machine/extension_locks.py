@@ -7,10 +7,19 @@ import os
 import time
 
 STALE_LOCK_SECONDS = 300  # an extension build takes a minute or two
-# Filesystems other machines mount too: a build there may run on another node, where this
-# machine's process table cannot see it.
-SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "beegfs", "gpfs", "cifs", "smb3", "ceph",
-                      "glusterfs", "fuse.glusterfs", "panfs", "wekafs", "9p", "fuse.sshfs")
+# Filesystems other machines mount too (their type in /proc/mounts): a build there may run on
+# another node, where this machine's process table cannot see it.
+SHARED_FILESYSTEMS = (
+    "nfs", "nfs4", "lustre", "gpfs", "beegfs", "fhgfs",  # fhgfs: BeeGFS before 2014
+    "ceph", "fuse.ceph-fuse", "fuse.ceph",  # CephFS: the kernel client, ceph-fuse (old: ceph)
+    "dvs",  # Cray DVS, projecting a shared filesystem to compute nodes
+    "wekafs", "gfs2", "ocfs2", "pvfs2",  # pvfs2: OrangeFS's kernel client
+    "cifs", "smb3", "glusterfs", "fuse.glusterfs", "panfs", "9p", "fuse.sshfs",
+    "fuse.juicefs", "fuse.quobyte", "fuse.mfs", "afs")  # mfs: MooseFS
+# Filesystems of one machine's own disks or memory: a folder there is seen by no other node.
+LOCAL_FILESYSTEMS = ("ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs",
+                     "vfat", "exfat", "ntfs", "ntfs3", "fuseblk", "tmpfs", "ramfs", "overlay",
+                     "squashfs")
 
 
 def extensions_root(environ=os.environ) -> str:

@@ -2,13 +2,14 @@
 of a new one."""
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import os
 import shutil
 import socket
 from typing import Optional, Union
+
+from tupe_ds.tools.lock import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, LinkLock
 
 
 def file_digest(path: str) -> str:
@@ -68,18 +69,25 @@ def replacing_folder(path: str):
 @contextlib.contextmanager
 def locked(path: str, fix: str = "put it on one that can (a local disk)"):
     """An exclusive lock on the file `path` (created if missing) while the block runs, between
-    processes of this machine or, on a shared file system whose locks are global, of a cluster;
-    released when the block ends or the process dies. A filesystem that cannot lock is an error
-    that ends with `fix`."""
+    processes of this machine or, on a shared file system whose locks are global, of a cluster:
+    `flock`, released when the block ends or the process dies. Where the filesystem cannot
+    `flock`, PATH.holder instead, a lock file with its holder's record and a stated rule for
+    when that holder is gone (tupe_ds/tools/lock.py); a filesystem without hard links either is
+    an error that ends with `fix`."""
     with open(path, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX)
         except OSError as error:
-            if error.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise OSError(f"{path}: this filesystem cannot lock files ({error.strerror}); "
-                              f"{fix}") from error
-            raise
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if error.errno not in FLOCK_UNSUPPORTED:
+                raise
+        else:
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+            return
+    held = LinkLock.acquire(path + HOLDER_SUFFIX, fix)
+    try:
+        yield
+    finally:
+        held.release()

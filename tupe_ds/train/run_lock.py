@@ -25,11 +25,11 @@ of this machine holds it until it ends, however long it is stopped). A take-over
 exclusive (OUT/run.lock.break, the taker's record, made the same way), so two jobs cannot both
 take over one stale lock; one cut short is removed when its taker is gone by these rules, or
 after BREAK_STALE_SECONDS. A holder that was taken over (its node frozen beyond the lease) finds
-out before its next save (`still_held`) and stops without writing.
+out before its next save (`still_held`) and stops without writing. The records, these rules and
+the take-over live in tupe_ds/tools/lock.py, shared with the lock files that replace `flock`
+where a filesystem has none (the index cache's, tupe_ds/tools/files.py's `locked`).
 """
 
-import datetime
-import json
 import os
 import socket
 import threading
@@ -39,144 +39,17 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from tupe_ds.tools.lock import (BREAK_SUFFIX, LEASE_SECONDS, describe, gone_because,
+                                link_exclusively, lock_content, parse_holder, read_bytes,
+                                renewed_ago, replace_lock, same_machine, this_holder,
+                                write_record)
 from tupe_ds.train.flags import Refused
 
 LOCK_FILE = "run.lock"
-BREAK_SUFFIX = ".break"
-LEASE_SECONDS = float(os.environ.get("TUPE_DS_LOCK_LEASE_SECONDS", "600"))
-BREAK_STALE_SECONDS = 30  # a take-over holds run.lock.break for milliseconds
-SLURM_FIELDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
-                "slurm_restart_count": "SLURM_RESTART_COUNT"}
 
 
 class RunFolderBusy(RuntimeError):
     """Another live job holds the run folder; the message names it and what to do."""
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def process_start(pid: int) -> Optional[int]:
-    """When process `pid` started (clock ticks since boot), None when there is no such process:
-    a PID reused by a later process has another start time."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def pid_namespace() -> str:
-    """This process's PID namespace ("pid:[4026531836]"): containers on one host share its name
-    and boot, not their PIDs."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def this_holder() -> dict:
-    pid = os.getpid()
-    holder = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "boot_id": boot_id(),
-              "pid_namespace": pid_namespace(), "pid": pid, "pid_start": process_start(pid),
-              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                  timespec="seconds")}
-    holder.update({field: os.environ[name] for field, name in SLURM_FIELDS.items()
-                   if name in os.environ})
-    return holder
-
-
-def read_bytes(path: str) -> Optional[bytes]:
-    """The first 64 KiB of a file (a lock record is far smaller); None when there is none (or
-    no file to read there: a folder, a file this process may not read)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(1 << 16)
-    except OSError:
-        return None
-
-
-def parse_holder(data: bytes) -> Optional[dict]:
-    """The holder a lock file's bytes name; None when they are no lock record (damaged)."""
-    try:
-        record = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("token"), str) or \
-            not isinstance(record.get("host"), str) or type(record.get("pid")) is not int:
-        return None
-    return record
-
-
-def describe(holder: dict) -> str:
-    slurm = holder.get("slurm_job_id")
-    job = f", Slurm job {slurm}" if isinstance(slurm, str) else ""
-    step = holder.get("slurm_step_id")
-    if job and isinstance(step, str):
-        job += f" step {step}"
-    return (f"process {holder['pid']} on {holder['host']}{job}, started "
-            f"{holder.get('started', 'at an unknown time')}")
-
-
-def same_machine(holder: dict) -> bool:
-    """Whether the holder's PID means a process here: the same host, boot and PID namespace."""
-    return (holder["host"] == socket.gethostname() and holder.get("boot_id") == boot_id()
-            and holder.get("pid_namespace") == pid_namespace())
-
-
-def alive_here(holder: dict) -> bool:
-    """Whether the holder is a live process of this machine (its PID, with its start time)."""
-    if not same_machine(holder):
-        return False
-    started = process_start(holder["pid"])
-    return started is not None and started == holder.get("pid_start", started)
-
-
-def restarts(count) -> int:
-    """SLURM_RESTART_COUNT as recorded (absent before a job's first requeue: 0)."""
-    try:
-        return int(count or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-def gone_because(holder: Optional[dict], lease_age: float) -> Optional[str]:
-    """Why the holder of a lock is gone; None when it may be alive."""
-    if holder is None:
-        return "the lock file is damaged (not a lock record)"
-    if same_machine(holder):
-        if not alive_here(holder):
-            return "its process has ended"
-        return None
-    job = os.environ.get("SLURM_JOB_ID")
-    if job is not None and holder.get("slurm_job_id") == job and \
-            restarts(holder.get("slurm_restart_count")) < restarts(
-                os.environ.get("SLURM_RESTART_COUNT")):
-        return f"it is this Slurm job ({job}) before it was requeued"
-    if lease_age > LEASE_SECONDS:
-        return f"its lease was not renewed for {lease_age:.0f} s (its node is lost)"
-    return None
-
-
-def write_record(path: str, record: dict) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(record, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def link_exclusively(source: str, target: str) -> bool:
-    """Whether `target` was created as a hard link to `source` (False: it exists)."""
-    try:
-        os.link(source, target)
-        return True
-    except FileExistsError:
-        return False
 
 
 class RunLock:
@@ -220,28 +93,15 @@ class RunLock:
             raise RunFolderBusy(f"{self.path} is a folder, not a lock file tupe-pretrain wrote: "
                                 "remove it, then run the same command")
         judged = lock_content(self.path)
-        try:
-            age = os.stat(own).st_mtime - os.lstat(self.path).st_mtime  # the filesystem's clock
-        except FileNotFoundError:
-            return False
-        if judged is None:
+        age = renewed_ago(own, self.path)
+        if judged is None or age is None:
             return False
         holder = parse_holder(judged)
         why = gone_because(holder, age)
         if why is None:
             raise RunFolderBusy(busy_message(self.path, holder, age))
-        breaker = self.path + BREAK_SUFFIX
-        if not link_exclusively(own, breaker):
-            remove_stale_breaker(breaker, own)
-            return False
-        try:
-            if lock_content(self.path) != judged:
-                return False  # released or replaced while we looked: judge it again
-            os.remove(self.path)
-            if not link_exclusively(own, self.path):
-                return False
-        finally:
-            os.remove(breaker)
+        if not replace_lock(self.path, own, judged):
+            return False  # released, replaced or being taken over: judge it again
         whose = describe(holder) if holder else "an unknown holder"
         say(f"tupe-pretrain: took over {self.path} from {whose}: {why}")
         return True
@@ -299,29 +159,6 @@ class RunLock:
                 os.remove(self.path)
             except FileNotFoundError:
                 pass
-
-
-def lock_content(path: str) -> Optional[bytes]:
-    """What judges a lock: its bytes; for a symbolic link (no lock tupe-pretrain writes: damaged,
-    taken over by removing the link) where it points. None when there is none."""
-    try:
-        if os.path.islink(path):
-            return b"a symbolic link to " + os.fsencode(os.readlink(path))
-    except FileNotFoundError:
-        return None
-    return read_bytes(path)
-
-
-def remove_stale_breaker(breaker: str, own: str) -> None:
-    """A take-over cut short by a kill leaves run.lock.break (its taker's record): removed at once
-    when the taker is gone by the lock's own rules, else once it is BREAK_STALE_SECONDS old."""
-    try:
-        age = os.stat(own).st_mtime - os.stat(breaker).st_mtime
-        taker = parse_holder(read_bytes(breaker) or b"")
-        if gone_because(taker, 0.0) or age > BREAK_STALE_SECONDS:
-            os.remove(breaker)
-    except FileNotFoundError:
-        pass
 
 
 def busy_message(path: str, holder: dict, age: float) -> str:

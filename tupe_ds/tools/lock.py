@@ -1,0 +1,351 @@
+"""Locks that hold on every filesystem a cluster puts shared folders on, `flock` or not.
+
+`tupe_ds.tools.files.locked` takes `flock` where the filesystem has it (fast, and released by the
+kernel when its holder dies). Where `flock` fails for want of support (FLOCK_UNSUPPORTED: ENOSYS
+from Lustre mounted without `-o flock`, ENOLCK from NFS without its lock daemon, EOPNOTSUPP or
+EINVAL from some FUSE and network filesystems) it takes a LinkLock instead: PATH.holder, made
+as the run folder's lock OUT/run.lock is (tupe_ds/train/run_lock.py), from the same records and
+rules, which live here. The holder's record (host, boot, PID namespace, PID and its start time,
+Slurm job, step and restart count, when it started) is written as JSON to a file of its own and
+hard-linked to the lock's name, which fails when the name exists (`link` is atomic on local
+disks, NFSv3+ and Lustre, the classic NFS lock), so the lock appears whole or not at all. While
+it is held, a thread renews the lease by touching the file every LEASE_SECONDS / 10; its age is
+measured against the filesystem's own clock (the mtime of a file just written there), not this
+host's. A holder is gone, and its lock taken over with a line saying so, when (gone_because):
+
+- it ran on this machine (the same host name, boot and PID namespace: containers on one host
+  share the first two) and its process (its PID with that PID's start time) has ended;
+- it is this same Slurm job before a requeue (the same job id, a lower SLURM_RESTART_COUNT);
+- it ran elsewhere and its lease was not renewed for LEASE_SECONDS (600 s;
+  TUPE_DS_LOCK_LEASE_SECONDS), the only sign a lost node gives;
+- the file is not a lock record (damaged, or a symbolic link).
+
+A live holder of this machine holds the lock however long it is stopped, as with `flock`. A
+take-over is itself exclusive (PATH.break, the taker's record, made the same way), so two
+processes cannot both take over one stale lock; one cut short is removed when its taker is gone
+by these rules, or after BREAK_STALE_SECONDS. A LinkLock waits while its holder may be alive,
+saying after WAIT_NOTICE_SECONDS whom it waits for and which file to remove if that holder is
+gone. A filesystem without hard links either is an error naming the lock. `flock` and a LinkLock
+do not exclude each other: nodes that mount one filesystem with and without `flock` (Lustre's
+mount options are per client) lock apart.
+"""
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Optional
+
+FLOCK_UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
+NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
+HOLDER_SUFFIX = ".holder"
+BREAK_SUFFIX = ".break"
+LEASE_SECONDS = float(os.environ.get("TUPE_DS_LOCK_LEASE_SECONDS", "600"))
+BREAK_STALE_SECONDS = 30  # a take-over holds PATH.break for milliseconds
+WAIT_NOTICE_SECONDS = 30.0
+SLURM_FIELDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
+                "slurm_restart_count": "SLURM_RESTART_COUNT"}
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot), None when there is no such process:
+    a PID reused by a later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ("pid:[4026531836]"): containers on one host share its name
+    and boot, not their PIDs."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def this_holder() -> dict:
+    pid = os.getpid()
+    holder = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "boot_id": boot_id(),
+              "pid_namespace": pid_namespace(), "pid": pid, "pid_start": process_start(pid),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds")}
+    holder.update({field: os.environ[name] for field, name in SLURM_FIELDS.items()
+                   if name in os.environ})
+    return holder
+
+
+def read_bytes(path: str) -> Optional[bytes]:
+    """The first 64 KiB of a file (a lock record is far smaller); None when there is none (or
+    no file to read there: a folder, a file this process may not read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return None
+
+
+def parse_holder(data: bytes) -> Optional[dict]:
+    """The holder a lock file's bytes name; None when they are no lock record (damaged)."""
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("token"), str) or \
+            not isinstance(record.get("host"), str) or type(record.get("pid")) is not int:
+        return None
+    return record
+
+
+def describe(holder: dict) -> str:
+    slurm = holder.get("slurm_job_id")
+    job = f", Slurm job {slurm}" if isinstance(slurm, str) else ""
+    step = holder.get("slurm_step_id")
+    if job and isinstance(step, str):
+        job += f" step {step}"
+    return (f"process {holder['pid']} on {holder['host']}{job}, started "
+            f"{holder.get('started', 'at an unknown time')}")
+
+
+def same_machine(holder: dict) -> bool:
+    """Whether the holder's PID means a process here: the same host, boot and PID namespace."""
+    return (holder["host"] == socket.gethostname() and holder.get("boot_id") == boot_id()
+            and holder.get("pid_namespace") == pid_namespace())
+
+
+def alive_here(holder: dict) -> bool:
+    """Whether the holder is a live process of this machine (its PID, with its start time)."""
+    if not same_machine(holder):
+        return False
+    started = process_start(holder["pid"])
+    return started is not None and started == holder.get("pid_start", started)
+
+
+def restarts(count) -> int:
+    """SLURM_RESTART_COUNT as recorded (absent before a job's first requeue: 0)."""
+    try:
+        return int(count or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def gone_because(holder: Optional[dict], lease_age: float) -> Optional[str]:
+    """Why the holder of a lock is gone; None when it may be alive."""
+    if holder is None:
+        return "the lock file is damaged (not a lock record)"
+    if same_machine(holder):
+        if not alive_here(holder):
+            return "its process has ended"
+        return None
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is not None and holder.get("slurm_job_id") == job and \
+            restarts(holder.get("slurm_restart_count")) < restarts(
+                os.environ.get("SLURM_RESTART_COUNT")):
+        return f"it is this Slurm job ({job}) before it was requeued"
+    if lease_age > LEASE_SECONDS:
+        return f"its lease was not renewed for {lease_age:.0f} s (its node is lost)"
+    return None
+
+
+def write_record(path: str, record: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(record, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def link_exclusively(source: str, target: str) -> bool:
+    """Whether `target` was created as a hard link to `source` (False: it exists)."""
+    try:
+        os.link(source, target)
+        return True
+    except FileExistsError:
+        return False
+
+
+def lock_content(path: str) -> Optional[bytes]:
+    """What judges a lock: its bytes; for a symbolic link (no lock this module writes: damaged,
+    taken over by removing the link) where it points. None when there is none."""
+    try:
+        if os.path.islink(path):
+            return b"a symbolic link to " + os.fsencode(os.readlink(path))
+    except FileNotFoundError:
+        return None
+    return read_bytes(path)
+
+
+def renewed_ago(own: str, path: str) -> Optional[float]:
+    """Seconds since the lock `path` was last renewed, on the filesystem's clock (`own`: a file
+    of this process beside it, touched now); None when there is no lock."""
+    os.utime(own)
+    try:
+        return os.stat(own).st_mtime - os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def replace_lock(path: str, own: str, judged: bytes) -> bool:
+    """Replaces the lock `path`, found gone from its content `judged`, with a hard link to
+    `own`: True when done; False when another process is taking it over or the lock changed
+    meanwhile (judge it again)."""
+    breaker = path + BREAK_SUFFIX
+    if not link_exclusively(own, breaker):
+        remove_stale_breaker(breaker, own)
+        return False
+    try:
+        if lock_content(path) != judged:
+            return False  # released or replaced while we looked
+        os.remove(path)
+        return link_exclusively(own, path)
+    finally:
+        os.remove(breaker)
+
+
+def remove_stale_breaker(breaker: str, own: str) -> None:
+    """A take-over cut short by a kill leaves PATH.break (its taker's record): removed at once
+    when the taker is gone by the lock's own rules, else once it is BREAK_STALE_SECONDS old."""
+    try:
+        age = os.stat(own).st_mtime - os.stat(breaker).st_mtime
+        taker = parse_holder(read_bytes(breaker) or b"")
+        if gone_because(taker, 0.0) or age > BREAK_STALE_SECONDS:
+            os.remove(breaker)
+    except FileNotFoundError:
+        pass
+
+
+def say_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def lock_support(folder: str) -> tuple:
+    """(why `flock` fails in `folder`, why hard links fail there): each an error's text, None
+    where it works; OSError when no file can be made there to try."""
+    probe = os.path.join(folder, f".lock-probe-{uuid.uuid4().hex}")
+    failures = []
+    try:
+        with open(probe, "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                failures.append(None)
+            except OSError as error:
+                if error.errno not in FLOCK_UNSUPPORTED:
+                    raise
+                failures.append(os.strerror(error.errno))
+        try:
+            os.link(probe, probe + ".link")
+            os.remove(probe + ".link")
+            failures.append(None)
+        except OSError as error:
+            if error.errno not in NO_HARD_LINKS:
+                raise
+            failures.append(os.strerror(error.errno))
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    return tuple(failures)
+
+
+class LinkLock:
+    """PATH.holder, held by this process: the lock `locked` takes where `flock` fails."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.holder = this_holder()
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, name="tupe-lock-lease", daemon=True)
+
+    @classmethod
+    def acquire(cls, path: str, fix: str, say=say_line) -> "LinkLock":
+        """The lock `path`, taken (over) once free or its holder gone. A filesystem without hard
+        links either is an error that ends with `fix`."""
+        lock = cls(path)
+        own = f"{path}.{lock.holder['token']}"
+        write_record(own, lock.holder)
+        try:
+            started, pause, noticed = time.monotonic(), 0.01, False
+            while not lock._link(own, fix) and not lock._take_over_if_gone(own, say):
+                if not noticed and time.monotonic() - started > WAIT_NOTICE_SECONDS:
+                    noticed = lock._say_what_it_waits_for(own, say)
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)  # many ranks wait on a shared filesystem
+        finally:
+            os.remove(own)
+        lock._renewer.start()
+        return lock
+
+    def _link(self, own: str, fix: str) -> bool:
+        try:
+            return link_exclusively(own, self.path)
+        except OSError as error:
+            if error.errno in NO_HARD_LINKS:
+                raise OSError(f"{self.path}: this filesystem can lock files neither with flock "
+                              f"nor with hard links ({error.strerror}); {fix}") from error
+            raise
+
+    def _take_over_if_gone(self, own: str, say) -> bool:
+        """Replaces a lock whose holder is gone (True); False when it may be alive or changed
+        meanwhile (wait, then try again)."""
+        if os.path.isdir(self.path) and not os.path.islink(self.path):
+            raise OSError(f"{self.path} is a folder, not a lock file: remove it")
+        judged = lock_content(self.path)
+        age = renewed_ago(own, self.path)
+        if judged is None or age is None:
+            return False
+        holder = parse_holder(judged)
+        why = gone_because(holder, age)
+        if why is None or not replace_lock(self.path, own, judged):
+            return False
+        say(f"tupe_ds: took over {self.path} from "
+            f"{describe(holder) if holder else 'an unknown holder'}: {why}")
+        return True
+
+    def _say_what_it_waits_for(self, own: str, say) -> bool:
+        holder = parse_holder(lock_content(self.path) or b"")
+        age = renewed_ago(own, self.path)
+        if holder is None or age is None:
+            return False  # changed meanwhile: said at the next try
+        state = ("a live process of this machine" if same_machine(holder) else
+                 f"its lease renewed {age:.0f} s ago, taken over once not renewed for "
+                 f"{LEASE_SECONDS:.0f} s")
+        say(f"tupe_ds: waiting for {self.path}, held by {describe(holder)} ({state}); if that "
+            f"process is gone, remove {self.path}")
+        return True
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_SECONDS / 10):
+            if self.is_held():
+                try:
+                    os.utime(self.path)
+                except OSError:
+                    pass  # tried again at the next renewal
+
+    def is_held(self) -> bool:
+        holder = parse_holder(read_bytes(self.path) or b"")
+        return holder is not None and holder["token"] == self.holder["token"]
+
+    def release(self) -> None:
+        """Removes the lock, unless another process took it over meanwhile."""
+        self._stop.set()
+        if self._renewer.is_alive():
+            self._renewer.join()
+        if self.is_held():
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
