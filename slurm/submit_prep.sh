@@ -8,7 +8,10 @@
 # INPUT: files or folders, split into N contiguous groups of files (at least N files).
 # NAME=INPUTS: several sources (corpora), each prepared into OUT_DIR/NAME/{shard*,merged}; each
 # source's merge also removes what an earlier source holds (--dedup-against their merged
-# folders, once their merges succeeded), so that a blend of them holds each text once.
+# folders, once their merges succeeded), so that a blend of them holds each text once. NAME:
+# letters, digits, '.', '_', '-', each once (an input path whose first '=' comes before any '/'
+# reads as NAME=INPUT: write it ./PATH). Names, inputs and TOKENIZER are checked before anything
+# is queued.
 # TOKENIZER: a tokenizer.json shared by all shards, e.g. from a tupe-prep run on a sample.
 # Read here and passed to the jobs as arguments, with the paths made absolute (the jobs need
 # nothing from this shell's environment, so SUBMIT_ARGS may hold --export=NONE): SUBMIT_ARGS,
@@ -18,13 +21,13 @@
 # then the merge (a failed shard leaves the merge pending, never to run: scancel it first).
 set -euo pipefail
 if [ $# -lt 4 ]; then
-  sed -n '2,18p' "$0" >&2
+  sed -n '2,21p' "$0" >&2
   exit 2
 fi
 count=$1
 shift
-if ! [[ $count =~ ^[1-9][0-9]*$ ]]; then
-  echo "N: the number of shards, a whole number >= 1, not '$count'" >&2
+if ! [[ $count =~ ^[1-9][0-9]{0,5}$ ]]; then
+  echo "N: the number of shards, a whole number from 1 to 999999, not '$count'" >&2
   exit 2
 fi
 here=$(cd "$(dirname "$0")" && pwd)
@@ -65,18 +68,46 @@ submit() {
   echo "  then the merge: $(quoted sbatch "${submit_args[@]}" "${merging[@]}")"
 }
 
-against=() after=
-if [[ $1 != *=* ]]; then
+# Everything is checked before anything is queued. A source is named when the text before its
+# first "=" holds no "/" (as tupe-pretrain's --data reads NAME=FOLDER): an input path such as
+# data/lang=en/a.txt is an input.
+named() { [[ $1 == *=* && ${1%%=*} != */* ]]; }
+fail() { echo "$1" >&2; exit 2; }
+[ -f "$tokenizer" ] || fail "TOKENIZER: $tokenizer is not a file"
+names=() sources=()
+if named "$1"; then
+  for source in "$@"; do
+    named "$source" || fail "$source: with several sources, name each: NAME=INPUT[,INPUT ...]"
+    name=${source%%=*}
+    [[ $name =~ ^[A-Za-z0-9_][A-Za-z0-9._-]*$ && $name != *..* ]] || fail "$source: the \
+source's name '$name' must be letters, digits, '.', '_' or '-' (it names OUT_DIR/$name and the \
+blend's metrics)"
+    for seen in ${names[@]+"${names[@]}"}; do
+      [ "$seen" != "$name" ] || fail "$source: the name '$name' is given twice; give each source \
+once, its inputs separated by commas"
+    done
+    [ -n "${source#*=}" ] || fail "$source: no INPUT after '$name='"
+    names+=("$name") sources+=("${source#*=}")
+  done
+else
+  for input in "$@"; do
+    [ -e "$input" ] || fail "INPUT: $input does not exist"
+  done
   submit "$out" "$@"
   exit 0
 fi
-for source in "$@"; do
-  if [[ $source != *=* ]]; then
-    echo "$source: with several sources, name each: NAME=INPUT[,INPUT ...]" >&2
-    exit 2
-  fi
-  IFS=, read -ra inputs <<< "${source#*=}"
-  echo -n "${source%%=*}: "
-  submit "$out/${source%%=*}" "${inputs[@]}"
-  against+=("$out/${source%%=*}/merged") after="${after:+$after:}$merge"
+for i in "${!names[@]}"; do
+  IFS=, read -ra listed <<< "${sources[$i]}"
+  for input in "${listed[@]}"; do
+    [ -e "$input" ] || fail "INPUT: $input of source ${names[$i]} does not exist (an input path \
+whose first '=' comes before any '/' reads as NAME=INPUT: write it ./${names[$i]}=...)"
+  done
+done
+
+against=() after=
+for i in "${!names[@]}"; do
+  IFS=, read -ra inputs <<< "${sources[$i]}"
+  echo -n "${names[$i]}: "
+  submit "$out/${names[$i]}" "${inputs[@]}"
+  against+=("$out/${names[$i]}/merged") after="${after:+$after:}$merge"
 done

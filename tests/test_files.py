@@ -110,3 +110,21 @@ def test_a_lock_file_held_elsewhere_is_waited_for_then_taken_over_when_its_lease
     assert json.loads(path.read_text())["token"] == taken[0].holder["token"]
     taken[0].release()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_holder_whose_process_proc_hides_counts_as_alive(monkeypatch):
+    """/proc mounted with hidepid (shared nodes) shows no other user's process: the kernel is
+    asked instead, so a live holder is not taken over and a dead one is."""
+    monkeypatch.setattr(lock, "process_start", lambda pid: None)
+    here = {**lock.this_holder(), "pid_start": None}
+    assert lock.alive_here({**here, "pid": os.getpid()})
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    assert not lock.alive_here({**here, "pid": int(dead.stdout)})
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "abc", "1"])
+def test_a_lease_that_is_no_number_of_seconds_is_named_and_the_default_used(value, capsys):
+    assert lock.lease_seconds(value) == 600.0
+    assert f"TUPE_DS_LOCK_LEASE_SECONDS={value!r}" in capsys.readouterr().err
+    assert lock.lease_seconds("45") == 45.0

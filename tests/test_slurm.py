@@ -431,3 +431,29 @@ def test_the_slurm_scripts_rendezvous_port_is_the_jobs_or_the_next_free_one():
     chosen = int(result.stdout)
     assert chosen != taken and result.stderr == (
         f"tupe_ds: port {taken} is in use on this machine: port {chosen} instead\n")
+
+
+@pytest.mark.parametrize("sources, message", [
+    (["wiki=a.txt", "wiki=b.txt"], "the name 'wiki' is given twice"),
+    (["wiki=a.txt", "b.txt"], "b.txt: with several sources, name each"),
+    (["=a.txt"], "the source's name '' must be"),
+    (["x/../..=b.txt"], "INPUT: x/../..=b.txt does not exist"),
+    (["wiki=a.txt", "books=missing.txt"], "INPUT: missing.txt of source books does not exist"),
+    (["wiki=a.txt", "books="], "books=: no INPUT after 'books='"),
+    (["lang=en/a.txt"], "write it ./lang=..."),
+])
+def test_submit_prep_checks_every_source_before_it_queues_anything(tmp_path, sources, message):
+    """A bad source later on the line used to be found after the earlier ones were queued."""
+    (tmp_path / "bin").mkdir()
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'queued'}\necho 1\n")
+    sbatch.chmod(0o755)
+    for name in ("a.txt", "b.txt", "tok.json"):
+        (tmp_path / name).write_text("text\n")
+    result = subprocess.run(
+        ["bash", os.path.join(ROOT, "slurm", "submit_prep.sh"), "2", "out", "tok.json", *sources],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+             "PYTHON": sys.executable})
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "queued").exists()

@@ -34,8 +34,10 @@ import datetime
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -45,7 +47,24 @@ FLOCK_UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
 NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
 HOLDER_SUFFIX = ".holder"
 BREAK_SUFFIX = ".break"
-LEASE_SECONDS = float(os.environ.get("TUPE_DS_LOCK_LEASE_SECONDS", "600"))
+
+
+def lease_seconds(value: str) -> float:
+    """TUPE_DS_LOCK_LEASE_SECONDS: seconds, 10 or more (its holder renews it every tenth);
+    another value is named in one line and the default, 600, used, so that no command fails at
+    import for it."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds >= 10):
+        print(f"TUPE_DS_LOCK_LEASE_SECONDS={value!r}: not a number of seconds of 10 or more; "
+              "600 used", file=sys.stderr)
+        return 600.0
+    return seconds
+
+
+LEASE_SECONDS = lease_seconds(os.environ.get("TUPE_DS_LOCK_LEASE_SECONDS", "600"))
 BREAK_STALE_SECONDS = 30  # a take-over holds PATH.break for milliseconds
 WAIT_NOTICE_SECONDS = 30.0
 SLURM_FIELDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
@@ -133,7 +152,15 @@ def alive_here(holder: dict) -> bool:
     if not same_machine(holder):
         return False
     started = process_start(holder["pid"])
-    return started is not None and started == holder.get("pid_start", started)
+    if started is None:  # no such process, or /proc hides it (hidepid): ask the kernel
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return process_start(holder["pid"]) is None  # alive, but its start time unreadable
+    return started == holder.get("pid_start", started)
 
 
 def restarts(count) -> int:
