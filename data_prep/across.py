@@ -80,22 +80,32 @@ class Removed:
 
 
 def check_near_files(parts: Sequence[Part], num_perm: int, bands: int) -> None:
-    """Every part has signatures of num_perm values, shingles and an index of `bands` bands."""
+    """Every part has signatures of num_perm values, shingles and an index of `bands` bands,
+    readable and of its documents' count (a damaged file is named)."""
     for part in parts:
         for name in NEAR_FILES:
             if not os.path.exists(f"{part.prefix}.{name}"):
                 raise ValueError(f"{part.prefix}.{name}: missing; near duplicates across folders "
                                  "need every folder prepared by tupe-prep with --dedup minhash "
                                  "(prepared before this version: prepare it again)")
-        count = len(part.keys())
-        shapes = (part.signatures().shape, part.band_index()[0].shape,
-                  len(ShingleFile(part.prefix)))
-        if shapes != ((count, num_perm), (bands, count), count):
+        try:
+            count = len(part.keys())
+            signatures, (band_keys_, band_order), shingles = (
+                part.signatures(), part.band_index(), ShingleFile(part.prefix))
+        except (ValueError, OSError, EOFError) as error:
+            raise ValueError(f"{part.prefix}: a near-duplicate file cannot be read ({error}); "
+                             "prepare the folder again") from None
+        shapes = (signatures.shape, band_keys_.shape, band_order.shape, len(shingles))
+        expected = ((count, num_perm), (bands, count), (bands, count), count)
+        if shapes != expected:
             raise ValueError(f"{part.prefix}: signatures, band index and shingles of shapes "
-                             f"{shapes} for {count} documents; expected "
-                             f"{((count, num_perm), (bands, count), count)}: prepared with "
-                             "another --num-perm or --jaccard-threshold, or before this version "
-                             "(prepare it again)?")
+                             f"{shapes} for {count} documents; expected {expected}: prepared "
+                             "with another --num-perm or --jaccard-threshold, or before this "
+                             "version (prepare it again)?")
+        if count and (shingles.offsets[0] != 0 or shingles.offsets[-1] != len(shingles.hashes)):
+            raise ValueError(f"{part.prefix}.{SHINGLE_OFFSETS}: does not span "
+                             f"{part.prefix}.{SHINGLES} ({len(shingles.hashes)} hashes); "
+                             "damaged: prepare the folder again")
 
 
 def duplicates(parts: List[Part], threshold: float = 0.0, num_perm: int = 128,
@@ -151,21 +161,57 @@ class BandTables:
                 documents.append(positions[order].astype(kind))
             self.tables.append((keys, documents, 0))
 
-    def candidates(self, queries: np.ndarray) -> tuple:
+    def candidates(self, queries: np.ndarray, before: int, gone: np.ndarray) -> tuple:
         """(query, position) pairs: each query document (a column of `queries`, [bands, n] band
-        keys) with the heads of every bucket it falls in, as collection positions."""
+        keys) with the heads of every bucket it falls in: the CANDIDATES_PER_BUCKET earliest
+        documents of the bucket before position `before` that are not `gone`, as collection
+        positions."""
         query, position = [], []
         for sorted_keys, documents, first in self.tables:
             for band in range(queries.shape[0]):
                 keys = sorted_keys[band]
                 low = np.searchsorted(keys, queries[band], side="left")
-                counts = np.minimum(np.searchsorted(keys, queries[band], side="right") - low,
-                                    CANDIDATES_PER_BUCKET)
-                at = np.repeat(low, counts) + (np.arange(counts.sum())
-                                               - np.repeat(np.cumsum(counts) - counts, counts))
-                query.append(np.repeat(np.arange(queries.shape[1]), counts))
-                position.append(np.asarray(documents[band][at]).astype(np.int64) + first)
+                high = np.searchsorted(keys, queries[band], side="right")
+                asked = np.flatnonzero(high > low)  # the queries whose bucket is there
+                runs, once, back = np.unique(low[asked], return_index=True, return_inverse=True)
+                run_of, heads = bucket_heads(documents[band], runs, high[asked][once], first,
+                                             before, gone)
+                counts = np.bincount(run_of, minlength=len(runs))  # each query: its run's heads
+                starts = np.cumsum(counts) - counts
+                per_query = counts[back]
+                at = np.repeat(starts[back] - (np.cumsum(per_query) - per_query), per_query) + \
+                    np.arange(per_query.sum())
+                query.append(np.repeat(asked, per_query))
+                position.append(heads[at])
         return np.concatenate(query), np.concatenate(position)
+
+
+def bucket_heads(documents, low: np.ndarray, high: np.ndarray, first: int, before: int,
+                 gone: np.ndarray) -> tuple:
+    """(run, position) of the heads of each run [low, high) of a band's sorted table: its
+    CANDIDATES_PER_BUCKET earliest documents (position = documents[i] + first) before `before`
+    and not `gone`, sorted by run. Runs are read CANDIDATES_PER_BUCKET entries a round, each run
+    until it has its heads, ends, or reaches `before` (a run is in position order)."""
+    count = CANDIDATES_PER_BUCKET
+    taken = np.zeros(len(low), dtype=np.int64)
+    pending, offset = np.arange(len(low)), 0
+    run_of, heads = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    while len(pending):
+        at = low[pending, None] + offset + np.arange(count)
+        inside = at < high[pending, None]
+        positions = np.where(inside, np.asarray(documents[np.where(inside, at, low[pending, None])])
+                             .astype(np.int64) + first, before)
+        usable = (positions < before) & ~gone[np.minimum(positions, len(gone) - 1)]
+        chosen = usable & (taken[pending, None] + np.cumsum(usable, axis=1) <= count)
+        rows, _ = np.nonzero(chosen)
+        run_of.append(pending[rows])
+        heads.append(positions[chosen])
+        taken[pending] += chosen.sum(axis=1)
+        done = (taken[pending] >= count) | ~inside[:, -1] | (positions[:, -1] >= before)
+        pending, offset = pending[~done], offset + count
+    run_of, heads = np.concatenate(run_of), np.concatenate(heads)
+    order = np.argsort(run_of, kind="stable")
+    return run_of[order], heads[order]
 
 
 def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], threshold: float,
@@ -183,9 +229,8 @@ def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], thr
         for start in range(0, len(queried), QUERY_CHUNK):
             documents = queried[start:start + QUERY_CHUNK]
             queries = band_keys(np.asarray(signatures[index][documents]), *tables.shape)
-            query, candidate = tables.candidates(queries)
-            earlier = (candidate < first) & ~gone[candidate]
-            pairs = np.unique(np.stack([documents[query[earlier]], candidate[earlier]]), axis=1)
+            query, candidate = tables.candidates(queries, first, gone)
+            pairs = np.unique(np.stack([documents[query], candidate]), axis=1)
             document, candidate = pairs[0], pairs[1]
             checked = to_verify(document, agreement(signatures, offsets, index, document,
                                                     candidate), threshold)

@@ -90,10 +90,12 @@ def near_settings(folders: Sequence[str], manifests: List[dict], against: Sequen
 
 
 def parts_of(shards: Sequence[str], against: Sequence[str], near) -> List[across.Part]:
-    """Every split of the corpora de-duplicated against, then of the shards, in order."""
+    """Every split of the corpora de-duplicated against, then each split of the shards in
+    order, split by split (the order of a merged folder's own parts: so merging one again
+    removes what one merge of all its shards removes)."""
     parts = [across.Part(os.path.join(folder, split), fixed=True)
              for folder in against for split in SPLITS]
-    parts += [across.Part(os.path.join(shard, split)) for shard in shards for split in SPLITS]
+    parts += [across.Part(os.path.join(shard, split)) for split in SPLITS for shard in shards]
     for part in parts:
         if not os.path.exists(f"{part.prefix}.keys.npy"):
             raise ValueError(f"{part.prefix}.keys.npy: missing; name folders written by tupe-prep")

@@ -53,8 +53,9 @@ def shingle_hashes(text: str, shingle: int) -> np.ndarray:
     `shingle`-grams."""
     from datasketch.hashfunc import sha1_hash32
 
-    words = WORD.findall(text.lower())
-    grams = {" ".join(words[i:i + shingle]) for i in range(max(1, len(words) - shingle + 1))}
+    words = WORD.findall(text.lower())  # none: no shingle, so no near duplicate of anything
+    grams = {" ".join(words[i:i + shingle]) for i in range(max(1 if words else 0,
+                                                                len(words) - shingle + 1))}
     return np.unique(np.array([sha1_hash32(g.encode("utf-8")) for g in grams], dtype=np.uint32))
 
 

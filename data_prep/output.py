@@ -1,14 +1,16 @@
 """An output folder that appears whole or not at all: a run (prepare or merge) writes its files
 in OUTPUT/.tmp-prep and `publish` moves them into OUTPUT, the manifest last."""
 
+import contextlib
 import json
 import os
 import shutil
 
-from tupe_ds.tools.files import fresh_folder
+from tupe_ds.tools.files import fresh_folder, locked
 
 SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy} and near-duplicate files
 WORK_DIR = ".tmp-prep"
+LOCK = ".tupe-prep.lock"
 SPOOL = "documents.jsonl"  # prepare's kept documents, from pass 1 to pass 2: not published
 SIGNATURE_SPOOL = "signatures.spool"  # their MinHash signatures, likewise
 SHINGLE_SPOOL = "shingles.spool"  # their shingle hashes, likewise
@@ -23,11 +25,15 @@ def read_manifest(folder: str) -> dict:
         return json.load(f)
 
 
+@contextlib.contextmanager
 def work_folder(output: str):
     """OUTPUT/.tmp-prep, empty, for a run's files until `publish` moves them into OUTPUT; removed
-    if the run fails (a killed process leaves it to the next run, which removes it first)."""
+    if the run fails (a killed process leaves it to the next run, which removes it first). Runs
+    into one OUTPUT take turns (OUTPUT/.tupe-prep.lock): the later one waits, then replaces
+    the earlier one's output."""
     os.makedirs(output, exist_ok=True)
-    return fresh_folder(os.path.join(output, WORK_DIR))
+    with locked(os.path.join(output, LOCK)), fresh_folder(os.path.join(output, WORK_DIR)) as work:
+        yield work
 
 
 def publish(work: str, output: str, manifest: dict) -> None:

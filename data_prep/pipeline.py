@@ -27,7 +27,7 @@ from data_prep.config import PrepConfig
 from data_prep.across import SIGNATURES, write_band_index
 from data_prep.dedup import Deduplicator, exact_key
 from data_prep.near import shingle_hashes, signature, write_shingles
-from data_prep.merge import filter_against
+from data_prep.merge import filter_against, near_settings
 from data_prep.output import SHINGLE_SPOOL, SIGNATURE_SPOOL, SPLITS, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
 from data_prep.sentences import SentenceSplitter
@@ -204,9 +204,10 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     against, removed = {}, {}
     if config.dedup_against:
         start = time.perf_counter()
-        against, removed = filter_against(work, config.dedup_against,
-                                          (config.jaccard_threshold, config.num_perm),
-                                          np.dtype(dtype), config.quiet)
+        near = near_settings([config.output], [{"config": asdict(config)}],
+                             config.dedup_against)
+        against, removed = filter_against(work, config.dedup_against, near, np.dtype(dtype),
+                                          config.quiet)
         seconds["dedup_against"] = time.perf_counter() - start
     split_counts = count_written(written, per_source, removed)
     counts["documents_out"] = sum(c["documents"] for c in split_counts.values())

@@ -4,6 +4,8 @@ import gzip
 import json
 import os
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -275,8 +277,13 @@ def test_near_duplicates_across_shards_and_corpora_go_the_first_copy_stays(tmp_p
     assert merged["sources"][shards[1]]["cross_shard_near_removed"] == 3
     assert sorted(kept_texts(tmp_path / "merged")) == sorted(clean(t) for t in originals)
     backwards = merge(shards[::-1], str(tmp_path / "backwards"), quiet=True)
-    assert backwards["sources"][shards[0]]["cross_shard_near_removed"] == 3  # now the later one
-    assert set(map(clean, originals[:3])).isdisjoint(kept_texts(tmp_path / "backwards"))
+    # now shard 1 comes first: of each pair the copy in the earlier place stays (train splits
+    # before valid ones), so shard 0 loses the originals but one in its valid split
+    copies = {clean(t): clean(near_copy(t)) for t in originals[:3]}
+    kept = kept_texts(tmp_path / "backwards")
+    assert backwards["cross_shard_near_duplicates_removed"] == 3 and len(kept) == 40
+    assert all((original in kept) != (copy in kept) for original, copy in copies.items())
+    assert backwards["sources"][shards[0]]["cross_shard_near_removed"] >= 2
 
     others = [unique_document(rng, words=200) for _ in range(10)]
     other = write_txt(tmp_path / "other.txt", others + [near_copy(t) for t in originals[3:6]]
@@ -422,3 +429,90 @@ def test_pages_sharing_a_block_are_kept_and_their_near_copies_removed(tmp_path, 
     assert_precise_at_the_threshold(bench.measure_within(str(tmp_path)))
 
 
+
+
+def hand_made_part(prefix, sets):
+    """A prepared split of documents given as sets of shingle hashes (keys, signatures,
+    shingles, LSH index, as tupe-prep writes them)."""
+    from data_prep import across
+    from data_prep.near import signature, write_shingles
+
+    hashes = [np.array(sorted(s), np.uint32) for s in sets]
+    np.save(f"{prefix}.keys.npy", np.arange(len(sets), dtype=np.uint64) + hash(prefix) % 2**40)
+    signatures = np.stack([signature(h, 128) for h in hashes])
+    np.save(f"{prefix}.minhash.npy", signatures)
+    write_shingles(str(prefix), hashes, sum(map(len, hashes)), len(hashes))
+    across.write_band_index(str(prefix), signatures, 0.8, 128)
+    return across.Part(str(prefix))
+
+
+def test_removed_documents_take_no_place_among_a_buckets_candidates(tmp_path):
+    """30 documents W, each removed as a near-copy of one of A's, fill the buckets they share
+    with Y (J(W, Y) = 0.995) before Y; X is a near-copy of Y (0.95) and of no kept one else: it
+    goes in one merge as in a merge of the merge (a removed document is no bucket head)."""
+    from data_prep import across
+
+    y = set(range(400))
+    w = [(y - {i}) | {1000 + i} for i in range(30)]
+    a = [(w[i] - set(range(300, 344))) | set(range(5000 + 100 * i, 5044 + 100 * i))
+         for i in range(30)]
+    x = (y - set(range(390, 400))) | set(range(2000, 2010))
+    first = hand_made_part(tmp_path / "a", a)
+    crowd = list(range(30))
+    while True:  # only the W that A's near-copies remove
+        parts = [hand_made_part(tmp_path / f"w{i}", [w[i]]) for i in crowd]
+        left = [i for i, r in zip(crowd, across.duplicates([first, *parts], 0.8, 128)[1:])
+                if r.near[0]]
+        if left == crowd:
+            break
+        crowd = left
+    assert len(crowd) > across.CANDIDATES_PER_BUCKET
+    parts = [first, *parts, hand_made_part(tmp_path / "y", [y]),
+             hand_made_part(tmp_path / "x", [x])]
+    removed = across.duplicates(parts, 0.8, 128)
+    assert all(r.near[0] for r in removed[1:-2])
+    assert not removed[-2].near[0] and removed[-1].near[0]
+    kept = [s for sets, r in zip([a, *([w[i]] for i in crowd), [y]], removed) for s, gone in
+            zip(sets, r.any) if not gone]
+    again = across.duplicates([hand_made_part(tmp_path / "merged", kept), parts[-1]], 0.8, 128)
+    assert again[1].near[0]
+
+
+def test_dedup_against_at_other_settings_and_wordless_documents(tmp_path):
+    """--dedup-against a corpus prepared at another threshold is refused (the LSH bands would
+    never meet); documents without a word share no shingle, so none is a near-copy of another."""
+    texts = [unique_document(random.Random(5), words=120)]
+    source = write_txt(tmp_path / "a.txt", texts)
+    run([source], tmp_path / "a94", jaccard_threshold=0.94)
+    with pytest.raises(ValueError, match="different --jaccard-threshold"):
+        run([source], tmp_path / "b95", jaccard_threshold=0.95,
+            dedup_against=(str(tmp_path / "a94"),),
+            tokenizer=str(tmp_path / "a94" / "tokenizer.json"))
+    symbols = ["| --- | --- | --- | --- |", "*** *** *** *** *** ***", "→ ← ↑ ↓ ↔ ↕",
+               "!!! ??? ... ;;; ,,,"]
+    manifest = run([write_txt(tmp_path / "s.txt", symbols + texts)], tmp_path / "s",
+                   min_words=1)
+    assert manifest["near_duplicates_removed"] == 0 and manifest["documents_out"] == 5
+
+
+def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_path):
+    rng = random.Random(9)
+    shards = []
+    for i in range(2):
+        source = write_txt(tmp_path / f"{i}.txt", [unique_document(rng, words=80)
+                                                   for _ in range(6)])
+        run([source], tmp_path / f"shard{i}", tokenizer=None if i == 0 else
+            str(tmp_path / "shard0" / "tokenizer.json"))
+        shards.append(str(tmp_path / f"shard{i}"))
+    command = [sys.executable, "-m", "data_prep", "merge", "--quiet", "--output",
+               str(tmp_path / "merged")]
+    both = [subprocess.Popen(command + order, stderr=subprocess.PIPE, text=True)
+            for order in (shards, shards[::-1])]
+    assert [p.wait(timeout=120) for p in both] == [0, 0], [p.stderr.read() for p in both]
+    assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["documents_out"] == 12
+
+    shingles = tmp_path / "shard1" / "train.shingles.npy"
+    shingles.write_bytes(shingles.read_bytes()[:200])
+    with pytest.raises(ValueError, match=f"{tmp_path / 'shard1' / 'train'}: a near-duplicate "
+                                         "file cannot be read"):
+        merge(shards, str(tmp_path / "again"), quiet=True)

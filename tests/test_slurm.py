@@ -17,6 +17,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from data_prep.output import LOCK
 from runs import CPU_CONFIG, ROOT, environment, free_port, log
 from slurm_cluster import SlurmCluster, install_packages
 from test_compare import write_glue
@@ -195,10 +196,10 @@ def test_prep_arrays_of_two_sources_equal_one_run_and_the_second_loses_the_first
 
 
 def file_states(folder):
-    """{path: (inode, mtime_ns, sha256)} of every file under `folder`."""
+    """{path: (inode, mtime_ns, sha256)} of every file under `folder` (but the runs' lock)."""
     return {str(path.relative_to(folder)): (path.stat().st_ino, path.stat().st_mtime_ns,
                                             hashlib.sha256(path.read_bytes()).hexdigest())
-            for path in sorted(folder.rglob("*")) if path.is_file()}
+            for path in sorted(folder.rglob("*")) if path.is_file() and path.name != LOCK}
 
 
 def test_the_printed_command_re_runs_one_shard_of_the_array_and_nothing_else(cluster,
