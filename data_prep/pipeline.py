@@ -34,6 +34,7 @@ from data_prep.sentences import SentenceSplitter
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
 
 ENCODE_BATCH_DOCS = 256
+PASS1_BATCH_DOCS = 64  # documents per worker task
 SOURCE_COUNTS = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
                  "near_duplicates_removed", "cross_corpus_exact_removed",
                  "cross_corpus_near_removed", "documents_out", "sentences", "tokens")
@@ -73,14 +74,28 @@ def _process(text: str) -> dict:
             "seconds": timings}
 
 
-def _map(config: PrepConfig, texts):
+def _process_batch(texts: list) -> list:
+    """_process of each text, a task's worth: one pickle each way per PASS1_BATCH_DOCS."""
+    return [_process(text) for text in texts]
+
+
+def _map(config: PrepConfig, batches):
+    """Each batch of texts' results, in order. At most 2 x workers + 2 batches are in the
+    workers or waiting to be read here, so memory does not grow with the corpus when this
+    process (de-duplication, BPE counting) is slower than the workers."""
     if config.workers == 1:
         _init_worker(config)
-        yield from map(_process, texts)
+        yield from map(_process_batch, batches)
         return
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with context.Pool(config.workers, initializer=_init_worker, initargs=(config,)) as pool:
-        yield from pool.imap(_process, texts, chunksize=64)
+        in_flight = collections.deque()
+        for batch in batches:
+            if len(in_flight) == 2 * config.workers + 2:
+                yield in_flight.popleft().get()
+            in_flight.append(pool.apply_async(_process_batch, (batch,)))
+        while in_flight:
+            yield in_flight.popleft().get()
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -118,17 +133,31 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
         counts words while the workers clean and split."""
         with open(spool_path, "w", encoding="utf-8") as spool, \
                 open(signature_spool, "wb") as signatures:
-            pending = collections.deque()  # the source of each text the workers have
+            waiting = collections.deque()  # each batch's sources, until its results are back
 
-            def texts():
+            def batches():
+                """The texts of PASS1_BATCH_DOCS documents at a time (only texts go to the
+                workers)."""
+                sources, texts = [], []
                 for path in files:
                     for document in reader.documents([path]):
-                        pending.append(source_of[path])
-                        yield document.text
+                        sources.append(source_of[path])
+                        texts.append(document.text)
+                        if len(texts) == PASS1_BATCH_DOCS:
+                            waiting.append(sources)
+                            yield texts
+                            sources, texts = [], []
+                if texts:
+                    waiting.append(sources)
+                    yield texts
 
-            for result in tqdm(_map(config, texts()), desc="clean, dedup, split", unit=" docs",
-                               disable=config.quiet):
-                source = pending.popleft()
+            def results():
+                """(source, result) of each document, in input order."""
+                for done in _map(config, batches()):
+                    yield from zip(waiting.popleft(), done)
+
+            for source, result in tqdm(results(), desc="clean, dedup, split", unit=" docs",
+                                       disable=config.quiet):
                 counts["documents_in"] += 1
                 per_source[source]["documents_in"] += 1
                 for stage, value in result["seconds"].items():
