@@ -43,7 +43,9 @@ class Deduplicator:
     def kept(self) -> int:
         return len(self.offsets) - 1
 
-    def keep(self, key: int, signature=None, shingles=None) -> bool:
+    def keep(self, key: int, signature=None, shingles=None, bands=None) -> bool:
+        """Whether to keep this document; `bands`: its band keys (band_keys of its signature,
+        computed here when not given)."""
         if self.mode == "none":
             return True
         if key in self.seen:
@@ -53,7 +55,9 @@ class Deduplicator:
         if self.mode != "minhash":
             return True
         signature = np.asarray(signature, dtype=np.uint32)
-        keys = [int(k) for k in band_keys(signature[None], self.bands, self.rows)[:, 0]]
+        if bands is None:
+            bands = band_keys(signature[None], self.bands, self.rows)[:, 0]
+        keys = [int(k) for k in bands]
         candidates = np.array(sorted({document for band, k in enumerate(keys)
                                       for document in self.buckets[band].get(k, ())}), np.int64)
         if len(candidates):

@@ -17,6 +17,7 @@ measured curve).
 """
 
 import functools
+import hashlib
 import re
 
 import numpy as np
@@ -33,6 +34,7 @@ AGREEMENT_MARGIN = 0.15  # over 3 standard deviations of 128 values' agreement n
 SHINGLES, SHINGLE_OFFSETS = "shingles.npy", "shingle_offsets.npy"
 
 
+@functools.lru_cache(maxsize=8)
 def lsh_shape(threshold: float, num_perm: int) -> tuple:
     """(bands, rows per band): the most rows (the fewest candidates) for which a pair at exactly
     `threshold` shares a band with probability RECALL_AT_THRESHOLD or more."""
@@ -49,14 +51,14 @@ def _permutations(num_perm: int):
 
 
 def shingle_hashes(text: str, shingle: int) -> np.ndarray:
-    """Sorted, distinct uint32 hashes (datasketch's sha1_hash32) of the text's lower-cased word
-    `shingle`-grams."""
-    from datasketch.hashfunc import sha1_hash32
-
+    """Sorted, distinct uint32 hashes of the text's lower-cased word `shingle`-grams: the first 4
+    bytes of each one's SHA-1, little-endian (datasketch's sha1_hash32, without its call per
+    gram)."""
     words = WORD.findall(text.lower())  # none: no shingle, so no near duplicate of anything
     grams = {" ".join(words[i:i + shingle]) for i in range(max(1 if words else 0,
                                                                 len(words) - shingle + 1))}
-    return np.unique(np.array([sha1_hash32(g.encode("utf-8")) for g in grams], dtype=np.uint32))
+    digests = b"".join(hashlib.sha1(g.encode("utf-8")).digest()[:4] for g in grams)
+    return np.unique(np.frombuffer(digests, dtype="<u4")).astype(np.uint32)
 
 
 def signature(hashes: np.ndarray, num_perm: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from data_prep.clean import Cleaner
 from data_prep.config import PrepConfig
 from data_prep.across import SIGNATURES, write_band_index
 from data_prep.dedup import Deduplicator, exact_key
-from data_prep.near import shingle_hashes, signature, write_shingles
+from data_prep.near import band_keys, lsh_shape, shingle_hashes, signature, write_shingles
 from data_prep.merge import filter_against, near_settings
 from data_prep.output import SHINGLE_SPOOL, SIGNATURE_SPOOL, SPLITS, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
@@ -66,12 +66,14 @@ def _process(text: str) -> dict:
     key = exact_key(clean)
     shingles = shingle_hashes(clean, config.shingle) if config.dedup == "minhash" else None
     minhash = signature(shingles, config.num_perm) if shingles is not None else None
+    bands = (band_keys(minhash[None], *lsh_shape(config.jaccard_threshold, config.num_perm))[:, 0]
+             if minhash is not None else None)  # here, not in the de-duplicating process
     timings["dedup"] = time.perf_counter() - start
     start = time.perf_counter()
     sentences = _worker["splitter"].split(clean)
     timings["split"] = time.perf_counter() - start
-    return {"key": key, "signature": minhash, "shingles": shingles, "sentences": sentences,
-            "seconds": timings}
+    return {"key": key, "signature": minhash, "shingles": shingles, "bands": bands,
+            "sentences": sentences, "seconds": timings}
 
 
 def _process_batch(texts: list) -> list:
@@ -168,7 +170,8 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                     continue
                 start = time.perf_counter()
                 exact_before = dedup.exact_removed
-                kept = dedup.keep(result["key"], result["signature"], result["shingles"])
+                kept = dedup.keep(result["key"], result["signature"], result["shingles"],
+                                  result["bands"])
                 seconds["dedup"] += time.perf_counter() - start
                 if not kept:
                     kind = "exact" if dedup.exact_removed > exact_before else "near"
