@@ -66,19 +66,28 @@ def _process(text: str) -> dict:
     key = exact_key(clean)
     shingles = shingle_hashes(clean, config.shingle) if config.dedup == "minhash" else None
     minhash = signature(shingles, config.num_perm) if shingles is not None else None
-    bands = (band_keys(minhash[None], *lsh_shape(config.jaccard_threshold, config.num_perm))[:, 0]
-             if minhash is not None else None)  # here, not in the de-duplicating process
     timings["dedup"] = time.perf_counter() - start
     start = time.perf_counter()
     sentences = _worker["splitter"].split(clean)
     timings["split"] = time.perf_counter() - start
-    return {"key": key, "signature": minhash, "shingles": shingles, "bands": bands,
-            "sentences": sentences, "seconds": timings}
+    return {"key": key, "signature": minhash, "shingles": shingles, "sentences": sentences,
+            "seconds": timings}
 
 
 def _process_batch(texts: list) -> list:
-    """_process of each text, a task's worth: one pickle each way per PASS1_BATCH_DOCS."""
-    return [_process(text) for text in texts]
+    """_process of each text, a task's worth: one pickle each way per PASS1_BATCH_DOCS; the
+    LSH band keys of the task's signatures at once (here, not in the de-duplicating process)."""
+    results = [_process(text) for text in texts]
+    signed = [result for result in results if result.get("signature") is not None]
+    if signed:
+        start = time.perf_counter()
+        config = _worker["config"]
+        keys = band_keys(np.stack([result["signature"] for result in signed]),
+                         *lsh_shape(config.jaccard_threshold, config.num_perm))
+        for result, bands in zip(signed, keys.T):
+            result["bands"] = bands
+        signed[0]["seconds"]["dedup"] += time.perf_counter() - start
+    return results
 
 
 def _map(config: PrepConfig, batches):
@@ -171,7 +180,7 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                 start = time.perf_counter()
                 exact_before = dedup.exact_removed
                 kept = dedup.keep(result["key"], result["signature"], result["shingles"],
-                                  result["bands"])
+                                  result.get("bands"))
                 seconds["dedup"] += time.perf_counter() - start
                 if not kept:
                     kind = "exact" if dedup.exact_removed > exact_before else "near"
