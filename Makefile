@@ -32,10 +32,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(BIN)/pip install -q -e '.[test,docs]'
 	touch $@
 
-# The CPU suite, on a GPU machine too (its GPUs hidden), in 4 processes on the 2 cores (tests/conftest.py), then
+# The CPU suite, on a GPU machine too (its GPUs hidden), in 3 processes on the 2 cores (tests/conftest.py), then
 # its 15 slowest tests (the suite's budget: 20 minutes on 2 cores).
 test: venv
-	CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -n 4 \
+	CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -n 3 \
 	  --durations=15 tests
 
 # The main job on the bundled corpus: prepare it, then pretrain a tiny TUPE-R BERT under the
