@@ -275,15 +275,20 @@ def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, t
              world_size=2)
 
 
+def stand_in_python_and_srun(folder) -> dict:
+    """An environment whose python and srun (in `folder`) print the arguments they are given."""
+    for program in ("python", "srun"):
+        (folder / program).write_text('#!/usr/bin/env python3\nimport json, sys\n'
+                                      'print(json.dumps(sys.argv[1:]))\n')
+        (folder / program).chmod(0o755)
+    return {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}", "PYTHON": "python",
+            "TUPE_DS_ROOT": ROOT}
+
+
 def test_pretrain_script_passes_token_count_weights_and_named_folders(tmp_path):
     """DATA of pretrain.sbatch with weights in e-notation (token counts) and NAME=FOLDER: --data's
     values as written. A stand-in python and srun print what they are given."""
-    for program in ("python", "srun"):
-        (tmp_path / program).write_text('#!/usr/bin/env python3\nimport json, sys\n'
-                                        'print(json.dumps(sys.argv[1:]))\n')
-        (tmp_path / program).chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHON": "python",
-           "TUPE_DS_ROOT": ROOT}
+    env = stand_in_python_and_srun(tmp_path)
     expected = ["3.2e9", "/p/wiki/merged", "4E+6", "law=/p/l2"]
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "pretrain.sbatch"), "bert-large",
                              " ".join(expected), "/runs/x"], env=env, capture_output=True,

@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from data_prep.output import LOCK
 from runs import CPU_CONFIG, ROOT, environment, free_port, log
 from slurm_cluster import SlurmCluster, install_packages
+from test_blend import stand_in_python_and_srun
 from test_compare import write_glue
 from test_data_prep import near_copy, run as prep, unique_document, write_txt
 from tupe_ds.distributed import launch, launchers
@@ -329,12 +330,7 @@ def test_pretrain_script_explains_its_usage():
 def test_pretrain_script_passes_a_blend_or_a_folder_as_data(tmp_path, data, expected):
     """DATA, one argument of sbatch: a blend's weights and folders become --data's values; a
     folder (spaces and all) stays one. A stand-in python and srun print what they are given."""
-    for program in ("python", "srun"):
-        (tmp_path / program).write_text('#!/usr/bin/env python3\nimport json, sys\n'
-                                        'print(json.dumps(sys.argv[1:]))\n')
-        (tmp_path / program).chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHON": "python",
-           "TUPE_DS_ROOT": ROOT}
+    env = stand_in_python_and_srun(tmp_path)
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "pretrain.sbatch"), "bert-large",
                              data, "/runs/x", "--tp", "2"], env=env, capture_output=True,
                             text=True)

@@ -11,14 +11,9 @@ its own and hard-linked to OUT/run.lock, which fails when the name exists (`link
 local disks, NFSv3+ and Lustre, the classic NFS lock), so the lock appears whole or not at all.
 While the run lives, a thread renews the lease by touching the file every LEASE_SECONDS / 10;
 its age is measured against the filesystem's own clock (the mtime of a file just written there),
-not this host's. A holder is gone, and its lock taken over with a line saying so, when:
-
-- it ran on this machine (the same host name, boot and PID namespace: containers on one host
-  share the first two) and its process (its PID with that PID's start time) has ended;
-- it is this same Slurm job before a requeue (the same job id, a lower SLURM_RESTART_COUNT);
-- it ran elsewhere and its lease was not renewed for LEASE_SECONDS (600 s;
-  TUPE_DS_LOCK_LEASE_SECONDS), the only sign a lost node gives;
-- the file is not a lock record (damaged, or a symbolic link).
+not this host's. A holder is gone, and its lock taken over with a line saying so, by the rule
+of tupe_ds/tools/lock.py (`gone_because`): its process ended here, it is this Slurm job before a
+requeue, its lease elsewhere ran out, or the file is no lock record.
 
 Otherwise the run is refused before any work, naming the holder and what to do (a live process
 of this machine holds it until it ends, however long it is stopped). A take-over is itself
