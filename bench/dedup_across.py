@@ -46,7 +46,7 @@ def signatures(hashes: np.ndarray, num_perm: int = NUM_PERM) -> np.ndarray:
     data_prep.near.signature gives them."""
     from datasketch.minhash import _fmix  # the library's own mixing, so that values agree
 
-    a, b = near._permutations(num_perm)
+    a, b = near._sketch(num_perm).permutations
     mixed = _fmix(np.asarray(hashes, dtype=np.uint32), 32)
     with np.errstate(over="ignore"):
         return (mixed[:, :, None] * a[None, None, :] + b[None, None, :]).min(axis=1)
@@ -167,16 +167,22 @@ def measure(folder: str, shards: int) -> dict:
 
 def measure_within(folder: str) -> dict:
     """The shards' pages, in order, through one Deduplicator (one prep run's stage)."""
-    from data_prep.dedup import Deduplicator
+    from data_prep.dedup import KEPT, Deduplicator
+    from data_prep.pipeline import PASS1_BATCH_DOCS
 
-    dedup = Deduplicator("minhash", THRESHOLD, NUM_PERM, os.path.join(folder, "spool"))
+    os.makedirs(os.path.join(folder, "dedup"), exist_ok=True)
+    dedup = Deduplicator("minhash", THRESHOLD, NUM_PERM, os.path.join(folder, "dedup"))
     removed, started = [], time.perf_counter()
     shard = 0
     while os.path.exists(os.path.join(folder, f"shard{shard}")):
         part = across.Part(os.path.join(folder, f"shard{shard}", "train"))
         sig, shingles = part.signatures(), near.ShingleFile(part.prefix)
-        removed.append(np.array([not dedup.keep(key, sig[row], shingles[row])
-                                 for row, key in enumerate(part.keys().tolist())]))
+        keys, verdicts = part.keys(), []
+        for start in range(0, len(keys), PASS1_BATCH_DOCS):  # as prep's batches come
+            rows = range(start, min(start + PASS1_BATCH_DOCS, len(keys)))
+            verdicts += dedup.judge(keys[start:rows.stop], np.asarray(sig[start:rows.stop]),
+                                    [shingles[row] for row in rows])
+        removed.append(np.array([verdict != KEPT for verdict in verdicts]))
         shard += 1
     return {"seconds": round(time.perf_counter() - started, 1),
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),

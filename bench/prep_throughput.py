@@ -6,12 +6,15 @@
 On the bundled corpus (data/sample/*.txt.gz) it measures, in one run:
   1. prepare() end to end with workers=1 and workers=2 (default options otherwise: minhash dedup,
      vocab 32768; quiet; a fresh temporary output folder each), every run in its own Python process
-     as the CLI would be, so that RAYON_NUM_THREADS (which prepare() sets from --workers) and
+     through the tupe-prep command's main() (with its pause of the garbage collector while the
+     libraries import), so that RAYON_NUM_THREADS (which prepare() sets from --workers) and
      tokenizers' thread pool start fresh. MB/s = manifest bytes_in / seconds of each stage; each
      run's CPU seconds (its process and its workers) and peak RSS (the larger of the main process
-     and any one worker) are printed too. With --reference, the same runs again with the reference
-     sentence splitter (spaCy's sentencizer on the whole text) and Moses normalizer (sacremoses'
-     own normalize), interleaved with the default ones.
+     and any one worker; it counts mapped files' pages) are printed too, and the peak anonymous
+     memory (Pss_Anon of the process and its workers together) of one more run, sampled and not
+     timed. With --reference, the same runs again with the reference sentence splitter (spaCy's
+     sentencizer on the whole text) and Moses normalizer (sacremoses' own normalize),
+     interleaved with the default ones.
   2. the bare libraries on the same text, in this process: spaCy's blank("en") + sentencizer over
      the blank-line paragraphs (nlp.pipe, one process), then HF tokenizers' encode_batch of the
      sentences it found, with the tokenizer.json of the workers=1 run (its own threads).
@@ -54,18 +57,21 @@ from data_prep.tokenizer import train_tokenizer  # noqa: E402  (the trainer sett
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "sample")
 MB = 1e6
-# One run, in its own process; with argv[4] == "reference", the reference sentence splitter and
-# Moses normalizer (the workers are forked after the change). Prints its CPU seconds and peak RSS.
-PREPARE = ("import functools, json, resource, sys, warnings; warnings.filterwarnings('ignore'); "
-           "import data_prep.pipeline as p; "
-           "reference = sys.argv[4] == 'reference'; "
+# One run, in its own process, as the tupe-prep command (its collector pause after imports
+# included: data_prep/cli.py, tupe_ds/tools/startup.py); with argv[4] == "reference", the
+# reference sentence splitter and Moses normalizer (the workers are forked after the change).
+# Prints its CPU seconds and peak RSS.
+PREPARE = ("import sys; args = sys.argv[1:]; sys.argv = ['tupe-prep']; "
+           "from tupe_ds.tools import startup; "
+           "import functools, json, resource, warnings; warnings.filterwarnings('ignore'); "
+           "import data_prep.pipeline as p; from data_prep.cli import main; "
+           "reference = args[3] == 'reference'; "
            "p.SentenceSplitter = functools.partial(p.SentenceSplitter, splitter='sentencizer') "
            "if reference else p.SentenceSplitter; "
            "p.Cleaner = functools.partial(p.Cleaner, moses='sacremoses') if reference "
            "else p.Cleaner; "
            "use = lambda who: resource.getrusage(who); before = use(resource.RUSAGE_SELF); "
-           "p.prepare(p.PrepConfig(inputs=[sys.argv[1]], output=sys.argv[2], "
-           "workers=int(sys.argv[3]), quiet=True)); "
+           "main(['--input', args[0], '--output', args[1], '--workers', args[2], '--quiet']); "
            "me, kids = use(resource.RUSAGE_SELF), use(resource.RUSAGE_CHILDREN); "
            "print(json.dumps({'cpu': me.ru_utime + me.ru_stime - before.ru_utime - before.ru_stime "
            "+ kids.ru_utime + kids.ru_stime, 'rss_mb': max(me.ru_maxrss, kids.ru_maxrss) / 1024}))")
@@ -141,19 +147,44 @@ def generate(path: str, megabytes: float, seed: int = 0) -> None:
             written += len(text.encode("utf-8"))
 
 
-def run_prepare(workers: int, output: str, reference: bool = False):
-    """(manifest, seconds of the whole process incl. imports, CPU s and peak RSS MB of prepare())
-    of one prepare() run."""
+def anonymous_mb(pid: int) -> float:
+    """Pss_Anon of a process and its children (/proc), MB: the memory only they hold, not the
+    page cache of the files they map, each page shared by fork counted once."""
+    total = 0.0
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith("Pss_Anon:"):
+                total = int(line.split()[1]) / 1024
+        children = []  # of every thread: prepare() forks its workers from tokenizers' threads
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+    except OSError:  # gone, or no /proc
+        return total
+    return total + sum(anonymous_mb(child) for child in children)
+
+
+def run_prepare(workers: int, output: str, reference: bool = False, sample: bool = False):
+    """(manifest, seconds of the whole process incl. imports, CPU s and peak RSS MB of one run);
+    with `sample`, its peak anonymous MB (the process and its workers together, every 0.1 s)
+    in the usage too. Reading smaps_rollup takes ~10 ms of a core per process, so the timed
+    runs are not sampled."""
     start = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"}  # prepare() sets it
-    done = subprocess.run([sys.executable, "-c", PREPARE, corpus, output, str(workers),
-                           "reference" if reference else "default"],
-                          cwd=ROOT, capture_output=True, text=True, env=env)
+    process = subprocess.Popen([sys.executable, "-c", PREPARE, corpus, output, str(workers),
+                                "reference" if reference else "default"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    anonymous = 0.0
+    while sample and process.poll() is None:
+        anonymous = max(anonymous, anonymous_mb(process.pid))
+        time.sleep(0.1)
+    stdout, stderr = process.communicate()
     wall = time.perf_counter() - start
-    if done.returncode:
-        sys.exit(f"prepare(workers={workers}) failed:\n{done.stderr}")
+    if process.returncode:
+        sys.exit(f"prepare(workers={workers}) failed:\n{stderr}")
     with open(os.path.join(output, "manifest.json")) as f:
-        return json.load(f), wall, json.loads(done.stdout.strip().splitlines()[-1])
+        usage = json.loads(stdout.strip().splitlines()[-1])
+        return json.load(f), wall, {**usage, "anonymous_mb": anonymous}
 
 
 def bare_spacy(documents):
@@ -250,11 +281,18 @@ with tempfile.TemporaryDirectory(prefix="prep-bench-") as tmp:
             line += (f"  bare spaCy {bare['spacy'][-1]:.3f}  bare tokenizers "
                      f"{bare['tokenizers'][-1]:.3f}")
         print(f"round {r + 1}, e2e MB/s: {line}  (load avg {os.getloadavg()[0]:.1f})")
+    anonymous = {}  # one more run of each variant, its memory sampled, its time not counted
+    for workers, reference in variants:
+        output = os.path.join(tmp, f"memory-{label(workers, reference).replace(' ', '-')}")
+        anonymous[workers, reference] = run_prepare(workers, output, reference,
+                                                    sample=True)[2]["anonymous_mb"]
+        shutil.rmtree(output)
 
 median = {v: {"mbs": statistics.median(mb_per_s(m) for m, _, _ in runs[v]),
               "process": statistics.median(p for _, p, _ in runs[v]),
               "cpu": statistics.median(u["cpu"] for _, _, u in runs[v]),
-              "rss": max(u["rss_mb"] for _, _, u in runs[v])} for v in variants}
+              "rss": max(u["rss_mb"] for _, _, u in runs[v]),
+              "anonymous": anonymous[v]} for v in variants}
 first = runs[variants[0]][0][0]
 print(f"\nprepare(), bytes_in {first['bytes_in']:,}, documents in/out {first['documents_in']:,}/"
       f"{first['documents_out']:,}, sentences {first['sentences']:,}, tokens {first['tokens']:,}"
@@ -276,6 +314,10 @@ print(f"{'CPU s of prepare() (+workers)':30s} {'cpu':9s}" + "".join(
     f" {median[v]['cpu']:10.2f} {'':7s}" for v in variants))
 print(f"{'peak RSS, MB (largest process)':30s} {'max':9s}" + "".join(
     f" {median[v]['rss']:10.0f} {'':7s}" for v in variants))
+print(f"{'peak anonymous MB (all procs)':30s} {'max':9s}" + "".join(
+    f" {median[v]['anonymous']:10.0f} {'':7s}" for v in variants))
+print("RSS counts the pages of mapped files (page cache, reclaimable); anonymous memory is what "
+      "the\nprocesses alone hold (Pss_Anon summed, sampled every 0.1 s in one more run).")
 if args.reference:
     for workers in WORKERS:
         fast, slow = median[workers, False], median[workers, True]

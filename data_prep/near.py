@@ -46,8 +46,10 @@ def lsh_shape(threshold: float, num_perm: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=4)
-def _permutations(num_perm: int):
-    return MinHash(num_perm=num_perm, scheme=SCHEME).permutations  # costly to draw each time
+def _sketch(num_perm: int) -> MinHash:
+    """One MinHash per process and size, cleared for each document: drawing the permutations
+    and building the object cost more than hashing a short page."""
+    return MinHash(num_perm=num_perm, hashfunc=int, scheme=SCHEME)
 
 
 def shingle_hashes(text: str, shingle: int) -> np.ndarray:
@@ -63,8 +65,8 @@ def shingle_hashes(text: str, shingle: int) -> np.ndarray:
 
 def signature(hashes: np.ndarray, num_perm: int) -> np.ndarray:
     """The MinHash signature (uint32) of a document's shingle hashes."""
-    sketch = MinHash(num_perm=num_perm, hashfunc=int, permutations=_permutations(num_perm),
-                     scheme=SCHEME)
+    sketch = _sketch(num_perm)
+    sketch.clear()
     sketch.update_batch(hashes.tolist())
     return sketch.hashvalues.astype(np.uint32)
 

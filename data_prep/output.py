@@ -12,8 +12,7 @@ SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy} and near-
 WORK_DIR = ".tmp-prep"
 LOCK = ".tupe-prep.lock"
 SPOOL = "documents.jsonl"  # prepare's kept documents, from pass 1 to pass 2: not published
-SIGNATURE_SPOOL = "signatures.spool"  # their MinHash signatures, likewise
-SHINGLE_SPOOL = "shingles.spool"  # their shingle hashes, likewise
+DEDUP_STATE = "dedup"  # prepare's de-duplicator's files (data_prep/dedup.py), likewise
 
 
 def read_manifest(folder: str) -> dict:
@@ -47,7 +46,7 @@ def publish(work: str, output: str, manifest: dict) -> None:
     with open(os.path.join(work, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     names = sorted(n for n in os.listdir(work)
-                   if n not in (SPOOL, SIGNATURE_SPOOL, SHINGLE_SPOOL, "manifest.json"))
+                   if n not in (SPOOL, DEDUP_STATE, "manifest.json"))
     for name in names + ["manifest.json"]:
         os.replace(os.path.join(work, name), os.path.join(output, name))
     shutil.rmtree(work)
