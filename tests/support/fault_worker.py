@@ -15,6 +15,8 @@
         as on a full disk; "disk-full:4:1": rank 1's only; "disk-full:4:manifest": the manifest
         only (rank 0, after every rank wrote its files)
     TUPE_DS_FAULT="usr1-at-start:1"   SIGUSR1 to rank 1 as its engine is being built
+    TUPE_DS_FAULT="stamp:PATH"   rank 0 appends "STEP START END" (time.time()) to PATH for each
+        training step it runs: no fault, a clock outside the run
     TUPE_DS_FAULT="hold:5:PATH"   rank 0 writes PATH.waiting in the middle of step 5, then waits
         until PATH exists (the run stays alive while a test does something beside it)
     TUPE_DS_FAULT="stale-view:1:step12"   rank 1 does not see step12's manifest (as on a
@@ -138,6 +140,19 @@ def install(fault: str) -> None:
             return result
 
         EngineSteps._forward = forward_then_fault
+    elif kind == "stamp":
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        train = EngineSteps.train
+
+        def stamped_train(self, *args, **kwargs):
+            started = time.time()
+            result = train(self, *args, **kwargs)
+            with open(rest[0], "a") as f:
+                f.write(f"{step_in_progress() - 1} {started} {time.time()}\n")
+            return result
+
+        EngineSteps.train = stamped_train
     elif kind == "usr1-at-start":
         if int(os.environ.get("RANK", "0")) == int(rest[0]):
             ENGINE["usr1_at_start"] = True

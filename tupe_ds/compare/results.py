@@ -32,6 +32,24 @@ def read_description(run_dir: str):
         return json.load(f)
 
 
+def training_time(entries: dict) -> tuple:
+    """(logged steps, cumulative seconds of training at each): the log's
+    time/training_seconds, which excludes evaluation, saves and each start's start-up, and
+    which checkpoints carry over resumes. A log of an earlier tupe_ds without it: the steps
+    since the previous logged step times their seconds_per_step (whose first interval of each
+    start was timed from the process's start, divided by one step)."""
+    timed = [step for step, e in entries.items() if "time/training_seconds" in e]
+    if timed:
+        return timed, [entries[step]["time/training_seconds"] for step in timed]
+    timed = [step for step, e in entries.items() if "throughput/seconds_per_step" in e]
+    elapsed, previous, seconds = [], 0, 0.0
+    for step in timed:  # each logged value covers the steps since the previous one
+        seconds += (step - previous) * entries[step]["throughput/seconds_per_step"]
+        elapsed.append(seconds)
+        previous = step
+    return timed, elapsed
+
+
 def run_record(plan: Plan, run: Run, status: dict) -> dict:
     """One run: its state and its validation curve against steps, seconds and FLOPs."""
     run_dir = plan.run_dir(run)
@@ -45,18 +63,12 @@ def run_record(plan: Plan, run: Run, status: dict) -> dict:
         state = f"failed (exit {attempt['exit']})"
     else:
         state = "not started" if description is None else "stopped"
-    timed = [(step, e["throughput/seconds_per_step"]) for step, e in entries.items()
-             if "throughput/seconds_per_step" in e]
-    elapsed, previous, seconds = [], 0, 0.0
-    for step, per_step in timed:  # each logged value covers the steps since the previous one
-        seconds += (step - previous) * per_step
-        elapsed.append(seconds)
-        previous = step
+    timed, elapsed = training_time(entries)
     valid = {step: e for step, e in entries.items() if "valid/loss" in e}
     valid_steps = list(valid)
     flops = description["flops_per_step"] if description else 0.0
     curve = {"step": valid_steps,
-             "seconds": list(np.interp(valid_steps, [s for s, _ in timed], elapsed)) if timed
+             "seconds": list(np.interp(valid_steps, [0, *timed], [0.0, *elapsed])) if timed
              else [0.0] * len(valid_steps),
              "flops": [step * flops for step in valid_steps]}
     for name in sorted({k for e in valid.values() for k in e if k.startswith("valid/")}):

@@ -259,7 +259,7 @@ def train(run: RunConfig, launcher: str) -> None:
                            state.get("nonfinite") if state else None)
     last_checkpoint = plan.tag if plan else None
     monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank,
-                      resumed_at=step)
+                      resumed_at=step, times=state.get("times") if state else None)
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {started_by(run.world_size, launcher)} "
         f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
@@ -272,6 +272,7 @@ def train(run: RunConfig, launcher: str) -> None:
     if stopped_early:  # nothing trained since the checkpoint resumed: nothing to save
         say(f"stopping before step {step + 1} on {stopped_early}; run the same command to "
             "continue", flush=True)
+    monitor.start()
     while step < run.steps and not stopped_early:
         steps.train(batches.next_step(), totals)
         step += 1
@@ -291,25 +292,29 @@ def train(run: RunConfig, launcher: str) -> None:
                                                            batches.consumed - logged_from))
             totals, logged_from = {}, batches.consumed
         if step % run.intervals.eval == 0 or step == run.steps:
-            metrics = evaluate(steps, data["valid"], run, engine.train_micro_batch_size_per_gpu(),
-                               device)
-            monitor.scalars(step, metrics)
+            with monitor.timing("evaluation"):
+                metrics = evaluate(steps, data["valid"], run,
+                                   engine.train_micro_batch_size_per_gpu(), device)
+            monitor.scalars(step, {**metrics,
+                                   "time/evaluation_seconds": monitor.seconds["evaluation"]})
             say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         has_images = run.models[0].encoding.has_positional_logits
         if has_images and (step % run.intervals.image == 0 or step == run.steps):
-            for tag, encoder in objective.encoders(model).items():
-                scores = encoder.positional_scores(min(run.seq_len, 128))
-                monitor.positional_images(step, tag, scores)
+            with monitor.timing("evaluation"):
+                for tag, encoder in objective.encoders(model).items():
+                    scores = encoder.positional_scores(min(run.seq_len, 128))
+                    monitor.positional_images(step, tag, scores)
         stopping = stop.any_rank(device)
         if step % run.intervals.save == 0 or step == run.steps or stopping:
             failure = run_lock.lost_on_rank_0(run.lock)
             if failure:
                 break
             client_state = {"step": step, "consumed": batches.consumed,
-                            "nonfinite": guard.state()}
+                            "nonfinite": guard.state(), "times": monitor.times()}
             try:
-                save(engine, checkpoints, step, client_state, run.keep_checkpoints, layout,
-                     record, device)
+                with monitor.timing("checkpoint"):
+                    save(engine, checkpoints, step, client_state, run.keep_checkpoints, layout,
+                         record, device)
             except NonFiniteWeights as error:
                 failure = f"{error}; the last good checkpoint is {last_checkpoint or 'none'}"
                 break
@@ -323,6 +328,7 @@ def train(run: RunConfig, launcher: str) -> None:
                 everywhere = error.everywhere
                 break
             last_checkpoint = checkpoint_folder.tag_of(step)
+            monitor.saved(step)
         if stopping:
             say(f"stopping at step {step} on {stopping}; "
                 "run the same command to continue", flush=True)

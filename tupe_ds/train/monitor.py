@@ -1,9 +1,11 @@
 """What a run reports: log lines, and on rank 0 a TensorBoard writer beside DeepSpeed's monitor."""
 
+import contextlib
 import json
 import os
 import time
 
+import psutil
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
@@ -57,13 +59,39 @@ def entry_step(line: bytes):
     return step if type(step) is int else None
 
 
+def logged_times(path: str) -> dict:
+    """The last value of each cumulative time/NAME_seconds in a run's log (NAME in
+    Monitor.TIMED)."""
+    found = {}
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            for line in f:
+                if entry_step(line) is not None:
+                    entry = json.loads(line)
+                    found.update({name: entry[f"time/{name}_seconds"] for name in Monitor.TIMED
+                                  if isinstance(entry.get(f"time/{name}_seconds"), float)})
+    return found
+
+
 class Monitor:
+    """Log lines, scalars, and where the run's time goes: cumulative seconds of training steps
+    (`time/training_seconds`, what Figure 5's time axis and "time to the baseline's loss" use),
+    of evaluation (with the positional images) and of checkpoint saves, carried over resumes in
+    the checkpoints (`times`), and each start's seconds before its first step
+    (`time/startup_seconds`, on its first log line)."""
+
+    TIMED = ("training", "evaluation", "checkpoint")
+
     def __init__(self, out: str, configs: tuple, global_batch: int, seq_len: int,
-                 world_size: int, rank: int, resumed_at: int = 0):
+                 world_size: int, rank: int, resumed_at: int = 0, times: dict = None):
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.writer = None
+        self.seconds = {name: float((times or {}).get(name, 0.0)) for name in self.TIMED}
         if rank == 0:
             keep_log_until(self.log_path, resumed_at)
+            # the save that ended the last start is in the log, not in its own checkpoint
+            for name, value in logged_times(self.log_path).items():
+                self.seconds[name] = max(self.seconds[name], value)
             # TensorBoard hides what earlier attempts wrote for the steps trained again
             self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe"),
                                         purge_step=resumed_at + 1)
@@ -71,7 +99,37 @@ class Monitor:
         self.samples = global_batch
         self.tokens = global_batch * seq_len
         self.world_size = world_size
-        self.last_time, self.last_step = time.perf_counter(), None
+        self.last_step = resumed_at
+        self.last_time = self.startup = None
+        self.paused = 0.0  # seconds of evaluation and saves since last_time
+
+    def start(self) -> None:
+        """The first step begins: the clock of the first interval starts here, not at the
+        process's start (`time/startup_seconds` has that)."""
+        self.last_time = time.perf_counter()
+        self.startup = time.time() - psutil.Process().create_time()
+
+    @contextlib.contextmanager
+    def timing(self, what: str):
+        """Time spent on `what` ("evaluation", "checkpoint"), not on training."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - started
+            self.seconds[what] += spent
+            self.paused += spent
+
+    def saved(self, step: int) -> None:
+        """A checkpoint was written: its seconds go in the log (its own state has the times
+        from before it)."""
+        self.scalars(step, {"time/checkpoint_seconds": self.seconds["checkpoint"]})
+
+    def times(self) -> dict:
+        """The cumulative seconds so far, for a checkpoint's state: a resumed run goes on from
+        them."""
+        unlogged = time.perf_counter() - self.last_time - self.paused
+        return {**self.seconds, "training": self.seconds["training"] + unlogged}
 
     def scalars(self, step: int, values: dict) -> None:
         """To TensorBoard and to the run's train_log.jsonl (one JSON object per call)."""
@@ -84,12 +142,14 @@ class Monitor:
 
     def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale,
               nonfinite_steps: int) -> str:
-        """Log line and scalars of the steps since the last call; metrics: name -> value;
-        `nonfinite_steps`: the steps not applied so far (their loss or gradient not finite)."""
+        """Log line and scalars of the steps since the last call (the first call: since
+        `start`); metrics: name -> value; `nonfinite_steps`: the steps not applied so far
+        (their loss or gradient not finite)."""
         now = time.perf_counter()
-        steps = step - self.last_step if self.last_step is not None else 1
-        seconds = (now - self.last_time) / max(steps, 1)
-        self.last_time, self.last_step = now, step
+        trained = now - self.last_time - self.paused
+        seconds = trained / max(step - self.last_step, 1)
+        self.seconds["training"] += trained
+        self.last_time, self.last_step, self.paused = now, step, 0.0
         values = {f"train/{name}": value for name, value in metrics.items()}
         values.update({
             "train/lr": lr,
@@ -99,6 +159,10 @@ class Monitor:
             "throughput/seconds_per_step": seconds,
             "train/nonfinite_steps": nonfinite_steps,
         })
+        values.update({f"time/{name}_seconds": value for name, value in self.seconds.items()})
+        if self.startup is not None:
+            values["time/startup_seconds"] = self.startup
+            self.startup = None
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
         if loss_scale is not None:

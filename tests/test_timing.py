@@ -1,0 +1,101 @@
+"""Where a run's time goes (tupe_ds/train/monitor.py): each logged interval is timed from its
+first step, evaluation and saves are kept out of the training seconds, and the cumulative
+training seconds survive resumes; tupe-compare's time axis reads them (compare/results.py)."""
+
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from runs import CPU_CONFIG, ROOT, environment, free_port, log
+from tupe_ds.compare.results import training_time
+from tupe_ds.model.config import ModelConfig
+from tupe_ds.train import monitor as monitor_module
+
+FAULT_WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_an_interval_counts_its_steps_and_not_evaluation_or_saves(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(monitor_module.time, "perf_counter", clock)
+    config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=32,
+                         vocab_size=16)
+    monitor = monitor_module.Monitor(str(tmp_path), (config,), 4, 8, 1, 0, resumed_at=100,
+                                     times={"training": 50.0, "evaluation": 3.0,
+                                            "checkpoint": 1.0})
+    clock.now = 30.0  # start-up: not the first interval's
+    monitor.start()
+    clock.now = 34.0
+    with monitor.timing("evaluation"):
+        clock.now = 39.0
+    with monitor.timing("checkpoint"):
+        clock.now = 41.0
+    clock.now = 47.0  # 10 s of training in steps 101-110
+    monitor.train(110, {"loss": 1.0}, 1e-3, None, None, 0)
+    first = log(str(tmp_path))[110]
+    assert first["throughput/seconds_per_step"] == pytest.approx(1.0)
+    assert first["time/training_seconds"] == pytest.approx(60.0)
+    assert first["time/evaluation_seconds"] == pytest.approx(8.0)
+    assert first["time/checkpoint_seconds"] == pytest.approx(3.0)
+    assert first["time/startup_seconds"] > 0
+    clock.now = 49.0
+    assert monitor.times()["training"] == pytest.approx(62.0)  # a save now carries this
+    clock.now = 67.0
+    monitor.train(120, {"loss": 1.0}, 1e-3, None, None, 0)
+    second = log(str(tmp_path))[120]
+    assert second["throughput/seconds_per_step"] == pytest.approx(2.0)
+    assert second["time/training_seconds"] == pytest.approx(80.0)
+    assert "time/startup_seconds" not in second  # once per start
+
+
+def test_the_time_axis_reads_the_training_seconds_or_an_older_log_s_step_times():
+    logged = {2: {"throughput/seconds_per_step": 9.0, "time/training_seconds": 1.0},
+              4: {"throughput/seconds_per_step": 0.5, "time/training_seconds": 2.0}}
+    assert training_time(logged) == ([2, 4], [1.0, 2.0])
+    older = {2: {"throughput/seconds_per_step": 9.0}, 4: {"throughput/seconds_per_step": 0.5}}
+    assert training_time(older) == ([2, 4], [18.0, 19.0])
+
+
+def test_a_run_resumed_twice_records_the_training_time_its_steps_took(data, tmp_path):
+    """12 steps, stopped by SIGUSR1 in steps 4 and 8 (it saves and exits) and run again: the
+    recorded training seconds equal a clock outside the run (each start's first to last step)
+    within 10%, and each start's first interval is timed like the steady ones (within 2x)."""
+    out, stamps = tmp_path / "run", tmp_path / "stamps"
+    for fault, said in (("usr1:0:4", "stopping at step 4"), ("usr1:0:8", "resumed at step 4"),
+                        ("", "resumed at step 8")):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+             "--master_port", free_port(), FAULT_WORKER, "pretrain", "--data", data, "--model",
+             "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
+             "--steps", "12", "--log-interval", "2", "--save-interval", "100",
+             "--eval-interval", "100", "--eval-samples", "32"],
+            env={**environment(), "TUPE_DS_FAULT": ";".join(filter(None, [fault,
+                                                                            f"stamp:{stamps}"]))},
+            capture_output=True, text=True, timeout=300)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0 and said in output, output[-4000:]
+    entries = log(out)
+    rows = [line.split() for line in stamps.read_text().splitlines()]
+    starts = {int(step): float(start) for step, start, _ in rows}
+    ends = {int(step): float(end) for step, _, end in rows}
+    outside = sum(ends[last] - starts[first] for first, last in ((1, 4), (5, 8), (9, 12)))
+    recorded = entries[12]["time/training_seconds"]
+    assert recorded == pytest.approx(outside, rel=0.1)
+    per_step = {step: e["throughput/seconds_per_step"] for step, e in entries.items()
+                if "throughput/seconds_per_step" in e}
+    steady = statistics.median(per_step[step] for step in (4, 8, 12))
+    for first in (2, 6, 10):  # each start's first interval
+        assert per_step[first] < 2 * steady, (per_step, steady)
+        assert entries[first]["time/startup_seconds"] > 0
+    assert entries[12]["time/evaluation_seconds"] > 0
+    assert entries[12]["time/checkpoint_seconds"] > 0  # the saves at steps 4 and 8, carried
