@@ -85,8 +85,9 @@ bench-gpu: venv
 # aside, stamped); build/bench-gpu-all.json and .md are made from it after each part, and a cut
 # run's with `python3 -m bench.gpu.suite --report-only`. Each model build and part runs only if its
 # estimate fits in what is left of --budget-s (570 s since the process started); what is skipped
-# is named in the report with its command. On the GPU machine, with ../shared/gpu/wheels.sh's .whl
-# carried: `source .whl/setup.sh && make bench-gpu-all` (its python3). Its time estimate is from
+# is named in the report with its command. On a GPU machine where tupe_ds is installed: `make
+# bench-gpu-all`; offline, with a folder of wheels .whl whose setup.sh installs them: `source
+# .whl/setup.sh && make bench-gpu-all` (its python3). Its time estimate is from
 # guessed timings, not measured.
 # Without nvidia-smi: the tiny CPU plan in the venv (about 45 s).
 bench-gpu-all: $(if $(HAVE_GPU),,venv)

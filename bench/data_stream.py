@@ -34,8 +34,9 @@ SIZES = {  # documents, sentences, tokens
     "bert": (10_000_000, 150_000_000, 3_300_000_000),
 }
 VOCAB_SIZE = 32768
-# What one H100 consumes, samples/s (../shared/gpu/RESULTS.md, Hugging Face BERT-Large with torch
-# AMP; base sizes at the same efficiency are about three times as fast, as issue 21 estimates).
+# What one H100 consumes, samples/s (bench/results/h100-a01eb4b.md, Hugging Face BERT-Large with
+# torch AMP; base sizes at the same efficiency are about three times as fast, as issue 21
+# estimates).
 H100_RATES = {128: {"BERT-Large": 901, "BERT-Base / ELECTRA-Base (estimate)": 2700},
               512: {"BERT-Large": 220, "BERT-Base / ELECTRA-Base (estimate)": 660}}
 MICRO_BATCH = {128: 64, 512: 16}

@@ -176,7 +176,7 @@ def test_bench_gpu_all_on_cpu(suite_run):
                  "tupe-r / hf-bert ops per step", "electra-tiny / bert-tiny step time",
                  "Host synchronisations: not counted", "ZeRO stage x micro-batch",
                  "bert-a fast pad=unpadded", "Estimated (guessed timings, not measured)",
-                 "BERT-Large measured (../shared/gpu/RESULTS.md, 2026-11-23), base sizes "
+                 "BERT-Large measured (bench/results/h100-a01eb4b.md, 2026-11-23), base sizes "
                  "estimated"):
         assert text in markdown, text
 

@@ -34,6 +34,17 @@ def mkdocs_build(config_dir: Path, site_dir: Path) -> subprocess.CompletedProces
         stderr=subprocess.STDOUT, text=True, timeout=BUILD_TIMEOUT_S)
 
 
+def test_nothing_in_the_repository_cites_a_file_outside_it():
+    """Figures measured elsewhere are copied into the repository (bench/results/) with their date
+    and commit, so that a clone holds every source its docs and scripts cite."""
+    outside = "../" + "shared/"  # written in two, so that this file does not hold it
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    citing = [name for name in filter(None, tracked)
+              if (ROOT / name).is_file() and outside.encode() in (ROOT / name).read_bytes()]
+    assert not citing
+
+
 def test_site_builds_strict(tmp_path):
     built = mkdocs_build(ROOT, tmp_path / "site")
     assert built.returncode == 0, built.stdout

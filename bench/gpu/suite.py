@@ -1,7 +1,7 @@
 """Every GPU measurement in one go, on one GPU: each row written as it is measured, one JSON and
 one markdown report made from them.
 
-    source .whl/setup.sh && python3 -m bench.gpu.suite # on the H100 (../shared/gpu/wheels.sh)
+    source .whl/setup.sh && python3 -m bench.gpu.suite # on the GPU, wheels from .whl (offline)
     make bench-gpu-all                               # the same; without nvidia-smi: tiny plan
     python3 -m bench.gpu.suite --report-only           # the reports of the rows file alone
 

@@ -6,14 +6,13 @@ import time
 import psutil
 
 # Seconds, for the estimates: guesses, not measurements. CUDA: step times from
-# ../shared/gpu/RESULTS.md (one H100, 2026-11-23, commit a01eb4b), BERT-Large at global batch 256:
-# ours 667-683 samples/s at seq 128 (0.4 s a step), HF 901; tupe-r 150 at seq 512 (1.7 s);
-# ELECTRA-Base 181 (1.4 s), BERT-Base about 1100 (0.25 s). Guessed, never measured: building a
-# model and its engine (BERT-Large initialised on the CPU), reading a profiled step's events
-# (~20,000/s in Python: 37,000 for a 24-layer tiny step took 1.7 s here; BERT-Large's 4 and 16
-# micro-batches at seq 128 and 512, kernels included), the start (imports, process group, the
-# first torch.compile), the attention candidates, the data stream. CPU: rough guesses for this
-# plan on a 2-core CPU.
+# bench/results/h100-a01eb4b.md (one H100, 2026-11-23, commit a01eb4b), BERT-Large at global batch
+# 256: ours 667-683 samples/s at seq 128 (0.4 s a step), HF 901; tupe-r 150 at seq 512 (1.7 s);
+# ELECTRA-Base 181 (1.4 s), BERT-Base about 1100 (0.25 s). Guessed, never measured: building a model
+# and its engine (BERT-Large initialised on the CPU), reading a profiled step's events (~20,000/s in
+# Python: 37,000 for a 24-layer tiny step took 1.7 s here; BERT-Large's 4 and 16 micro-batches at
+# seq 128 and 512, kernels included), the start (imports, process group, the first torch.compile),
+# the attention candidates, the data stream. CPU: rough guesses for this plan on a 2-core CPU.
 GUESSES = {
     "cuda": dict(step_s={128: 0.4, 512: 1.7}, electra_pair_step_s=1.4 + 0.25, build_s=8,
                  profile_s={128: 3, 512: 10}, start_s=45, attention_s=60, data_stream_s=30),

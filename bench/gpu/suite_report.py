@@ -37,7 +37,7 @@ def data_stream_lines(figures: dict) -> list:
     return [f"Synthetic corpus `{figures['size']}`, one core of this machine:", ""] + table(
         ["seq", "samples", "first start s (index built)", "later start s", "samples/s",
          "per-sample reference samples/s", "what one H100 consumes, samples/s: BERT-Large "
-         "measured (../shared/gpu/RESULTS.md, 2026-11-23), base sizes estimated"],
+         "measured (bench/results/h100-a01eb4b.md, 2026-11-23), base sizes estimated"],
         [[seq, row["samples"], f"{first[seq]['start_s']:.2f}", f"{row['start_s']:.2f}",
           f"{row['samples_per_s']:,.0f}", f"{row['reference_samples_per_s']:,.0f}",
           ", ".join(f"{name} {rate}" for name, rate in

@@ -7,11 +7,11 @@ Why the layouts are what they are (the one place this is written down):
   most 128 (256 on Hopper with cuDNN >= 9.10) and multiples of 8; the memory-efficient kernel takes
   an additive mask with its gradient and any head size that is a multiple of 8. The CPU kernels
   take everything. Which kernel runs for our exact shapes on a GPU is not measured yet.
-- Measured once (../shared/gpu/RESULTS.md, one H100, 2026-11-23, commit a01eb4b, one attention call
-  forward + backward at BERT-Large shapes, bf16, dropout 0.1): no mask 0.614 ms; q/k of head size
-  128 with v of 64: 0.554; q/k of 136: 0.950; an additive [1, heads, n, n] bias with its gradient:
-  1.348. So a content-free term goes as q/k columns where its rank allows (TUPE-A), as a mask where
-  it does not (the T5 relative term is a Toeplitz matrix of full rank).
+- Measured once (bench/results/h100-a01eb4b.md, one H100, 2026-11-23, commit a01eb4b, one
+  attention call forward + backward at BERT-Large shapes, bf16, dropout 0.1): no mask 0.614 ms; q/k
+  of head size 128 with v of 64: 0.554; q/k of 136: 0.950; an additive [1, heads, n, n] bias with
+  its gradient: 1.348. So a content-free term goes as q/k columns where its rank allows (TUPE-A), as
+  a mask where it does not (the T5 relative term is a Toeplitz matrix of full rank).
 - TUPE-A's width: content (d) + positional (d) + the [CLS] reset's one column = 2d + 1 (129 for
   d = 64), and no exact layout of width 2d exists: per query, column 0 must get theta2 on top of
   terms that depend on the tokens, and a softmax forgives only a constant per row, so the logits
