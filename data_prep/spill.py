@@ -75,8 +75,8 @@ class KeyRuns:
         self.files_made = 0
 
     def in_runs(self, keys: np.ndarray) -> tuple:
-        """(query, value) arrays: for each of `keys` found in the runs, one pair per value, the
-        oldest runs' first."""
+        """(query, value) arrays: for each of `keys` found in the runs, one pair per value, in
+        query order, each query's values in the order added."""
         keys = np.asarray(keys, np.uint64)
         queries, values = [], []
         for run_keys, run_values in self.runs:
@@ -88,7 +88,9 @@ class KeyRuns:
                                                     + np.arange(count.sum())]))
         if not queries:
             return np.zeros(0, np.int64), np.zeros(0, np.uint32)
-        return np.concatenate(queries), np.concatenate(values)
+        queries, values = np.concatenate(queries), np.concatenate(values)
+        order = np.argsort(queries, kind="stable")  # the runs are the oldest first
+        return queries[order], values[order]
 
     def add(self, key: int, value: int) -> None:
         self.recent.setdefault(key, []).append(value)

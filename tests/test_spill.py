@@ -19,6 +19,7 @@ def test_key_runs_answer_as_a_dict_of_lists_through_flushes_and_merges(tmp_path,
     for value in range(3000):
         keys = rng.integers(0, 400, 5, dtype=np.uint64)  # few keys: long lists, equal keys
         queries, values = runs.in_runs(keys)
+        assert (np.diff(queries) >= 0).all()  # in query order (judge slices it so)
         for i, key in enumerate(keys.tolist()):
             stored = values[queries == i].tolist() + runs.recent.get(key, [])
             assert stored == reference.get(key, []), (value, key)
@@ -69,6 +70,8 @@ def test_the_deduplicator_decides_alike_with_its_buckets_in_memory_or_in_runs(tm
             pages.append(pages[-1].replace(own.split()[0], "changed", 1))  # a near copy
         if i % 25 == 0:
             pages.append(pages[-1])  # an exact copy
+    # near copies of early pages, long after them: their candidates are in the oldest runs
+    pages += [page.replace(page.split()[-1], "late", 1) for page in pages[::8]]
     shingles = [shingle_hashes(page, 5) for page in pages]
     signatures = np.stack([signature(s, 128) for s in shingles])
     keys = [hash(page) % 2**63 for page in pages]
@@ -88,7 +91,8 @@ def test_the_deduplicator_decides_alike_with_its_buckets_in_memory_or_in_runs(tm
     dedup, verdicts = judged(40, tmp_path / "runs")
     assert not reference.buckets.runs and len(dedup.buckets.runs) > 1
     assert verdicts == expected
-    assert verdicts.count(EXACT) == 12 and verdicts.count(NEAR) >= 25
+    assert verdicts.count(EXACT) == 12 and verdicts.count(NEAR) >= 35
+    assert verdicts[-40:].count(NEAR) >= 38
     assert verdicts.count(KEPT) == dedup.kept == len(dedup.signatures)
     kept_pages = [s for s, v in zip(shingles, verdicts) if v == KEPT]
     for document in (0, 7, dedup.kept - 1):
