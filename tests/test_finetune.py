@@ -123,16 +123,28 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
     assert combined["sst2"]["dev"]["accuracy"] == summary["best_median"]["dev"]["accuracy"]
     results = (tmp_path / "out" / "results.md").read_text()
     assert "sst2 dev (accuracy) | rte rte_dev (accuracy)" in results
-    def accuracy(configuration, seeds):
-        return statistics.median(configuration["seeds"][s]["dev"]["accuracy"] for s in seeds)
+    runs = [run["dev"] for c in grown["configurations"].values() for run in c["seeds"].values()]
+    for run in runs:  # 100 dev examples: the halves (even, odd positions) hold 50 each
+        halves = run["halves"]
+        assert run["accuracy"] == pytest.approx(
+            (halves["even"]["accuracy"] + halves["odd"]["accuracy"]) / 2)
+    assert len({run["halves"]["even"]["accuracy"] for run in runs}) > 1  # not all alike
 
-    halves, by_hand = (("1", "3"), ("2",)), 0.0  # alternate seeds; each half chooses for the other
-    for choose, report in (halves, halves[::-1]):
-        chosen = max(grown["configurations"].values(), key=lambda c: accuracy(c, choose))
-        by_hand += accuracy(chosen, report) / 2
+    def accuracy(configuration, seeds, half):
+        return statistics.median(configuration["seeds"][s]["dev"]["halves"][half]["accuracy"]
+                                 for s in seeds)
+
+    # alternate seeds and the dev halves: each pairing chooses for the other seeds' other half
+    seeds, rows, by_hand = (("1", "3"), ("2",)), ("even", "odd"), 0.0
+    for choose, report in (seeds, seeds[::-1]):
+        for choose_half, report_half in (rows, rows[::-1]):
+            chosen = max(grown["configurations"].values(),
+                         key=lambda c: accuracy(c, choose, choose_half))
+            by_hand += accuracy(chosen, report, report_half) / 4
     held_out = grown["held_out_median"]["dev"]["accuracy"]
     assert held_out == pytest.approx(by_hand)
-    assert f"| held out (half the seeds) | {held_out:.4f} | - |" in results  # rte: one seed
+    row = f"| held out (other seeds, other dev half) | {held_out:.4f} | - |"  # rte: one seed
+    assert row in results
 
 
 def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):

@@ -2,12 +2,16 @@
 report's summary."""
 
 from tupe_ds.compare.glue_intervals import LEVEL
+from tupe_ds.finetune.report import HELD_OUT_CHOICE
 
 HELD_OUT = "lr held out"
 INTERVAL_RULE = ("The rule: paired t over pretraining seeds where 2 or more were fine-tuned for "
-                 "both encodings; else over fine-tuning seeds, a bootstrap with 5 or more a side "
-                 "and Welch's t with 2 to 4 (a bootstrap of so few undercovers); coverage "
-                 "measured by simulation (tests/test_glue_table.py).")
+                 "both encodings, on the scores' differences; else over the fine-tuning seeds of "
+                 "one, on the difference of their means at each encoding's chosen learning rate "
+                 "(not of the medians above), paired t where both encodings ran the same seeds "
+                 "and Welch's t otherwise, the average taken per fine-tuning seed (GLUE's average "
+                 "of that seed's runs); coverage measured by simulation "
+                 "(tests/test_glue_table.py).")
 NO_INTERVAL = ("no interval: one fine-tuning seed, or no pretraining seed fine-tuned for both "
                "encodings")
 
@@ -47,12 +51,15 @@ def markdown(made: dict) -> list:
         lines += [f"| {encoding} | " + " | ".join(score_text(found[c]) for c in names) + " |",
                   f"| {encoding}, {HELD_OUT} | "
                   + " | ".join(score_text(held_out[c]) for c in names) + " |"]
-    lines += ["", "Each score: the median over fine-tuning seeds of the best learning rate, x100 "
-                  "(the paper's protocol); with several pretraining seeds their mean ± standard "
-                  "deviation. The paper chooses the learning rate on the seeds it reports, which "
-                  f"favours every score (the best of several noisy medians wins); \"{HELD_OUT}\" "
-                  "chooses it on half of the fine-tuning seeds and scores the other half, both "
-                  "ways round: not favoured by the choice, but noisier (-: one seed).", ""]
+    lines += ["", "Scores x100; with several pretraining seeds their mean ± standard deviation. "
+                  "average: GLUE's, over the tasks, MNLI's m and mm averaged first (the paper's "
+                  "Table 1 averages the columns). Each encoding's first row is the paper's "
+                  "protocol: the median over fine-tuning seeds of the learning rate with the best "
+                  "median, chosen on the seeds and dev examples it reports, so favoured by the "
+                  f"noise of both (the best of several noisy medians wins). \"{HELD_OUT}\": "
+                  f"{HELD_OUT_CHOICE}; favoured by neither, and noisier (half the seeds and half "
+                  "the examples per median; -: one fine-tuning seed, or fine-tunes recorded "
+                  "without the dev halves).", ""]
     if made["differences"]:
         lines += [f"Differences from {made['baseline']} [{LEVEL:.0%} interval]:", "",
                   "| encoding | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]

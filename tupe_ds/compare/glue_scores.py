@@ -1,23 +1,39 @@
 """Scores of a comparison's fine-tunes as Table 1 counts them, read from tupe-finetune's
 TASK.json: a score is the paper's, per task the median over fine-tuning seeds of the best learning
-rate (`best_median`), x100; MNLI gives two columns (m, mm). Also the held-out score (the learning
-rate chosen on half of the fine-tuning seeds, finetune.report.held_out_median) and the per-seed
-values the intervals (glue_intervals.py) resample."""
+rate (`best_median`), x100; MNLI gives two columns (m, mm). The GLUE average is GLUE's: over the
+tasks, MNLI's m and mm averaged first. Also the held-out score (the learning rate chosen on other
+seeds and other dev examples than it reports, finetune.report.held_out_median) and the per-seed
+values the intervals (glue_intervals.py) are taken over."""
 
-import numpy as np
+import statistics
 
 from tupe_ds.finetune.report import held_out_median
 from tupe_ds.finetune.tasks import TASKS
 
 
+def task_columns(tasks) -> dict:
+    """{task: its Table 1 columns, one per dev set}: {"mnli": ["mnli-m", "mnli-mm"], ...}."""
+    return {task: [column(task, name, len(TASKS[task].glue_dev))
+                   for name, _ in TASKS[task].glue_dev] for task in tasks}
+
+
 def columns(tasks) -> list:
     """Table 1's columns for these tasks: one per task and dev set ("mnli-m", "mnli-mm", "rte")."""
-    return [column(task, name, len(TASKS[task].glue_dev))
-            for task in tasks for name, _ in TASKS[task].glue_dev]
+    return [c for found in task_columns(tasks).values() for c in found]
 
 
 def column(task: str, dev_set: str, sets: int) -> str:
     return task if sets == 1 else f"{task}-{dev_set}"
+
+
+def glue_average(values: dict, tasks):
+    """The mean over the tasks of each task's mean over its columns (MNLI: m and mm), as GLUE
+    averages; None unless every column is in `values`. The paper's Table 1 averages the columns
+    instead, which weighs MNLI twice."""
+    by_task = task_columns(tasks).values()
+    if not all(c in values for found in by_task for c in found):
+        return None
+    return statistics.fmean(statistics.fmean(values[c] for c in found) for found in by_task)
 
 
 def scores(summary: dict, medians=None) -> dict:
@@ -29,29 +45,19 @@ def scores(summary: dict, medians=None) -> dict:
 
 
 def held_out_scores(summary: dict) -> dict:
-    """{column: score x100} with the learning rate chosen on held-out fine-tuning seeds; none
-    with one seed."""
+    """{column: score x100} with the learning rate chosen on other fine-tuning seeds and other dev
+    examples than it reports; none with one seed, or from runs recorded without the dev halves."""
     medians = held_out_median(summary)
     return {} if medians is None else scores(summary, medians)
 
 
-def seed_table(summary: dict) -> np.ndarray:
-    """[dev sets, learning rates, fine-tuning seeds] of the task's metric, x100."""
-    configurations = list(summary["configurations"].values())
-    seeds = sorted(configurations[0]["seeds"], key=int)
-    return np.array([[[100 * c["seeds"][s][name][summary["metric"]] for s in seeds]
-                      for c in configurations] for name in summary["best_median"]])
-
-
-def seed_counts(summaries: dict) -> dict:
-    """{column: fine-tuning seeds} of one side's {task: TASK.json}."""
-    return {c: seed_table(s).shape[-1] for s in summaries.values() for c in scores(s)}
-
-
-def chosen_seeds(summaries: dict) -> dict:
-    """{column: [fine-tuning seeds] x100 at the task's chosen learning rate} of one side."""
+def per_fine_tuning_seed(summaries: dict) -> dict:
+    """{column: {fine-tuning seed: score x100 at the task's chosen learning rate}} of one side's
+    {task: TASK.json}."""
     found = {}
     for s in summaries.values():
-        chosen = list(s["configurations"]).index(s["best"])
-        found.update(zip(scores(s), seed_table(s)[:, chosen]))
+        runs = s["configurations"][s["best"]]["seeds"]
+        for name in s["best_median"]:
+            found[column(s["task"], name, len(s["best_median"]))] = {
+                seed: 100 * values[name][s["metric"]] for seed, values in runs.items()}
     return found

@@ -9,6 +9,11 @@ from tupe_ds.finetune.tasks import TASKS, Task
 from tupe_ds.tools.files import locked, write_atomically
 
 
+HELD_OUT_CHOICE = ("the learning rate chosen on half of the seeds and half of each dev set "
+                   "(its examples at even positions in file order, or odd), scored on the other "
+                   "seeds and the other half; the four pairings averaged")
+
+
 def write_reports(out: str, task: Task, runs: dict, settings: dict) -> dict:
     """The task's summary (returned) and the combined table of every task in `out` (under a lock:
     tupe-compare's Slurm array fine-tunes one model on several tasks at once)."""
@@ -42,27 +47,33 @@ def summarize(task: Task, runs: dict) -> dict:
 
 
 def held_out_median(summary: dict):
-    """{set: {metric: value}} of a learning-rate choice without `best_median`'s selection bias
-    (the best of several noisy medians wins there): the fine-tuning seeds, in number order, split
-    alternately in two halves; the configuration with the best median on one half (the first
-    metric on the first set) is scored by its medians on the other; both ways round, averaged.
-    None with fewer than 2 seeds."""
+    """{set: {metric: value}} of a learning-rate choice that sees none of the numbers it reports
+    (`best_median` sees them all, and the best of several noisy medians wins there): the
+    fine-tuning seeds, in number order, split alternately in two halves, and every dev set in
+    two by its examples' positions (the runs' "halves", see run.evaluate). The configuration with
+    the best median over one seed half on one dev half (the first metric on the first set) is
+    scored by its median over the other seed half on the other dev half; the four pairings,
+    averaged. None with fewer than 2 seeds, or from runs recorded without the halves."""
     configurations = list(summary["configurations"].values())
     seeds = sorted(configurations[0]["seeds"], key=int)
-    if len(seeds) < 2:
+    runs = [run for c in configurations for run in c["seeds"].values()]
+    if len(seeds) < 2 or not all("halves" in values for run in runs for values in run.values()):
         return None
     sets, metric = list(summary["best_median"]), summary["metric"]
-    halves = (seeds[0::2], seeds[1::2])
+    seed_halves, dev_halves = (seeds[0::2], seeds[1::2]), ("even", "odd")
 
-    def median(configuration, half, name, m):
-        return statistics.median(configuration["seeds"][s][name][m] for s in half)
+    def median(configuration, seed_half, dev_half, name, m):
+        return statistics.median(configuration["seeds"][s][name]["halves"][dev_half][m]
+                                 for s in seed_half)
 
     found = {name: dict.fromkeys(values, 0.0) for name, values in summary["best_median"].items()}
-    for choose, report in (halves, halves[::-1]):
-        chosen = max(configurations, key=lambda c: median(c, choose, sets[0], metric))
-        for name, values in found.items():
-            for m in values:
-                values[m] += median(chosen, report, name, m) / 2
+    for choose_seeds, report_seeds in (seed_halves, seed_halves[::-1]):
+        for choose_half, report_half in (dev_halves, dev_halves[::-1]):
+            chosen = max(configurations,
+                         key=lambda c: median(c, choose_seeds, choose_half, sets[0], metric))
+            for name, values in found.items():
+                for m in values:
+                    values[m] += median(chosen, report_seeds, report_half, name, m) / 4
     return found
 
 
@@ -82,12 +93,11 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {name}{best} | {valid} | " + " | ".join(cells)
                          + f" | {c['median'][valid][metric]:.4f} |")
     held_out = summary.get("held_out_median")
-    lines += ["", "(best): the highest median, chosen on the seeds it reports (the paper's "
-                  "protocol), which favours the score."]
+    lines += ["", "(best): the highest median, chosen on the seeds and dev examples it reports "
+                  "(the paper's protocol), which favours the score."]
     if held_out:
-        lines.append("Held-out choice (the learning rate chosen on half of the seeds, scored on "
-                     "the other half, both ways round): " + ", ".join(
-                         f"{valid} {values[metric]:.4f}" for valid, values in held_out.items()))
+        lines.append(f"Held-out choice ({HELD_OUT_CHOICE}): " + ", ".join(
+            f"{valid} {values[metric]:.4f}" for valid, values in held_out.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -108,12 +118,12 @@ def combined_table(out: str) -> tuple:
 
     lines = ["# Fine-tuning: best configuration per task, median over seeds", "",
              f"| learning rate chosen | {header} |", "|---|" + "---:|" * len(columns),
-             row("on the seeds reported (paper)", lambda s: s["best_median"]),
-             row("held out (half the seeds)", held_out_median), "",
+             row("on the seeds and dev examples reported (paper)", lambda s: s["best_median"]),
+             row("held out (other seeds, other dev half)", held_out_median), "",
              "Best configurations: " + ", ".join(f"{s['task']} {s['best']}" for s in summaries),
-             "", "The paper's choice picks the highest median on the same seeds it reports, which "
-             "favours the score; the held-out row chooses on half of the seeds and reports the "
-             "other half, both ways round (1 seed: -).",
+             "", "The paper's choice picks the highest median on the same seeds and dev examples "
+             f"it reports, which favours the score; held out: {HELD_OUT_CHOICE} (-: 1 seed, or "
+             "runs recorded without the dev halves).",
              "", "Every seed: the TASK.md files beside this one."]
     table = {s["task"]: {"best": s["best"], **{valid: {s["metric"]: values[s["metric"]]}
                                                for valid, values in s["best_median"].items()}}

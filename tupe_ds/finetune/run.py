@@ -110,8 +110,8 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
             total, count = total + loss.item() * len(mine), count + len(mine)
         results = evaluate(model, task, data, device)
         if rank == 0:
-            scores = " ".join(f"{name} {metric} {value:.4f}" for name, values in results.items()
-                              for metric, value in values.items())
+            scores = " ".join(f"{name} {metric} {values[metric]:.4f}"
+                              for name, values in results.items() for metric in task.metrics)
             print(f"{task.name} lr {lr:g} seed {seed} epoch {epoch + 1}/{epochs} train loss "
                   f"{total / max(count, 1):.4f} {scores}", flush=True)
     return results
@@ -119,7 +119,10 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
 
 @torch.no_grad()
 def evaluate(model, task: Task, data: dict, device) -> dict:
-    """{valid set: {metric: value}}; each rank predicts its share, rank 0's view is gathered."""
+    """{valid set: {metric: value, "halves": {"even" and "odd": {metric: value}}}}: the halves
+    are the set's examples at even and odd positions in file order (0, 2, 4, ... and 1, 3, ...),
+    for a learning-rate choice made on one half and reported on the other
+    (report.held_out_median). Each rank predicts its share, rank 0's view is gathered."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     model.eval()
     results = {}
@@ -136,8 +139,11 @@ def evaluate(model, task: Task, data: dict, device) -> dict:
             gathered = [None] * world
             dist.all_gather_object(gathered, pairs)
             pairs = [pair for part in gathered for pair in part]
-        predicted = np.array([p for _, p in sorted(pairs)])
-        results[name] = {m: METRICS[m](predicted, np.array(labels)) for m in task.metrics}
+        predicted, labels = np.array([p for _, p in sorted(pairs)]), np.array(labels)
+        results[name] = {m: METRICS[m](predicted, labels) for m in task.metrics}
+        results[name]["halves"] = {
+            half: {m: METRICS[m](predicted[start::2], labels[start::2]) for m in task.metrics}
+            for half, start in (("even", 0), ("odd", 1))}
     return results
 
 
