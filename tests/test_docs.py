@@ -127,9 +127,12 @@ def test_getting_started_commands_run(getting_started_output, demo_out):
     assert "make demo" in getting_started_output  # the page still shows it
     demo = getting_started_output["make demo"]
     assert f"--logdir {demo_out}/tensorboard" in demo
+    assert demo.count("--logdir") == 1 and "valid/accuracy 0" not in demo  # one of each
     # what the model learned, as the report states it (30 steps learn word frequencies at most)
-    assert re.search(r"Masked words guessed right \(\d+ held-out samples\): the model 0\.\d+; "
-                     r"always guessing the most frequent answer \('.+'\) 0\.\d+: \d+\.\dx", demo)
-    assert len(re.findall(r"    true: '\w+'   model: '.*' 0\.\d\d, '.*' 0\.\d\d, '.*' 0\.\d\d",
-                          demo)) == 3
+    assert re.search(r"Accuracy at the \[MASK\] positions only \(\d+ masks in \d+ held-out "
+                     r"samples\): the model 0\.\d+, the unigram guess \(always '.+', the most "
+                     r"frequent token of the training split\) 0\.\d+: \d+\.\dx", demo)
+    assert len(re.findall(r"    true '\w+'   model: rank \d+, p [\d.e-]+   unigram: rank \d+, "
+                          r"p [\d.e-]+\n    the model's top 3: '.*' 0\.\d\d, '.*' 0\.\d\d, "
+                          r"'.*' 0\.\d\d", demo)) == 3
     assert "Apex" not in demo and "Traceback" not in demo

@@ -1,5 +1,9 @@
-"""What `make demo` shows after training: how validation went against the most-frequent-token
-baseline, the model filling masks in held-out sentences, and the TensorBoard command."""
+"""What `make demo` shows after training: the validation loss, the accuracy at the held-out
+[MASK] positions next to the unigram guess's, the true word's rank and probability in held-out
+sentences by the model and by the unigram, and the TensorBoard command.
+
+The unigram is the training split's token frequencies: what a model that ignores the context
+would learn. Its guess is always the most frequent token."""
 
 import argparse
 import contextlib
@@ -7,7 +11,9 @@ import io
 import json
 import os
 import sys
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
@@ -20,9 +26,11 @@ from tupe_ds.export.write import export
 from tupe_ds.train.flags import index_cache
 
 SENTENCES = 3  # held-out sentences filled
-TOP = 3  # predictions shown per mask
+SENTENCE_TOKENS = (8, 40)  # the lengths of the sentences eligible
+TOP = 3  # the model's guesses shown per sentence
 EVAL_SAMPLES = 256
 EVAL_SEED = 7  # the masks of the held-out samples: the same in every report
+LEARNED = 1.5  # times the unigram's accuracy below which the report says to train on
 
 
 def validations(out: str) -> list:
@@ -36,6 +44,13 @@ def validations(out: str) -> list:
     return sorted(found.items())
 
 
+def unigram_counts(data: str) -> torch.Tensor:
+    """[vocabulary] how often each token occurs in the training split."""
+    prefix = os.path.join(data, "train")
+    tokens = np.fromfile(prefix + ".bin", dtype=IndexedDataset(prefix).index.dtype)
+    return torch.from_numpy(np.bincount(tokens, minlength=Vocabulary.from_data_dir(data).size))
+
+
 def held_out_batch(data: str, out: str, seq_len: int):
     """Up to EVAL_SAMPLES valid samples, masked alike in every report; their sample index from
     where the run keeps it (flags.index_cache)."""
@@ -46,11 +61,22 @@ def held_out_batch(data: str, out: str, seq_len: int):
     return samples.global_samples(0, min(EVAL_SAMPLES, len(packed)))
 
 
-def masked_word_accuracy(model, data: str, out: str, seq_len: int) -> tuple:
-    """(the model's accuracy, always guessing the most frequent answer's, that token, samples)
-    at the [MASK] positions of held_out_batch. The training's valid/accuracy counts every chosen
-    position, 10% of which show their own token (BERT's 80/10/10): copying them is not learning,
-    so this counts the masked ones only."""
+class MaskedWordAccuracy(NamedTuple):
+    """At the [MASK] positions of held_out_batch: the share each guesser got right, and how many
+    samples and masks there were."""
+    model: float
+    unigram: float  # always guessing unigram_token
+    unigram_token: int
+    samples: int
+    masks: int
+
+
+def masked_word_accuracy(model, data: str, out: str, seq_len: int,
+                         unigram: torch.Tensor) -> MaskedWordAccuracy:
+    """How often the model, and the unigram's guess, name the hidden token at the [MASK]
+    positions of held_out_batch. The training's valid/accuracy counts every position chosen for
+    masking, of which BERT leaves some as they were (80/10/10): copying those is not learning,
+    so this counts the [MASK] ones only."""
     vocab = Vocabulary.from_data_dir(data)
     batch = held_out_batch(data, out, seq_len)
     with torch.no_grad():
@@ -58,21 +84,27 @@ def masked_word_accuracy(model, data: str, out: str, seq_len: int) -> tuple:
     masked = (batch["input_ids"] == vocab.mask) & (batch["labels"] != IGNORE_INDEX)
     answers = batch["labels"][masked]
     guessed = logits[masked][:, :vocab.size].argmax(-1)
-    counts = torch.bincount(answers, minlength=vocab.size)
-    return ((guessed == answers).float().mean().item(), (counts.max() / counts.sum()).item(),
-            int(counts.argmax()), len(batch["input_ids"]))
+    unigram_token = int(unigram.argmax())
+    return MaskedWordAccuracy(model=(guessed == answers).float().mean().item(),
+                              unigram=(answers == unigram_token).float().mean().item(),
+                              unigram_token=unigram_token, samples=len(batch["input_ids"]),
+                              masks=len(answers))
 
 
-def learning_lines(out: str, data: str, model, seq_len: int, tokenizer: Tokenizer) -> list:
-    accuracy, baseline, token, samples = masked_word_accuracy(model, data, out, seq_len)
-    ratio = accuracy / baseline
+def shown(tokenizer: Tokenizer, token: int) -> str:
+    return repr(tokenizer.decode([token]).strip())
+
+
+def learning_lines(accuracy: MaskedWordAccuracy, losses: list, tokenizer: Tokenizer) -> list:
+    ratio = accuracy.model / accuracy.unigram if accuracy.unigram else float("inf")
     return ["", "Validation loss (held-out text): " + ", ".join(
-                f"step {step} {loss:.3f}" for step, loss in validations(out)),
-            f"Masked words guessed right ({samples} held-out samples): the model "
-            f"{accuracy:.3f}; always guessing the most frequent answer "
-            f"({tokenizer.id_to_token(token)!r}) {baseline:.3f}: {ratio:.1f}x"
-            + ("" if ratio >= 1.5 else ". Not much beyond word frequencies yet: train on "
-               "(DEMO_STEPS=4000 make demo)")]
+                f"step {step} {loss:.3f}" for step, loss in losses),
+            f"Accuracy at the [MASK] positions only ({accuracy.masks} masks in {accuracy.samples} "
+            f"held-out samples): the model {accuracy.model:.3f}, the unigram guess (always "
+            f"{shown(tokenizer, accuracy.unigram_token)}, the most frequent token of the "
+            f"training split) {accuracy.unigram:.3f}: {ratio:.1f}x"
+            + ("" if ratio >= LEARNED else ". Not much beyond word frequencies yet: train on "
+               "with DEMO_STEPS=4000 make demo")]
 
 
 def starts_a_word(tokenizer: Tokenizer, token: int) -> bool:
@@ -81,18 +113,23 @@ def starts_a_word(tokenizer: Tokenizer, token: int) -> bool:
     return text.startswith("Ġ") and text[1:].isalpha() and len(text) > 2
 
 
+def word_to_mask(ids: list, tokenizer: Tokenizer):
+    """The position of the first whole word (one token, the next one starting another word or
+    punctuation) at or after the middle of a sentence of SENTENCE_TOKENS tokens; else None."""
+    if not SENTENCE_TOKENS[0] <= len(ids) <= SENTENCE_TOKENS[1]:
+        return None
+    return next((p for p in range(len(ids) // 2, len(ids) - 1)
+                 if starts_a_word(tokenizer, ids[p])
+                 and not tokenizer.id_to_token(ids[p + 1])[0].isalpha()), None)
+
+
 def held_out_sentences(data: str, tokenizer: Tokenizer) -> list:
-    """[(token ids, position)] of the first SENTENCES validation sentences of 8 to 40 tokens
-    with a whole word (one token, the next one starting another word or punctuation) at or
-    after their middle: that word is masked."""
+    """[(token ids, position)] of the first SENTENCES validation sentences that have a
+    word_to_mask: chosen from the data alone, the same whatever the model."""
     valid, chosen = IndexedDataset(os.path.join(data, "valid")), []
     for i in range(len(valid)):
         ids = valid[i].tolist()
-        if not 8 <= len(ids) <= 40:
-            continue
-        position = next((p for p in range(len(ids) // 2, len(ids) - 1)
-                         if starts_a_word(tokenizer, ids[p])
-                         and not tokenizer.id_to_token(ids[p + 1])[0].isalpha()), None)
+        position = word_to_mask(ids, tokenizer)
         if position is not None:
             chosen.append((ids, position))
         if len(chosen) == SENTENCES:
@@ -100,22 +137,42 @@ def held_out_sentences(data: str, tokenizer: Tokenizer) -> list:
     return chosen
 
 
-def fill_mask_lines(model, data: str, tokenizer: Tokenizer, folder: str) -> list:
-    """The model's top predictions for one masked word in each held-out sentence."""
+def rank_and_probability(probabilities: torch.Tensor, token: int) -> tuple:
+    """(1 + the number of tokens more probable than `token`, its probability)."""
+    probability = probabilities[token]
+    return 1 + int((probabilities > probability).sum()), probability.item()
+
+
+def sentence_lines(model, data: str, tokenizer: Tokenizer, unigram: torch.Tensor) -> list:
+    """Each held-out sentence with its word masked: the true word's rank and probability by
+    the model and by the unigram, and the model's TOP guesses."""
     vocab = Vocabulary.from_data_dir(data)
-    lines = ["", f"Filling a masked word in held-out sentences (the exported model, {folder}):"]
-    for ids, position in held_out_sentences(data, tokenizer):
+    by_unigram = unigram.double() / unigram.sum()
+    candidates = vocab.size - len(vocab.special)
+    sentences = held_out_sentences(data, tokenizer)
+    lines = ["", f"Held-out sentences, chosen from the data alone: the first {len(sentences)} "
+                 f"validation sentences of {SENTENCE_TOKENS[0]} to {SENTENCE_TOKENS[1]} tokens "
+                 "with a one-token word from their middle on, the first such word masked.",
+             f"The true word's rank among {candidates} tokens and its probability, by the model "
+             "and by the unigram:"]
+    for ids, position in sentences:
         masked = [vocab.cls, *ids[:position], vocab.mask, *ids[position + 1:], vocab.sep]
         with torch.no_grad():
             logits = model(torch.tensor([masked]))[0, position + 1, :vocab.size].float()
         logits[list(vocab.special)] = -torch.inf
-        top = logits.softmax(-1).topk(TOP)
+        by_model = logits.softmax(-1)
+        true = ids[position]
+        model_rank, model_p = rank_and_probability(by_model, true)
+        unigram_rank, unigram_p = rank_and_probability(by_unigram, true)
+        top = by_model.topk(TOP)
+        guesses = ", ".join(f"{shown(tokenizer, t)} {p:.2f}"
+                            for p, t in zip(top.values.tolist(), top.indices.tolist()))
         text = (tokenizer.decode(ids[:position]) + " [MASK]"
                 + tokenizer.decode(ids[position + 1:]))
-        guesses = ", ".join(f"{tokenizer.decode([t]).strip()!r} {p:.2f}"
-                            for p, t in zip(top.values.tolist(), top.indices.tolist()))
         lines += [f"  {text.strip()}",
-                  f"    true: {tokenizer.decode([ids[position]]).strip()!r}   model: {guesses}"]
+                  f"    true {shown(tokenizer, true)}   model: rank {model_rank}, p {model_p:.2g}"
+                  f"   unigram: rank {unigram_rank}, p {unigram_p:.2g}",
+                  f"    the model's top {TOP}: {guesses}"]
     return lines
 
 
@@ -133,8 +190,13 @@ def report(out: str, data: str) -> str:
     """What the run's latest checkpoint, exported and read back, shows."""
     model, config, folder = exported_model(out)
     tokenizer = Tokenizer.from_file(os.path.join(data, "tokenizer.json"))
+    unigram = unigram_counts(data)
+    accuracy = masked_word_accuracy(model, data, out, config.seq_length, unigram)
     tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
-    lines = [*learning_lines(out, data, model, config.seq_length, tokenizer),
-             *fill_mask_lines(model, data, tokenizer, folder), "",
-             f"Curves, attention maps: {tensorboard} --logdir {os.path.join(out, 'tensorboard')}"]
+    lines = ["", f"The model: the run's latest checkpoint, exported to {folder}.",
+             *learning_lines(accuracy, validations(out), tokenizer),
+             *sentence_lines(model, data, tokenizer, unigram), "",
+             f"Curves, attention maps: {tensorboard} --logdir {os.path.join(out, 'tensorboard')}"
+             " (its valid/accuracy counts every position chosen for masking, "
+             f"{1 - BERT_MASKING.mask - BERT_MASKING.random:.0%} of them left as they were)"]
     return "\n".join(lines)

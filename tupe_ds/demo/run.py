@@ -13,6 +13,7 @@ from tupe_ds.tools import startup  # first: the collector paused while libraries
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,10 @@ CPU_PROCESSES = 2
 # step, no dropout, a high peak rate.
 TINY_MODEL_SETTINGS = ("--seq-len", "64", "--global-batch", "32", "--dropout", "0", "--lr", "3e-3",
                        "--warmup-steps", "50")
+# The training's own accuracy (every position chosen for masking) and TensorBoard command: the
+# report says both after it, the accuracy at the [MASK] positions only, the command with its path.
+VALID_ACCURACY = re.compile(r" valid/accuracy \S+")
+TENSORBOARD_COMMAND = re.compile(r"^tensorboard --logdir ")
 
 
 def demo_launch(machine: doctor.Machine) -> tuple:
@@ -39,6 +44,23 @@ def demo_launch(machine: doctor.Machine) -> tuple:
     if half is None:  # GPUs older than doctor.FP16_CAPABILITY train in fp32
         return processes, doctor.CPU_CONFIG, f"{processes} GPU(s) without fp16 or bf16: fp32"
     return processes, f"ds_configs/demo_{half}.json", f"{processes} GPU(s), {half}"
+
+
+def on_screen(line: str):
+    """A line of the training's output as the demo shows it; None: not shown."""
+    if TENSORBOARD_COMMAND.match(line):
+        return None
+    return VALID_ACCURACY.sub("", line)
+
+
+def train(command: list) -> int:
+    """Runs the training, its output on stdout filtered through on_screen; its exit code."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        for line in process.stdout:
+            line = on_screen(line)
+            if line is not None:
+                print(line, end="", flush=True)
+    return process.returncode
 
 
 def main(argv=None) -> int:
@@ -57,7 +79,7 @@ def main(argv=None) -> int:
         os.path.join(ROOT, config), "--out", args.out, "--steps", str(args.steps),
         *TINY_MODEL_SETTINGS, "--eval-interval", "250", "--save-interval", "500",
         "--image-interval", "500", "--log-interval", "100"])
-    code = subprocess.call(command)
+    code = train(command)
     if code == 0:
         print(report(args.out, args.data), flush=True)
     return code
