@@ -2,6 +2,7 @@
 first step, evaluation and saves are kept out of the training seconds, and the cumulative
 training seconds survive resumes; tupe-compare's time axis reads them (compare/results.py)."""
 
+import json
 import os
 import statistics
 import subprocess
@@ -58,12 +59,26 @@ def test_an_interval_counts_its_steps_and_not_evaluation_or_saves(tmp_path, monk
     assert "time/startup_seconds" not in second  # once per start
 
 
-def test_the_time_axis_reads_the_training_seconds_or_an_older_log_s_step_times():
+def test_the_time_axis_reads_the_training_seconds_or_estimates_an_older_log_s(tmp_path):
+    """An earlier tupe_ds's log has seconds_per_step only, its first line after each start
+    wrong by the start-up: estimated by their median, also where a run of this one resumed it
+    (from a checkpoint without times: the Monitor starts from the same estimate)."""
     logged = {2: {"throughput/seconds_per_step": 9.0, "time/training_seconds": 1.0},
               4: {"throughput/seconds_per_step": 0.5, "time/training_seconds": 2.0}}
     assert training_time(logged) == ([2, 4], [1.0, 2.0])
-    older = {2: {"throughput/seconds_per_step": 9.0}, 4: {"throughput/seconds_per_step": 0.5}}
-    assert training_time(older) == ([2, 4], [18.0, 19.0])
+    older = {2: {"throughput/seconds_per_step": 9.0}, 4: {"throughput/seconds_per_step": 0.5},
+             6: {"throughput/seconds_per_step": 0.6}}
+    assert training_time(older) == ([2, 4, 6], [pytest.approx(1.2), pytest.approx(2.4),
+                                                pytest.approx(3.6)])
+    log_path = tmp_path / "train_log.jsonl"
+    log_path.write_text("".join(json.dumps({"step": step, **e}) + "\n"
+                                for step, e in older.items()))
+    config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=32,
+                         vocab_size=16)
+    monitor = monitor_module.Monitor(str(tmp_path), (config,), 4, 8, 1, 0, resumed_at=6)
+    assert monitor.seconds["training"] == pytest.approx(3.6)  # 6 steps x the median 0.6
+    mixed = {**older, 8: {"time/training_seconds": 4.8}}
+    assert training_time(mixed)[1][-2:] == [pytest.approx(3.6), 4.8]
 
 
 def test_a_run_resumed_twice_records_the_training_time_its_steps_took(data, tmp_path):

@@ -9,6 +9,7 @@ import statistics
 import numpy as np
 
 from tupe_ds.compare.plan import Plan, Run
+from tupe_ds.train.monitor import estimated_training_seconds
 
 
 def read_log(run_dir: str) -> dict:
@@ -35,19 +36,17 @@ def read_description(run_dir: str):
 def training_time(entries: dict) -> tuple:
     """(logged steps, cumulative seconds of training at each): the log's
     time/training_seconds, which excludes evaluation, saves and each start's start-up, and
-    which checkpoints carry over resumes. A log of an earlier tupe_ds without it: the steps
-    since the previous logged step times their seconds_per_step (whose first interval of each
-    start was timed from the process's start, divided by one step)."""
+    which checkpoints carry over resumes. The lines an earlier tupe_ds wrote before it (a whole
+    log, or the start of one resumed by this one) have no such field: their steps times the
+    median of their seconds_per_step (train/monitor.py, estimated_training_seconds, which the
+    resumed run started from too)."""
     timed = [step for step, e in entries.items() if "time/training_seconds" in e]
-    if timed:
-        return timed, [entries[step]["time/training_seconds"] for step in timed]
-    timed = [step for step, e in entries.items() if "throughput/seconds_per_step" in e]
-    elapsed, previous, seconds = [], 0, 0.0
-    for step in timed:  # each logged value covers the steps since the previous one
-        seconds += (step - previous) * entries[step]["throughput/seconds_per_step"]
-        elapsed.append(seconds)
-        previous = step
-    return timed, elapsed
+    first = timed[0] if timed else float("inf")
+    older = {step: e["throughput/seconds_per_step"] for step, e in entries.items()
+             if step < first and "throughput/seconds_per_step" in e}
+    estimated = [estimated_training_seconds(older, step) for step in older]
+    return ([*older, *timed],
+            [*estimated, *(entries[step]["time/training_seconds"] for step in timed)])
 
 
 def run_record(plan: Plan, run: Run, status: dict) -> dict:

@@ -120,7 +120,8 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
 @torch.no_grad()
 def evaluate(model, task: Task, data: dict, device) -> dict:
     """{valid set: {metric: value, "halves": {"even" and "odd": {metric: value}}}}: the halves
-    are the set's examples at even and odd positions in file order (0, 2, 4, ... and 1, 3, ...),
+    (for sets of 4 examples or more) are the set's examples at even and odd positions in file
+    order (0, 2, 4, ... and 1, 3, ...),
     for a learning-rate choice made on one half and reported on the other
     (report.held_out_median). Each rank predicts its share, rank 0's view is gathered."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
@@ -141,9 +142,11 @@ def evaluate(model, task: Task, data: dict, device) -> dict:
             pairs = [pair for part in gathered for pair in part]
         predicted, labels = np.array([p for _, p in sorted(pairs)]), np.array(labels)
         results[name] = {m: METRICS[m](predicted, labels) for m in task.metrics}
-        results[name]["halves"] = {
-            half: {m: METRICS[m](predicted[start::2], labels[start::2]) for m in task.metrics}
-            for half, start in (("even", 0), ("odd", 1))}
+        if len(labels) >= 4:  # a half of one example has no correlation, of none no accuracy
+            results[name]["halves"] = {
+                half: {m: METRICS[m](predicted[start::2], labels[start::2])
+                       for m in task.metrics}
+                for half, start in (("even", 0), ("odd", 1))}
     return results
 
 

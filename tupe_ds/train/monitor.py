@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import statistics
 import time
 
 import psutil
@@ -59,18 +60,33 @@ def entry_step(line: bytes):
     return step if type(step) is int else None
 
 
-def logged_times(path: str) -> dict:
+def logged_times(path: str, resumed_at: int) -> dict:
     """The last value of each cumulative time/NAME_seconds in a run's log (NAME in
-    Monitor.TIMED)."""
-    found = {}
+    Monitor.TIMED). A log of an earlier tupe_ds has none: its training seconds are estimated
+    (`estimated_training_seconds`) for the `resumed_at` steps it trained."""
+    found, step_times = {}, {}
     if os.path.exists(path):
         with open(path, "rb") as f:
             for line in f:
-                if entry_step(line) is not None:
-                    entry = json.loads(line)
-                    found.update({name: entry[f"time/{name}_seconds"] for name in Monitor.TIMED
-                                  if isinstance(entry.get(f"time/{name}_seconds"), float)})
+                step = entry_step(line)
+                if step is None:
+                    continue
+                entry = json.loads(line)
+                found.update({name: entry[f"time/{name}_seconds"] for name in Monitor.TIMED
+                              if isinstance(entry.get(f"time/{name}_seconds"), float)})
+                if "throughput/seconds_per_step" in entry:
+                    step_times[step] = entry["throughput/seconds_per_step"]
+    if "training" not in found and step_times:
+        found["training"] = estimated_training_seconds(step_times, resumed_at)
     return found
+
+
+def estimated_training_seconds(step_times: dict, steps: int) -> float:
+    """The training seconds of `steps` steps from an earlier tupe_ds's log ({step:
+    seconds_per_step}), which has no time/training_seconds: `steps` times the median of its
+    seconds per step. The median, because its first line after each start divided that start's
+    whole start-up by one step."""
+    return steps * statistics.median(step_times.values())
 
 
 class Monitor:
@@ -90,7 +106,7 @@ class Monitor:
         if rank == 0:
             keep_log_until(self.log_path, resumed_at)
             # the save that ended the last start is in the log, not in its own checkpoint
-            for name, value in logged_times(self.log_path).items():
+            for name, value in logged_times(self.log_path, resumed_at).items():
                 self.seconds[name] = max(self.seconds[name], value)
             # TensorBoard hides what earlier attempts wrote for the steps trained again
             self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe"),
