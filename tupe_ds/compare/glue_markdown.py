@@ -12,8 +12,9 @@ INTERVAL_RULE = ("The rule: paired t over pretraining seeds where 2 or more were
                  "and Welch's t otherwise, the average taken per fine-tuning seed (GLUE's average "
                  "of that seed's runs); coverage measured by simulation "
                  "(tests/test_glue_table.py).")
-NO_INTERVAL = ("no interval: one fine-tuning seed, or no pretraining seed fine-tuned for both "
-               "encodings")
+NO_INTERVAL = ("no interval: one fine-tuning seed, no pretraining seed fine-tuned for both "
+               "encodings, or tasks fine-tuned with no seed in common (the average is taken per "
+               "seed)")
 
 
 def signed(value: float) -> str:
