@@ -70,7 +70,7 @@ def assert_micro_batches_differ(data, objective, layouts):
     differently)."""
     vocab = Vocabulary.from_data_dir(data)
     packed = PackedSentences(os.path.join(data, "train"), SEQ_LEN, vocab.cls, vocab.sep, data)
-    samples = MaskedSamples(packed, vocab, OBJECTIVES[objective].masking, SEED)
+    samples = MaskedSamples(packed, vocab, OBJECTIVES[objective].default_masking, SEED)
     for step in range(STEPS):
         batch = samples.global_samples(step * GLOBAL_BATCH, GLOBAL_BATCH)
         rows = [OBJECTIVES[objective].token_counts({k: v[i:i + 1] for k, v in batch.items()})

@@ -61,6 +61,8 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     assert 0 < events.Scalars("valid/accuracy")[-1].value < 1
     assert events.Scalars("throughput/tflops_per_rank")[-1].value > 0
     assert max(e.value for e in events.Scalars("train/lr")) == pytest.approx(2e-3, rel=0.05)
+    assert [(e.step, e.value) for e in events.Scalars("train/mask_rate")] == \
+        [(1, pytest.approx(0.15))]  # each start's first log line
     if encoding == "tupe-r":
         assert {f"positional_logits/head{h}" for h in range(4)} <= set(tags["images"])
     deepspeed_events = EventAccumulator(str(out / "tensorboard" / "deepspeed")).Reload()

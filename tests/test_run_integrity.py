@@ -250,9 +250,9 @@ def flags_of(data, out, *extra):
 
 def test_another_run_is_refused_before_any_process_starts_naming_each_difference(
         data, reference, tmp_path, monkeypatch):
-    """Other data, seq-len, global batch, loss normalisation or dropout; --resume never; a ZeRO-2 checkpoint on ZeRO
-    stage 0 elsewhere; a newer stray checkpoint of another run; --init-from a model of another
-    shape. Nothing in the folder changes."""
+    """Other data, seq-len, global batch, loss normalisation, mask rate or dropout; --resume
+    never; a ZeRO-2 checkpoint on ZeRO stage 0 elsewhere; a newer stray checkpoint of another
+    run; --init-from a model of another shape. Nothing in the folder changes."""
     before = {n: manifest.digest(reference / "checkpoints" / n) for n in steps_in(reference)}
     other_data = tmp_path / "other-data"  # the same files, train and valid swapped
     shutil.copytree(data, other_data)
@@ -266,12 +266,14 @@ def test_another_run_is_refused_before_any_process_starts_naming_each_difference
            "than the checkpoint's (data.train)" in said
     assert f"--init-from {step12}" in said
     said = refusal(flags_of(data, reference, "--seq-len", "32", "--global-batch", "32",
-                            "--dropout", "0.1", "--loss-normalization", "micro-batch"),
+                            "--dropout", "0.1", "--loss-normalization", "micro-batch",
+                            "--mask-rate", "0.3"),
                    monkeypatch)
     for difference in ("global_batch: 16 in the checkpoint, 32 now",
                        "seq_len: 64 in the checkpoint, 32 now (--seq-len)",
                        "loss_normalization: 'per-token' in the checkpoint, 'micro-batch' now "
                        "(--loss-normalization)",
+                       "masking.probability: 0.15 in the checkpoint, 0.3 now (--mask-rate)",
                        "models[0].hidden_dropout: 0.0 in the checkpoint, 0.1 now"):
         assert difference in said
     said = refusal(flags_of(data, reference, "--resume", "never"), monkeypatch)
@@ -652,6 +654,8 @@ def test_an_export_ships_the_tokenizer_the_run_was_trained_with(data, reference,
     assert shipped["model"]["vocab"] == trained["model"]["vocab"]
     assert [t["content"] for t in shipped["added_tokens"]][:5] == ["[PAD]", "[UNK]", "[CLS]",
                                                                    "[SEP]", "[MASK]"]
+    assert "`tupe-pretrain --mask-rate 0.15 --mask-split 0.8,0.1`" in \
+        (tmp_path / "x" / "README.md").read_text()  # the masking its manifest records
 
 
 def test_a_real_full_disk_stops_the_run_and_loses_nothing(data, reference, tmp_path):

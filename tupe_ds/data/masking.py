@@ -20,7 +20,8 @@ MAX_SEQ_LEN = 1 << 16  # positions fill the low 16 bits of the keys that pick th
 @dataclass(frozen=True)
 class MaskingScheme:
     """Of the `probability` share of tokens chosen, `mask` become [MASK], `random` a random
-    token, the rest stay. BERT: 15% with 80/10/10; ELECTRA's generator: 15% with 85/0/15."""
+    token, the rest stay. BERT: 15% with 80/10/10; ELECTRA's generator: 15% with 85/0/15 (the
+    defaults of tupe-pretrain's --mask-rate and --mask-split, which check what they are given)."""
 
     probability: float = 0.15
     mask: float = 0.8

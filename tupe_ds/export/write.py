@@ -219,12 +219,15 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
                           "--format hf, can be exported; leave the flag out")
     tokenizer = tokenizer or os.path.join(run["data"], "tokenizer.json")
     check_tokenizer(tokenizer, step_dir)
+    masking = None  # a checkpoint of an earlier version records none
     if manifest.exists(step_dir):  # run.json says the layout of the run's last start
         try:
-            layout = saved_layout(manifest.read(step_dir))
+            record = manifest.read(step_dir)
+            layout = saved_layout(record)
         except ValueError as error:
             raise ExportError(str(error)) from None
         run = {**run, "tp": layout.tp, "pp": layout.pp}
+        masking = record["identity"].get("masking")
     with safe_load.weights_only_loads():  # zero_to_fp32's loads included
         check_files(step_dir)
         configs, state = consolidated_state(run, step_dir)
@@ -234,7 +237,7 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
     config = configs[1] if network == "generator" else configs[0]
     save_exported(out, state, config, f"electra-{network}" if electra else "bert-mlm",
                   tokenizer, source=step_dir, format=format,
-                  embedding_size=configs[0].hidden_size)
+                  embedding_size=configs[0].hidden_size, masking=masking)
     return step_dir
 
 
@@ -257,15 +260,16 @@ def check_tokenizer(path: str, step_dir: str) -> None:
 
 def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind: str,
                   tokenizer: str, source: str, format: str = "hf",
-                  embedding_size: Optional[int] = None) -> None:
+                  embedding_size: Optional[int] = None, masking: Optional[dict] = None) -> None:
     """`out` in FORMATS[format] from a state dict named as tupe_ds's models name it; the folder
-    appears when complete."""
+    appears when complete. `masking`: the pretraining's (a MaskingScheme as a dict), for the
+    model card."""
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     with replacing_folder(out) as folder:
         if format == "hf":
             write_folder(folder, state, config, kind, tokenizer, source,
-                         embedding_size or config.hidden_size)
+                         embedding_size or config.hidden_size, masking)
             return
         save_file({n: t.contiguous() for n, t in state.items()},
                   os.path.join(folder, "model.safetensors"))

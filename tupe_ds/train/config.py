@@ -10,6 +10,7 @@ from typing import Optional
 
 from tokenizers import Tokenizer
 
+from tupe_ds.data.masking import MaskingScheme
 from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
@@ -18,7 +19,7 @@ from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
-from tupe_ds.train.flags import check_flags, data_sources, fail, parser
+from tupe_ds.train.flags import check_flags, data_sources, fail, masking_scheme, parser
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
@@ -71,6 +72,7 @@ class RunConfig:
     prefetch: int  # steps of batches made ahead by a thread
     vectorised_stream: bool  # --data-stream vectorised
     loss_normalization: str  # a mode of tupe_ds.train.normalization
+    masking: MaskingScheme  # the objective's, with --mask-rate and --mask-split
     batch_split: BatchSplit  # micro-batch x accumulation x dp, and what set it
     identity: dict  # what defines the stream and the model (checkpoint/identity.py)
     training: dict  # the optimizer and schedule settings (identity.training_settings)
@@ -152,9 +154,10 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
     vocab_size = (resharding.saved.vocab_size if resharding
                   else padded_vocab(sources[0].folder, args.tp))
     models = model_configs(args, dtype, vocab_size)
+    scheme = masking_scheme(args, OBJECTIVES[args.objective].default_masking)
     identity = run_identity(args.objective, args.model, models, sources, args.seq_len,
-                            ds_config["train_batch_size"], OBJECTIVES[args.objective].masking,
-                            args.seed, args.loss_normalization)
+                            ds_config["train_batch_size"], scheme, args.seed,
+                            args.loss_normalization)
     init_plan = None
     try:
         if resume_plan is not None and resume_plan.candidates:
@@ -173,7 +176,8 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                      models=models, ds_config=ds_config, ds_config_path=args.ds_config,
                      prefetch=args.prefetch,
                      vectorised_stream=args.data_stream == "vectorised",
-                     loss_normalization=args.loss_normalization, batch_split=batch_split,
+                     loss_normalization=args.loss_normalization, masking=scheme,
+                     batch_split=batch_split,
                      identity=identity, training=training, resume_plan=resume_plan,
                      init_plan=init_plan, allow_training_changes=args.allow_training_changes,
                      lock=lock)

@@ -1,11 +1,13 @@
 """tupe-pretrain's command line: the parser, and the checks each flag needs on its own (counts,
-the --data folder, the model for the objective, the --index-cache folder)."""
+the masking's shares, the --data folder, the model for the objective, the --index-cache
+folder)."""
 
 import argparse
 import dataclasses
 import os
 
 from tupe_ds.data import blend
+from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING, MaskingScheme
 from tupe_ds.model.config import ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools.files import file_digest
@@ -61,6 +63,15 @@ def parser() -> argparse.ArgumentParser:
                         "count of counted tokens, whatever the split into micro-batches and "
                         "ranks; micro-batch: the mean of each micro-batch's mean, as BERT's and "
                         "ELECTRA's original code (tupe_ds/train/normalization.py)")
+    p.add_argument("--mask-rate", type=mask_rate, metavar="P",
+                   help="the share of each sample's tokens ([CLS], [SEP] and padding never) "
+                        "chosen for the masked-LM loss, above 0 and below 1 (default "
+                        f"{BERT_MASKING.probability:g}; for ELECTRA, its generator's)")
+    p.add_argument("--mask-split", type=mask_split, metavar="M,R",
+                   help="the shares of the chosen tokens made [MASK] and made a random token; "
+                        "the rest stay as they were (default: BERT "
+                        f"{BERT_MASKING.mask:g},{BERT_MASKING.random:g}, ELECTRA's generator "
+                        f"{ELECTRA_MASKING.mask:g},{ELECTRA_MASKING.random:g})")
     p.add_argument("--micro-batch", type=int, help="overrides train_micro_batch_size_per_gpu")
     p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
@@ -101,6 +112,39 @@ def parser() -> argparse.ArgumentParser:
                         "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
     return p
+
+
+def mask_rate(text: str) -> float:
+    rate = float(text)
+    if not 0 < rate < 1:
+        raise argparse.ArgumentTypeError(f"{text}: the share of tokens chosen must be above 0 "
+                                         f"and below 1 (BERT's is {BERT_MASKING.probability:g})")
+    return rate
+
+
+def mask_split(text: str) -> tuple:
+    """(mask, random) from "M,R"."""
+    try:
+        mask, random = (float(share) for share in text.split(","))
+    except ValueError:
+        bert = f"{BERT_MASKING.mask:g},{BERT_MASKING.random:g}"
+        raise argparse.ArgumentTypeError(f"{text}: give two shares, M,R (BERT's are {bert})") \
+            from None
+    if not (0 <= mask <= 1 and 0 <= random <= 1 and mask + random <= 1):
+        raise argparse.ArgumentTypeError(
+            f"{text}: each share must be between 0 and 1 and the two add up to at most 1 (the "
+            "rest of the chosen tokens stay as they were)")
+    return mask, random
+
+
+def masking_scheme(args: argparse.Namespace, objective_default: MaskingScheme) -> MaskingScheme:
+    """The objective's masking with what --mask-rate and --mask-split change."""
+    given = {}
+    if args.mask_rate is not None:
+        given["probability"] = args.mask_rate
+    if args.mask_split is not None:
+        given["mask"], given["random"] = args.mask_split
+    return dataclasses.replace(objective_default, **given)
 
 
 def fail(message: str):

@@ -50,7 +50,7 @@ def datasets(run: RunConfig, vocab: Vocabulary, objective) -> dict:
                  for split in ("train", "valid")} for source in run.sources]
 
     def stream(packed):
-        return MaskedSamples(packed, vocab, objective.masking, run.seed, run.vectorised_stream,
+        return MaskedSamples(packed, vocab, run.masking, run.seed, run.vectorised_stream,
                              objective.generator_draws)
 
     first = dist.get_rank() == 0
@@ -101,6 +101,7 @@ def write_run_description(run: RunConfig, lineage: str) -> None:
                                 "name": source.name} for source in run.sources],
                    "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
                    "global_batch": batch, "seq_len": run.seq_len,
+                   "masking": dataclasses.asdict(run.masking),
                    "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
                    "models": [dataclasses.asdict(config) for config in run.models]}
     run_description.write(run.out, description)
@@ -259,7 +260,10 @@ def train(run: RunConfig, launcher: str) -> None:
                            state.get("nonfinite") if state else None)
     last_checkpoint = plan.tag if plan else None
     monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank,
-                      resumed_at=step, times=state.get("times") if state else None)
+                      resumed_at=step, times=state.get("times") if state else None,
+                      settings={"train/mask_rate": run.masking.probability,
+                                "train/mask_split/mask": run.masking.mask,
+                                "train/mask_split/random": run.masking.random})
     say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {started_by(run.world_size, launcher)} "
         f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "

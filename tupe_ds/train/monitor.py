@@ -99,7 +99,8 @@ class Monitor:
     TIMED = ("training", "evaluation", "checkpoint")
 
     def __init__(self, out: str, configs: tuple, global_batch: int, seq_len: int,
-                 world_size: int, rank: int, resumed_at: int = 0, times: dict = None):
+                 world_size: int, rank: int, resumed_at: int = 0, times: dict = None,
+                 settings: dict = None):
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.writer = None
         self.seconds = {name: float((times or {}).get(name, 0.0)) for name in self.TIMED}
@@ -118,6 +119,7 @@ class Monitor:
         self.last_step = resumed_at
         self.last_time = self.startup = None
         self.paused = 0.0  # seconds of evaluation and saves since last_time
+        self.settings = settings or {}  # scalars of the run's settings, on the first log line
 
     def start(self) -> None:
         """The first step begins: the clock of the first interval starts here, not at the
@@ -179,6 +181,8 @@ class Monitor:
         if self.startup is not None:
             values["time/startup_seconds"] = self.startup
             self.startup = None
+        values.update(self.settings)
+        self.settings = {}
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
         if loss_scale is not None:

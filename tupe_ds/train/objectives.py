@@ -23,7 +23,7 @@ def masked_count(batch) -> int:
 class MaskedLM:
     """BERT: masked-LM loss and masked-token accuracy."""
 
-    masking = BERT_MASKING
+    default_masking = BERT_MASKING  # --mask-rate and --mask-split change it
     generator_draws = False
 
     def build(self, configs):
@@ -55,7 +55,7 @@ class MaskedLM:
 class Electra:
     """ELECTRA: generator + 50 x discriminator loss; both networks' metrics."""
 
-    masking = ELECTRA_MASKING
+    default_masking = ELECTRA_MASKING  # the generator's; --mask-rate and --mask-split change it
     generator_draws = True  # the stream draws the generator's samples: masking.generator_draws
 
     def build(self, configs):

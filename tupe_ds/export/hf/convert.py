@@ -11,7 +11,7 @@ import json
 import os
 import re
 import shutil
-from typing import Dict
+from typing import Dict, Optional
 
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -180,9 +180,9 @@ def tokenizer_files(tokenizer_path: str, folder: str, max_length: int) -> None:
 
 
 def write_folder(folder: str, state: Dict[str, Tensor], config, kind: str, tokenizer: str,
-                 source: str, embedding_size: int) -> None:
+                 source: str, embedding_size: int, masking: Optional[dict] = None) -> None:
     """A transformers folder in `folder` (which the caller makes appear complete) from a tupe_ds
-    state dict at tp=1 and its ModelConfig."""
+    state dict at tp=1 and its ModelConfig; `masking`: the pretraining's, for the model card."""
     weights = to_transformers(state, config.num_attention_heads)
     save_file({n: t.contiguous() for n, t in weights.items()},
               os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
@@ -196,11 +196,12 @@ def write_folder(folder: str, state: Dict[str, Tensor], config, kind: str, token
         shutil.copy(os.path.join(HERE, name), folder)
     tokenizer_files(tokenizer, folder, config.seq_length)
     with open(os.path.join(folder, "README.md"), "w") as f:
-        f.write(model_card(description))
+        f.write(model_card(description, masking))
 
 
-def model_card(description: dict) -> str:
-    """README.md of the folder: what the model is and the limits its config enforces."""
+def model_card(description: dict, masking: Optional[dict] = None) -> str:
+    """README.md of the folder: what the model is, how it was pretrained (`masking`, a
+    MaskingScheme as a dict; None: not recorded) and the limits its config enforces."""
     kind, model = description["tupe_ds"]["kind"], description["tupe_ds"]["model"]
     padding = description["vocab_size"] - description["tokenizer_vocab_size"]
     padding_rows = (f"; the embedding's {padding} rows after them pad it to a multiple for "
@@ -222,4 +223,18 @@ Positional encoding `{model["pos_encoding"]}` (terms: {", ".join(
   `model_max_length` is {model["seq_length"]}, and the model refuses longer inputs (the positions
   after it were never trained; `model.config.seq_length = None` runs them anyway).
 - **Vocabulary.** {description["tokenizer_vocab_size"]} tokens{padding_rows}.
+""" + (masking_item(kind, masking) if masking else "")
+
+
+def masking_item(kind: str, masking: dict) -> str:
+    """The model card's item on the pretraining's masking (tupe_ds/data/masking.py)."""
+    def percent(share: float) -> str:
+        return f"{share * 100:g}%"
+
+    rate, mask, random = masking["probability"], masking["mask"], masking["random"]
+    inputs = "The generator's inputs" if kind.startswith("electra") else "Its inputs"
+    return f"""- **Masking.** {inputs} were masked as
+  `tupe-pretrain --mask-rate {rate:g} --mask-split {mask:g},{random:g}` does: {percent(rate)}
+  of each sample's tokens chosen for the loss, {percent(mask)} of them made `[MASK]`,
+  {percent(random)} a random token and {percent(1 - mask - random)} left as they were.
 """

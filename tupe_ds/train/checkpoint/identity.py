@@ -93,6 +93,8 @@ CHANGEABLE_AT_RESUME = re.compile(r"^(optimizer\.params\.(lr|betas\[\d\]|eps|wei
 DESCRIPTIONS = {"data": "the data (--data)", "vocabulary": "the vocabulary (tokenizer.json)"}
 FLAGS = {"objective": "--objective", "model": "--model", "seed": "--seed", "seq_len": "--seq-len",
          "global_batch": "--global-batch", "loss_normalization": "--loss-normalization",
+         "masking.probability": "--mask-rate", "masking.mask": "--mask-split",
+         "masking.random": "--mask-split",
          "optimizer.params.lr": "--lr", "scheduler.params.warmup_max_lr": "--lr",
          "scheduler.params.warmup_num_steps": "--warmup-steps"}
 
