@@ -17,6 +17,7 @@ DEMO_OUT ?= build/demo-run
 SAMPLE_PREP := build/sample-prep-2048
 COMPARE_STEPS ?= 200
 COMPARE_ENCODINGS ?= bert-a,tupe-r
+COMPARE_RECIPE ?= paper
 COMPARE_FINETUNE ?=
 COMPARE_FINETUNE_FLAGS ?= --tasks rte,mrpc,stsb,cola --finetune-lr 1e-4,3e-4 \
   --finetune-seeds 1,2,3 --finetune-epochs 3 --finetune-max-length 128
@@ -54,13 +55,17 @@ $(SAMPLE_PREP)/train.idx: | venv
 # The second demo: BERT-A against TUPE-R, one tiny run each on the same batches (2 CPU ranks, or
 # every GPU), then build/compare/report.md with its figures. Run again to resume or re-report;
 # COMPARE_STEPS=400 to go on, COMPARE_ENCODINGS=bert-a,tupe-r,rope for more.
+# COMPARE_RECIPE=modern (docs/compare.md, "Recipes") trains under the modern recipe, into
+# build/compare-modern, in micro-batches of 2 (room for its batch ramp: 4, 8, 12, 16 on 2 ranks).
 # COMPARE_FINETUNE=GLUE_DIR (docs/export-finetune.md, "GLUE data") fine-tunes every run on GLUE's small tasks with
 # a grid for the tiny model (COMPARE_FINETUNE_FLAGS; "" for the paper's) and adds Table 1.
 compare: venv $(SAMPLE_PREP)/train.idx
 	$(BIN)/tupe-compare run --data $(SAMPLE_PREP) --encodings $(COMPARE_ENCODINGS) \
-	  --model tiny --steps $(COMPARE_STEPS) $(if $(HAVE_GPU),,--nproc 2) --out build/compare \
-	  --ds-config ds_configs/cpu_zero2.json --seq-len 128 --eval-interval 25 --save-interval 50 \
-	  --log-interval 10 \
+	  --model tiny --steps $(COMPARE_STEPS) $(if $(HAVE_GPU),,--nproc 2) \
+	  --out build/compare$(if $(filter-out paper,$(COMPARE_RECIPE)),-$(COMPARE_RECIPE)) \
+	  --recipe $(COMPARE_RECIPE) $(if $(filter modern,$(COMPARE_RECIPE)),--micro-batch 2) \
+	  --ds-config ds_configs/cpu_zero2.json --seq-len 128 \
+	  --eval-interval 25 --save-interval 50 --log-interval 10 \
 	  $(if $(COMPARE_FINETUNE),--finetune $(COMPARE_FINETUNE) $(COMPARE_FINETUNE_FLAGS))
 
 # Every encoding, a few AdamW steps each, in one process (no launcher, no data).

@@ -1,10 +1,12 @@
 """One objective whatever the layout (tupe_ds/train/normalization.py).
 
-Gradient invariance: the same global batches of 8 samples, whose micro-batches hold different
-numbers of masked tokens, trained for 3 optimizer steps from the same weights under several
-(micro-batch, accumulation, dp, tp, pp, ZeRO stage) layouts give the same parameters, for BERT's
-masked LM and for ELECTRA (both terms, and the generator's samples drawn from the data stream), and
-the same logged losses, gradient norms and validation metrics. The same
+Gradient invariance: the same global batches, whose micro-batches hold different numbers of
+masked tokens, trained for 3 optimizer steps from the same weights under several (micro-batch,
+accumulation, dp, tp, pp, ZeRO stage) layouts give the same parameters, for BERT's masked LM and
+for ELECTRA (both terms, and the generator's samples drawn from the data stream), and the same
+logged losses, gradient norms and validation metrics. BERT's batches ramp up
+(--rampup-batch-size: 8 samples, then 16, so each layout's accumulation steps change between
+steps), ELECTRA's are 8 each. The same
 comparison on the mean-of-means path (--loss-normalization micro-batch) gives other parameters:
 the negative control that shows the comparison can fail.
 """
@@ -22,8 +24,11 @@ from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.write import consolidated_state
 from tupe_ds.train.objectives import OBJECTIVES
 
-SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 8, 3
-SEED = 155  # of the first 300 seeds, the one whose micro-batches differ most (the premise below)
+SEQ_LEN, STEPS = 64, 3
+# objective: (global batch, its flags, the batch of each step, the seed: of the first 300 (400
+# for mlm), the one whose micro-batches differ most, the premise below)
+BATCHES = {"mlm": (16, ("--rampup-batch-size", "8", "8", "8"), (8, 16, 16), 355),
+           "electra": (8, (), (8, 8, 8), 155)}
 # name: (micro-batch, accumulation, dp, tp, pp, ZeRO stage); the first is the reference
 LAYOUTS = {
     "8x1": (8, 1, 1, 1, 1, 2),
@@ -49,10 +54,12 @@ def constant_lr_config(tmp_path) -> str:
 
 def run_layout(data, out, objective, layout, config, *flags):
     micro, _, dp, tp, pp, zero_stage = layout
+    global_batch, ramp, _, seed = BATCHES[objective]
     train("torchrun", dp * tp * pp, data, out, "--objective", objective, "--steps", str(STEPS),
-          "--ds-config", config, "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(micro),
+          "--ds-config", config, "--global-batch", str(global_batch), *ramp,
+          "--micro-batch", str(micro),
           "--tp", str(tp), "--pp", str(pp), "--zero-stage", str(zero_stage),
-          "--dropout", "0", "--lr", "2e-3", "--seq-len", str(SEQ_LEN), "--seed", str(SEED),
+          "--dropout", "0", "--lr", "2e-3", "--seq-len", str(SEQ_LEN), "--seed", str(seed),
           "--eval-interval",
           str(STEPS), "--save-interval", str(STEPS), *flags)
     with open(out / "run.json") as f:
@@ -70,15 +77,17 @@ def assert_micro_batches_differ(data, objective, layouts):
     differently)."""
     vocab = Vocabulary.from_data_dir(data)
     packed = PackedSentences(os.path.join(data, "train"), SEQ_LEN, vocab.cls, vocab.sep, data)
-    samples = MaskedSamples(packed, vocab, OBJECTIVES[objective].default_masking, SEED)
-    for step in range(STEPS):
-        batch = samples.global_samples(step * GLOBAL_BATCH, GLOBAL_BATCH)
+    samples = MaskedSamples(packed, vocab, OBJECTIVES[objective].default_masking,
+                            BATCHES[objective][3])
+    sizes = BATCHES[objective][2]
+    for step, size in enumerate(sizes):
+        batch = samples.global_samples(sum(sizes[:step]), size)
         rows = [OBJECTIVES[objective].token_counts({k: v[i:i + 1] for k, v in batch.items()})
-                for i in range(GLOBAL_BATCH)]
+                for i in range(size)]
         for name in layouts:
             micro = LAYOUTS[name][0]
-            if micro < GLOBAL_BATCH:
-                counts = np.add.reduceat(np.array(rows), np.arange(0, GLOBAL_BATCH, micro))
+            if micro < size:
+                counts = np.add.reduceat(np.array(rows), np.arange(0, size, micro))
                 assert np.all(counts.max(0) >= 1.2 * counts.min(0)), (step, name, counts)
 
 
@@ -100,6 +109,8 @@ def test_every_layout_trains_the_same_parameters(data, tmp_path, constant_lr, ob
         for parameter, expected in reference.items():
             torch.testing.assert_close(state[parameter], expected, **TOLERANCE,
                                        msg=f"{name}: {parameter}")
+        assert [log(tmp_path / name)[s]["train/global_batch"] for s in range(1, STEPS + 1)] \
+            == list(BATCHES[objective][2])
         for step, entry in log(tmp_path / name).items():  # what is logged too
             for metric, value in entry.items():
                 if metric.startswith(("train/", "valid/")):

@@ -184,7 +184,7 @@ def test_steps_that_are_not_finite_are_not_applied_and_a_run_of_them_stops(data,
                fault="nan-loss:1:3,7,8,9;nan-grad:0:5", expect=1)
     entries = log(out)
     lr = {step: entries[step]["train/lr"] for step in entries if "train/lr" in entries[step]}
-    assert lr[3] == lr[2] and lr[5] == lr[4] and lr[2] < lr[4] < lr[6], lr
+    assert lr[4] == lr[3] and lr[6] == lr[5] and lr[3] < lr[5] < lr[7], lr  # each step's own
     assert [entries[s]["train/nonfinite_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 2, 2]
     assert "step 3: loss or gradient not finite, the update was not applied (1 in a row, 1 in " \
            "this run" in said

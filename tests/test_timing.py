@@ -31,7 +31,7 @@ def test_an_interval_counts_its_steps_and_not_evaluation_or_saves(tmp_path, monk
     monkeypatch.setattr(monitor_module.time, "perf_counter", clock)
     config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=32,
                          vocab_size=16)
-    monitor = monitor_module.Monitor(str(tmp_path), (config,), 4, 8, 1, 0, resumed_at=100,
+    monitor = monitor_module.Monitor(str(tmp_path), (config,), 8, 1, 0, resumed_at=100,
                                      times={"training": 50.0, "evaluation": 3.0,
                                             "checkpoint": 1.0})
     clock.now = 30.0  # start-up: not the first interval's
@@ -42,9 +42,11 @@ def test_an_interval_counts_its_steps_and_not_evaluation_or_saves(tmp_path, monk
     with monitor.timing("checkpoint"):
         clock.now = 41.0
     clock.now = 47.0  # 10 s of training in steps 101-110
-    monitor.train(110, {"loss": 1.0}, 1e-3, None, None, 0)
+    monitor.train(110, {"loss": 1.0}, 1e-3, None, None, 0, samples=40, global_batch=4)
     first = log(str(tmp_path))[110]
     assert first["throughput/seconds_per_step"] == pytest.approx(1.0)
+    assert first["throughput/samples_per_s"] == pytest.approx(4.0)
+    assert first["throughput/tokens_per_s"] == pytest.approx(32.0)
     assert first["time/training_seconds"] == pytest.approx(60.0)
     assert first["time/evaluation_seconds"] == pytest.approx(8.0)
     assert first["time/checkpoint_seconds"] == pytest.approx(3.0)
@@ -52,9 +54,10 @@ def test_an_interval_counts_its_steps_and_not_evaluation_or_saves(tmp_path, monk
     clock.now = 49.0
     assert monitor.times()["training"] == pytest.approx(62.0)  # a save now carries this
     clock.now = 67.0
-    monitor.train(120, {"loss": 1.0}, 1e-3, None, None, 0)
+    monitor.train(120, {"loss": 1.0}, 1e-3, None, None, 0, samples=80, global_batch=8)
     second = log(str(tmp_path))[120]
     assert second["throughput/seconds_per_step"] == pytest.approx(2.0)
+    assert (second["throughput/samples_per_s"], second["train/global_batch"]) == (4.0, 8)
     assert second["time/training_seconds"] == pytest.approx(80.0)
     assert "time/startup_seconds" not in second  # once per start
 
@@ -75,7 +78,7 @@ def test_the_time_axis_reads_the_training_seconds_or_estimates_an_older_log_s(tm
                                 for step, e in older.items()))
     config = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=32,
                          vocab_size=16)
-    monitor = monitor_module.Monitor(str(tmp_path), (config,), 4, 8, 1, 0, resumed_at=6)
+    monitor = monitor_module.Monitor(str(tmp_path), (config,), 8, 1, 0, resumed_at=6)
     assert monitor.seconds["training"] == pytest.approx(3.6)  # 6 steps x the median 0.6
     mixed = {**older, 8: {"time/training_seconds": 4.8}}
     assert training_time(mixed)[1][-2:] == [pytest.approx(3.6), 4.8]

@@ -4,7 +4,8 @@ the baseline's loss, positional correlations, the paper's Table 1 with 95% inter
 
     tupe-compare run --data prep/ --encodings tupe-r,bert-a --model bert-base --steps 10000 \\
         --seeds 1,2,3 --nproc 8 --out cmp/ --ds-config ds_configs/bert_base_fp16.json \\
-        [--finetune glue/ [--tasks rte,mrpc] [--finetune-lr 2e-5,3e-5 ...]] [flags]
+        [--recipe modern] [--finetune glue/ [--tasks rte,mrpc] [--finetune-lr 2e-5,3e-5 ...]] \\
+        [flags]
     tupe-compare report cmp/          # report.md, report.json, figures/ from what the runs left
     slurm/submit_compare.sh cmp/ [the run flags]     # one Slurm array task per run (and one per
                                                      # run and task), then the report
@@ -17,16 +18,20 @@ from tupe_ds.tools import startup  # first: the collector paused while libraries
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import sys
 
 from tupe_ds.compare.finetuning import finetune_flags, status_name
 from tupe_ds.compare.launching import record_status
 from tupe_ds.compare.plan import CompareError, Plan, read_plan
+from tupe_ds.compare.recipes import RECIPES, SCHEDULE_FLAGS, modern, without
 from tupe_ds.compare.report import headline, write_report
 from tupe_ds.compare.runner import run_all
 from tupe_ds.distributed.launchers import LAUNCHERS
 from tupe_ds.finetune.tasks import TASKS
+from tupe_ds.machine.doctor import probe
 from tupe_ds.model.config import ENCODINGS
 
 
@@ -63,6 +68,11 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int,
                    help="processes (GPUs) per run (default: this machine's GPUs, else 1)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
+    p.add_argument("--recipe", choices=RECIPES, default="paper",
+                   help="paper: the runs train as the flags and --ds-config say; modern: adds 30%% "
+                        "masking, a warmup-stable-decay schedule, a batch ramp scaled to the run "
+                        "and bf16 where the GPUs have it, a flag given winning over the recipe's "
+                        "(docs/compare.md)")
     glue = p.add_argument_group("fine-tuning (tupe-finetune on every complete run)")
     glue.add_argument("--finetune", metavar="GLUE_DIR",
                       help="GLUE's tasks in GLUE's layout (GLUE_DIR/RTE/train.tsv, dev.tsv, ...)")
@@ -142,11 +152,25 @@ def make_plan(args, pretrain_flags: list) -> Plan:
     if args.nproc < 1:
         raise CompareError("--nproc must be at least 1")
     baseline = args.baseline or ("bert-a" if "bert-a" in args.encodings else args.encodings[0])
-    return Plan(out=os.path.abspath(args.out), data=absolute_data(args.data),
+    plan = Plan(out=os.path.abspath(args.out), data=absolute_data(args.data),
                 encodings=args.encodings, seeds=args.seeds, steps=args.steps, baseline=baseline,
                 processes=args.nproc, pretrain_flags=("--model", args.model, "--objective",
                                                       args.objective, *pretrain_flags),
                 **finetune_plan(args))
+    if args.recipe == "paper":
+        return plan
+    plan.check_flags()  # before tupe-pretrain reads the first run's flags for its batch split
+    machine = probe()
+    # the batch split and the warmup as the user's flags give them, a schedule they name left
+    # out (--lr-schedule wsd without the --decay-steps the recipe adds would be refused)
+    config = dataclasses.replace(plan, pretrain_flags=without(
+        plan.pretrain_flags, *SCHEDULE_FLAGS)).first_run_config(machine)
+    warmup = config.ds_config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
+    with open(config.ds_config_path) as f:
+        ds_config = json.load(f)
+    recipe = modern(plan.steps, config.batch_split, warmup, machine, plan.pretrain_flags,
+                    ds_config, config.ds_config_path, plan.out)
+    return dataclasses.replace(plan, recipe=recipe)
 
 
 def planned(prog: str, argv: list) -> tuple:
@@ -155,6 +179,8 @@ def planned(prog: str, argv: list) -> tuple:
     plan = make_plan(args, pretrain_flags)
     plan.check()
     plan.save()
+    for note in plan.recipe.notes:  # on stderr: slurm/submit_compare.sh reads stdout
+        print(f"tupe-compare: --recipe {plan.recipe.name}: {note}", file=sys.stderr)
     return plan, args.launcher
 
 

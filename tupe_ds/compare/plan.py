@@ -1,13 +1,15 @@
 """A comparison: one pretraining run per (encoding, seed), the same data, model and
 hyper-parameters otherwise, and optionally a fine-tune of each on GLUE tasks, kept in
 OUT/compare.json so that every command (run, report, a Slurm array task) works from the same
-list."""
+list. Its recipe (recipes.py) is kept there too, with the flags it adds."""
 
 import json
 import os
-from dataclasses import asdict, dataclass
+import tempfile
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from tupe_ds.compare.recipes import Recipe
 from tupe_ds.finetune.tasks import TASKS, TaskDataError, check_glue_task, glue_files
 from tupe_ds.machine.doctor import probe
 from tupe_ds.tools.files import write_atomically
@@ -47,6 +49,7 @@ class Plan:
     finetune: Optional[str] = None  # a folder of GLUE tasks in GLUE's layout
     tasks: tuple = ()  # fine-tuned on
     finetune_flags: tuple = ()  # tupe-finetune's flags for every fine-tune (the grid, epochs)
+    recipe: Recipe = field(default_factory=Recipe)  # --recipe: what it adds to pretrain_flags
 
     @property
     def runs(self) -> list:
@@ -80,10 +83,11 @@ class Plan:
 
     def pretrain_argv(self, run: Run) -> list:
         return ["--data", *self.data, "--out", self.run_dir(run), "--pos-encoding", run.encoding,
-                "--seed", str(run.seed), "--steps", str(self.steps), *self.pretrain_flags]
+                "--seed", str(run.seed), "--steps", str(self.steps),
+                *self.recipe.applied_to(self.pretrain_flags)]
 
-    def check(self) -> None:
-        """tupe-pretrain's own checks on every run's flags, for `processes` processes."""
+    def check_flags(self) -> None:
+        """What the comparison itself forbids: flags it sets, a baseline it does not train."""
         for flag in RESERVED_FLAGS:
             if any(f == flag or f.startswith(flag + "=") for f in self.pretrain_flags):
                 raise CompareError(f"{flag}: tupe-compare sets it for every run; give the "
@@ -91,33 +95,91 @@ class Plan:
         if self.baseline not in self.encodings:
             raise CompareError(f"--baseline {self.baseline} is not one of --encodings "
                                f"{','.join(self.encodings)}")
+
+    def first_run_config(self, machine):
+        """tupe-pretrain's RunConfig of the first run on `machine`, for `processes` processes
+        (the batch split and warmup a recipe scales to), in a scratch run folder: the run's own
+        checkpoints, trained with the recipe's flags, would refuse a command without them."""
+        run = self.runs[0]
+        argv = self.pretrain_argv(run)
+        with tempfile.TemporaryDirectory() as scratch:
+            argv[argv.index("--out") + 1] = scratch
+            try:
+                return load(argv, world_size=self.processes, machine=machine)
+            except SystemExit as error:
+                message = str(error).replace("tupe-pretrain: error: ", "")
+                raise CompareError(f"run {run.name}: "
+                                   f"{message.replace(scratch, self.run_dir(run))}") from None
+
+    def check(self) -> None:
+        """tupe-pretrain's own checks on every run's flags, for `processes` processes; a
+        DeepSpeed config the recipe makes is checked from a scratch copy (OUT is written by
+        save() only). First, a comparison already in OUT that this one may not go on with."""
+        self.check_flags()
+        self.refuse_another_plan()
         for task in self.tasks:
             try:
                 check_glue_task(self.finetune, TASKS[task])
             except TaskDataError as error:
                 raise CompareError(f"--finetune {self.finetune}, task {task}: {error}") from None
         machine = probe()
-        for run in self.runs:
-            try:
-                load(self.pretrain_argv(run), world_size=self.processes, machine=machine)
-            except SystemExit as error:
-                message = str(error).replace("tupe-pretrain: error: ", "")
-                raise CompareError(f"run {run.name}: {message}") from None
+        made = self.recipe.ds_config_file
+        with tempfile.TemporaryDirectory() as scratch:
+            copy = os.path.join(scratch, os.path.basename(made or "none"))
+            if made is not None:
+                with open(copy, "w") as f:
+                    json.dump(self.recipe.ds_config, f)
+            for run in self.runs:
+                argv = [copy if made is not None and flag == made else flag
+                        for flag in self.pretrain_argv(run)]
+                try:
+                    load(argv, world_size=self.processes, machine=machine)
+                except SystemExit as error:
+                    message = str(error).replace("tupe-pretrain: error: ", "")
+                    if made is not None:
+                        message = message.replace(copy, made)
+                    raise CompareError(f"run {run.name}: {message}") from None
 
     def save(self) -> None:
-        """OUT/compare.json; a folder planned with other data or flags is refused."""
-        path = os.path.join(self.out, PLAN_FILE)
-        if os.path.exists(path):
-            before = read_plan(self.out)
-            for field in ("data", "pretrain_flags"):
-                if getattr(before, field) != getattr(self, field):
-                    raise CompareError(
-                        f"{path}: this comparison was started with {field} "
-                        f"{getattr(before, field)!r}, not {getattr(self, field)!r}; use another "
-                        "--out, or the same flags (--encodings, --seeds, --steps and the "
-                        "fine-tuning flags may change)")
+        """OUT/compare.json (and the recipe's DeepSpeed config); a folder planned with another
+        recipe, other data or other flags is refused."""
+        self.refuse_another_plan()
         os.makedirs(self.out, exist_ok=True)
-        write_atomically(path, json.dumps(asdict(self), indent=1))
+        if self.recipe.ds_config is not None:  # before the plan that names it
+            write_atomically(self.recipe.ds_config_file,
+                             json.dumps(self.recipe.ds_config, indent=1))
+        write_atomically(os.path.join(self.out, PLAN_FILE), json.dumps(asdict(self), indent=1))
+
+    def refuse_another_plan(self) -> None:
+        """CompareError where OUT holds a comparison this plan may not go on with: another
+        recipe, other data or flags (the recipe's own included)."""
+        path = os.path.join(self.out, PLAN_FILE)
+        if not os.path.exists(path):
+            return
+        before = read_plan(self.out)
+        if before.recipe.name != self.recipe.name:
+            raise CompareError(
+                f"{path}: this comparison was started with --recipe {before.recipe.name}, not "
+                f"{self.recipe.name}; give the {self.recipe.name} recipe its own --out (Table 1 "
+                f"and Figure 5 under both: one folder each), or --recipe {before.recipe.name}")
+        for name in ("data", "pretrain_flags"):
+            if getattr(before, name) != getattr(self, name):
+                raise CompareError(
+                    f"{path}: this comparison was started with {name} "
+                    f"{getattr(before, name)!r}, not {getattr(self, name)!r}; use another "
+                    "--out, or the same flags (--encodings, --seeds, --steps and the "
+                    "fine-tuning flags may change)")
+        if (before.recipe.flags, before.recipe.ds_config) != (self.recipe.flags,
+                                                              self.recipe.ds_config):
+            config = (f" and another {os.path.basename(self.recipe.ds_config_file)}"
+                      if before.recipe.flags == self.recipe.flags else "")
+            raise CompareError(
+                f"{path}: --recipe {self.recipe.name} gave this comparison's runs "
+                f"{' '.join(before.recipe.flags) or 'no flags'}, and would now give them "
+                f"{' '.join(self.recipe.flags) or 'no flags'}{config}: it scales its decay and "
+                "batch ramp to --steps and the batch, and its precision to this machine's GPUs "
+                "and the --ds-config; use another --out, or the same --steps, flags and "
+                "--ds-config on a machine with the same GPUs")
 
 
 def read_plan(out: str) -> Plan:
@@ -133,5 +195,6 @@ def read_plan(out: str) -> Plan:
                   encodings=tuple(fields["encodings"]), seeds=tuple(fields["seeds"]),
                   pretrain_flags=tuple(fields["pretrain_flags"]),
                   tasks=tuple(fields.get("tasks", ())),
-                  finetune_flags=tuple(fields.get("finetune_flags", ())))
+                  finetune_flags=tuple(fields.get("finetune_flags", ())),
+                  recipe=Recipe.from_json(fields.get("recipe")))
     return Plan(**fields)

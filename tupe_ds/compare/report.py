@@ -66,6 +66,8 @@ def build(plan: Plan) -> dict:
     return {"encodings": list(plan.encodings), "seeds": list(plan.seeds), "steps": plan.steps,
             "baseline": plan.baseline, "data": list(plan.data),
             "pretrain_flags": list(plan.pretrain_flags),
+            "recipe": {"name": plan.recipe.name, "flags": list(plan.recipe.flags),
+                       "notes": list(plan.recipe.notes)},
             "global_batch": description["global_batch"] if description else None,
             "seq_len": description["seq_len"] if description else None,
             "runs": records, "curves": curves, "race": race,
@@ -114,12 +116,25 @@ def number(value, digits=4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def recipe_lines(report: dict) -> list:
+    """The recipe the runs trained under: its name, the flags it added, what it set."""
+    recipe = report.get("recipe") or {"name": "paper", "flags": [], "notes": []}
+    if recipe["name"] == "paper":
+        return ["Recipe: paper (`--recipe paper`): the runs trained as the flags and --ds-config "
+                "say, nothing added.", ""]
+    added = " ".join(recipe["flags"]) or "nothing"
+    return [f"Recipe: {recipe['name']} (`--recipe {recipe['name']}`), added to every run's "
+            f"flags: `{added}`.", "", *(f"- {note}" for note in recipe["notes"]), ""]
+
+
 def markdown(report: dict) -> str:
     flags = " ".join(report["pretrain_flags"])
     lines = [f"# Positional encodings compared: {', '.join(report['encodings'])}", "",
              f"{report['steps']} steps, seeds {', '.join(map(str, report['seeds']))}, global batch "
-             f"{report['global_batch']} x {report['seq_len']} tokens, data `{' '.join(report['data'])}`, "
+             f"{report['global_batch']} x {report['seq_len']} tokens, "
+             f"data `{' '.join(report['data'])}`, "
              f"flags `{flags}`. Every run sees the same batches for the same seed.", "",
+             *recipe_lines(report),
              *(line for sentence in headline(report) for line in (sentence, "")),
              "## Runs", "", "| run | state | checkpoint step | final valid loss | training time |",
              "|---|---|---:|---:|---:|"]
@@ -132,7 +147,8 @@ def markdown(report: dict) -> str:
         lines += [f"![validation loss]({report['figures']['valid_loss']})", "",
                   "Lines: mean over seeds; bands: lowest to highest seed; dotted: the baseline's "
                   "final loss. Time: the logged seconds per step added up, each run's start-up "
-                  "(first steps) included; FLOPs: Megatron's count per step.", ""]
+                  "(first steps) included; FLOPs: Megatron's count per sample times the "
+                  "samples trained (a batch ramp's smaller batches counted).", ""]
     if race["target"] is not None:
         baseline = race["baseline"]
         lines += [f"Steps to reach {baseline}'s final validation loss ({race['target']:.4f} at "

@@ -2,6 +2,7 @@
 run.json, the checkpoints): each run's state and validation curve against steps, seconds and
 FLOPs, the mean and band over seeds, and the race to the baseline's final validation loss."""
 
+import itertools
 import json
 import os
 import statistics
@@ -9,6 +10,7 @@ import statistics
 import numpy as np
 
 from tupe_ds.compare.plan import Plan, Run
+from tupe_ds.compare.recipes import Ramp
 from tupe_ds.train.monitor import estimated_training_seconds
 
 
@@ -49,6 +51,24 @@ def training_time(entries: dict) -> tuple:
             [*estimated, *(entries[step]["time/training_seconds"] for step in timed)])
 
 
+def flops_by_step(description, steps: list) -> list:
+    """The FLOPs of the first s steps for each s of `steps`: Megatron's count of a step at the
+    full global batch (run.json's flops_per_step), per sample, times the samples they took; a
+    batch ramp's smaller first batches (run.json's rampup_batch_size) counted as such."""
+    if description is None:
+        return [0.0] * len(steps)
+    flops, global_batch = description["flops_per_step"], description["global_batch"]
+    ramp = description.get("rampup_batch_size")
+    if not ramp:
+        return [step * flops for step in steps]
+    start, increment, samples = map(int, str(ramp).split())
+    ramped = list(Ramp(start, increment, samples, global_batch).batches())
+    taken = [0, *itertools.accumulate(ramped)]  # samples of the first k ramp steps
+    return [flops / global_batch * (taken[min(step, len(ramped))]
+                                    + max(0, step - len(ramped)) * global_batch)
+            for step in steps]
+
+
 def run_record(plan: Plan, run: Run, status: dict) -> dict:
     """One run: its state and its validation curve against steps, seconds and FLOPs."""
     run_dir = plan.run_dir(run)
@@ -65,11 +85,10 @@ def run_record(plan: Plan, run: Run, status: dict) -> dict:
     timed, elapsed = training_time(entries)
     valid = {step: e for step, e in entries.items() if "valid/loss" in e}
     valid_steps = list(valid)
-    flops = description["flops_per_step"] if description else 0.0
     curve = {"step": valid_steps,
              "seconds": list(np.interp(valid_steps, [0, *timed], [0.0, *elapsed])) if timed
              else [0.0] * len(valid_steps),
-             "flops": [step * flops for step in valid_steps]}
+             "flops": flops_by_step(description, valid_steps)}
     for name in sorted({k for e in valid.values() for k in e if k.startswith("valid/")}):
         curve[name[len("valid/"):]] = [valid[step].get(name) for step in valid_steps]
     return {"name": run.name, "encoding": run.encoding, "seed": run.seed, "state": state,

@@ -16,7 +16,7 @@ batches while the current one trains (`TrainBatches(prefetch=...)`).
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -130,24 +130,35 @@ class MaskedSamples:
 
 class TrainBatches:
     """This rank's micro-batches, step by step; `consumed` (global samples) is the resume state.
-    With prefetch > 0 a thread makes up to that many steps ahead (pinned when `pin`)."""
+    A step's global batch is micro_batch x grad_accum x dp_size, or `ramp(consumed)` (a batch
+    ramp: train/batch_ramp.py) for the step that starts at sample `consumed`. With prefetch > 0
+    a thread makes up to that many steps ahead (pinned when `pin`)."""
 
     def __init__(self, samples: MaskedSamples, micro_batch: int, grad_accum: int, dp_rank: int,
-                 dp_size: int, consumed: int = 0, prefetch: int = 0, pin: bool = False):
+                 dp_size: int, consumed: int = 0, prefetch: int = 0, pin: bool = False,
+                 ramp: Optional[Callable[[int], int]] = None):
         self.samples = samples
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.ramp = ramp
         self.consumed = consumed
         self.ahead = Prefetched(self._steps(consumed), prefetch, pin) if prefetch else None
 
+    def batch_at(self, consumed: int) -> int:
+        """The global batch of the step that starts at global sample `consumed`."""
+        if self.ramp is not None:
+            return self.ramp(consumed)
+        return self.micro_batch * self.grad_accum * self.dp_size
+
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.dp_size
+        """The next step's global batch."""
+        return self.batch_at(self.consumed)
 
     def step(self, consumed: int) -> Iterator[Batch]:
         """The micro-batches of the step that starts at global sample `consumed`, made when read
         (pipeline stages that read no data skip the work)."""
-        per_rank = self.micro_batch * self.grad_accum
+        per_rank = self.batch_at(consumed) // self.dp_size
         start = consumed + self.dp_rank * per_rank
         return (self.samples.global_samples(first, self.micro_batch)
                 for first in range(start, start + per_rank, self.micro_batch))
@@ -155,13 +166,13 @@ class TrainBatches:
     def _steps(self, consumed: int):
         while True:
             yield list(self.step(consumed))
-            consumed += self.global_batch
+            consumed += self.batch_at(consumed)
 
     def next_step(self) -> Iterator[Batch]:
         """The micro-batches of the next optimizer step; the step counts as consumed when this
         is called."""
         consumed = self.consumed
-        self.consumed += self.global_batch
+        self.consumed += self.batch_at(consumed)
         return next(self.ahead) if self.ahead else self.step(consumed)
 
     def close(self) -> None:

@@ -27,6 +27,10 @@ class MaskingScheme:
     mask: float = 0.8
     random: float = 0.1
 
+    def __str__(self) -> str:
+        return (f"{self.probability * 100:g}% of tokens masked ({self.mask * 100:g}% [MASK], "
+                f"{self.random * 100:g}% random)")
+
 
 BERT_MASKING = MaskingScheme()
 ELECTRA_MASKING = MaskingScheme(probability=0.15, mask=0.85, random=0.0)

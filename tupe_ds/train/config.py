@@ -157,15 +157,18 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
     scheme = masking_scheme(args, OBJECTIVES[args.objective].default_masking)
     identity = run_identity(args.objective, args.model, models, sources, args.seq_len,
                             ds_config["train_batch_size"], scheme, args.seed,
-                            args.loss_normalization)
+                            args.loss_normalization, batch_split.ramp)
     init_plan = None
     try:
         if resume_plan is not None and resume_plan.candidates:
             refuse_another_run(resume_plan, identity, training, args.allow_training_changes)
         elif args.init_from:
-            init_plan = plan_init(args.init_from, args.init_optimizer, identity, *shape)
+            init_plan = plan_init(args.init_from, args.init_optimizer, identity, *shape,
+                                  branch=args.branch, training=training)
     except ValueError as error:
         fail(str(error))
+    if init_plan is not None and init_plan.branch:
+        check_branch(init_plan, ds_config, args.steps)
     return RunConfig(objective=args.objective, model=args.model, sources=sources, out=args.out,
                      steps=args.steps, seq_len=args.seq_len, seed=args.seed,
                      eval_samples=args.eval_samples, keep_checkpoints=args.keep_checkpoints,
@@ -181,6 +184,20 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                      identity=identity, training=training, resume_plan=resume_plan,
                      init_plan=init_plan, allow_training_changes=args.allow_training_changes,
                      lock=lock)
+
+
+def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:
+    """A decay branch starts after its checkpoint's step, and its decay does not start before
+    it: the steps the stable run trained keep the rates they had."""
+    if steps <= plan.step:
+        fail(f"--branch from step {plan.step}: --steps {steps} leaves nothing to train; give "
+             f"--steps {plan.step} + the steps of the branch")
+    params = ds_config.get("scheduler", {}).get("params", {})
+    decay = params.get("decay_num_steps")
+    if decay is not None and steps - decay < plan.step:
+        fail(f"--branch from step {plan.step}: --steps {steps} with --decay-steps {decay} starts "
+             f"the decay at step {steps - decay}, before the checkpoint's; use --steps "
+             f"{plan.step + decay} (or fewer --decay-steps)")
 
 
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:

@@ -5,12 +5,15 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from tupe_ds.distributed.launch import processes_on_this_node
 from tupe_ds.machine import doctor
+from tupe_ds.train import batch_ramp
+from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.identity import training_settings
 from tupe_ds.train.flags import fail
+from tupe_ds.train.schedule import config_warmup, scheduler_config
 
 
 @dataclass(frozen=True)
@@ -22,10 +25,14 @@ class BatchSplit:
     accumulation: int
     dp: int
     note: str = ""
+    ramp: Optional[RampSettings] = None  # --rampup-batch-size
 
     def __str__(self) -> str:
+        ramp = self.ramp
         return (f"global batch {self.global_batch} = micro-batch {self.micro_batch} x "
                 f"accumulation {self.accumulation} x dp {self.dp}"
+                + (f", ramped up from {ramp.start} by {ramp.increment} over the first "
+                   f"{ramp.samples} samples" if ramp else "")
                 + (f" ({self.note})" if self.note else ""))
 
 
@@ -99,13 +106,25 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
         fail(f"global batch {batch} is not a multiple of micro-batch {micro} x {dp} data-parallel "
              "ranks; change --global-batch or --micro-batch")
     ds_config["gradient_accumulation_steps"] = batch // (micro * dp)
-    return BatchSplit(batch, micro, batch // (micro * dp), dp, note)
+    ramp = RampSettings(*args.rampup_batch_size) if args.rampup_batch_size else None
+    if ramp is not None:
+        problem = batch_ramp.check(ramp, batch, micro, dp)
+        if problem:
+            fail(problem)
+    return BatchSplit(batch, micro, batch // (micro * dp), dp, note, ramp)
 
 
 def set_schedule(args: argparse.Namespace, ds_config: dict) -> dict:
-    """Learning rate and warmup overrides; the linear decay ends at --steps. Returns the
-    training settings as asked (identity.training_settings), before a warmup longer than
-    --steps is shortened to it: a later, larger --steps is the same schedule."""
+    """Learning rate and warmup overrides, and --lr-schedule's shape (schedule.py); the decay
+    ends at --steps. Returns the training settings as asked (identity.training_settings),
+    before a warmup longer than --steps is shortened to it: a later, larger --steps is the same
+    schedule."""
+    if args.lr_schedule is not None:
+        warmup = config_warmup(ds_config)
+        ds_config["scheduler"] = scheduler_config(args.lr_schedule, args.steps, warmup, args)
+        if args.lr_schedule == "cosine":  # WarmupCosineLR scales the optimizer's own rate
+            ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = \
+                warmup["peak_lr"]
     scheduler = ds_config.get("scheduler", {}).get("params", {})
     if "total_num_steps" in scheduler:
         scheduler["total_num_steps"] = args.steps
@@ -118,4 +137,10 @@ def set_schedule(args: argparse.Namespace, ds_config: dict) -> dict:
     asked = training_settings(ds_config)
     if scheduler.get("warmup_num_steps", 0) > args.steps:
         scheduler["warmup_num_steps"] = args.steps
+    decay = scheduler.get("decay_num_steps")
+    if decay is not None and decay > args.steps - scheduler.get("warmup_num_steps", 0):
+        fail(f"--decay-steps {decay} overlaps the warmup: --steps {args.steps} leaves "
+             f"{args.steps - scheduler.get('warmup_num_steps', 0)} steps after "
+             f"{scheduler.get('warmup_num_steps', 0)} of warmup; lower --decay-steps or "
+             "--warmup-steps, or raise --steps")
     return asked

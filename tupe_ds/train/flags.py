@@ -13,6 +13,7 @@ from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools.files import file_digest
 from tupe_ds.tools.third_party_warnings import add_verbose_flag
 from tupe_ds.train import normalization
+from tupe_ds.train.schedule import DECAY_SHAPES, SCHEDULES
 
 DATA_STREAMS = {
     "vectorised": "each micro-batch read and masked in whole-batch operations",
@@ -76,6 +77,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
     p.add_argument("--warmup-steps", type=int, help="overrides the scheduler's warmup_num_steps")
+    p.add_argument("--lr-schedule", choices=list(SCHEDULES),
+                   help="the learning rate's shape, with the config's peak, minimum and warmup "
+                        "(default: the --ds-config's scheduler, linear in every shipped one); "
+                        + "; ".join(f"{name}: {text}" for name, text in SCHEDULES.items()))
+    p.add_argument("--decay-steps", type=int, metavar="N",
+                   help="--lr-schedule wsd: the last N steps of --steps decay to the minimum")
+    p.add_argument("--decay-shape", choices=DECAY_SHAPES, default="linear",
+                   help="--lr-schedule wsd: the decay's shape (1-sqrt: Hägele et al. 2024's, "
+                        "ModernBERT's)")
+    p.add_argument("--rampup-batch-size", type=int, nargs=3,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Megatron-LM's batch ramp: the global batch starts at START and grows "
+                        "by INCREMENT up to --global-batch (or the config's), evenly over the "
+                        "first SAMPLES samples; START and INCREMENT are multiples of micro-batch "
+                        "x data-parallel ranks. --steps and the schedule count optimizer steps")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
     p.add_argument("--eval-interval", type=int, default=1000, help="steps between validations")
     p.add_argument("--eval-samples", type=int, default=256, help="valid samples per validation")
@@ -104,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
                         "holds a checkpoint of its own")
     p.add_argument("--init-optimizer", action="store_true",
                    help="with --init-from: also Adam's moments and step (same layout)")
+    p.add_argument("--branch", action="store_true",
+                   help="with --init-from: continue that run in this --out from its checkpoint's "
+                        "step and data position, with its optimizer state and random streams, "
+                        "under this command's schedule (a decay branch of a stable WSD run: "
+                        "--lr-schedule wsd --decay-steps N --steps STEP+N; same layout, same "
+                        "data and model)")
     p.add_argument("--max-nonfinite-steps", type=int, default=3,
                    help="stop after this many steps in a row whose loss or gradient is not "
                         "finite (none of them is applied)")
@@ -168,6 +190,23 @@ def check_flags(args: argparse.Namespace) -> None:
         fail("--resume-from with --resume never: choose one")
     if args.init_optimizer and not args.init_from:
         fail("--init-optimizer needs --init-from CHECKPOINT")
+    if args.branch and not args.init_from:
+        fail("--branch needs --init-from CHECKPOINT (the stable run's checkpoint to decay from)")
+    if args.warmup_steps is not None and args.warmup_steps < 1:
+        fail("--warmup-steps must be at least 1 (DeepSpeed's schedulers warm up over at least "
+             "one step)")
+    if args.lr_schedule == "wsd" and args.decay_steps is None:
+        fail("--lr-schedule wsd needs --decay-steps N: the last N steps of --steps decay (10-20% "
+             "of the run in ModernBERT's and Hägele et al.'s recipes)")
+    if args.decay_steps is not None and args.lr_schedule != "wsd":
+        fail("--decay-steps is --lr-schedule wsd's: add --lr-schedule wsd")
+    if args.decay_steps is not None and args.decay_steps < 1:
+        fail("--decay-steps must be at least 1")
+    if args.rampup_batch_size is not None:
+        start, increment, samples = args.rampup_batch_size
+        if min(start, increment, samples) < 1:
+            fail(f"--rampup-batch-size {start} {increment} {samples}: START, INCREMENT and "
+                 "SAMPLES must each be at least 1")
     if args.prefetch < 0:
         fail("--prefetch must be 0 (no thread) or more")
     if args.objective == "electra" and args.model not in PAIRS:

@@ -22,6 +22,7 @@ from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.train import run_description, run_lock
+from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest, reshard, resume
 from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, save
@@ -31,7 +32,9 @@ from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.optim import apply_config, loaded_differences, parameter_groups
+from tupe_ds.train.optim import (apply_config, loaded_differences, parameter_groups,
+                                  rate_from_schedule)
+from tupe_ds.train.schedule import client_scheduler, schedule_text
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal
 from tupe_ds.train.waits import announced
@@ -102,6 +105,9 @@ def write_run_description(run: RunConfig, lineage: str) -> None:
                    "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
                    "global_batch": batch, "seq_len": run.seq_len,
                    "masking": dataclasses.asdict(run.masking),
+                   "rampup_batch_size": str(run.batch_split.ramp) if run.batch_split.ramp
+                   else None,
+                   "lr_schedule": run.ds_config.get("scheduler"),
                    "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
                    "models": [dataclasses.asdict(config) for config in run.models]}
     run_description.write(run.out, description)
@@ -114,19 +120,22 @@ def build_engine(run: RunConfig, objective, device):
     seed_tensor_parallel_rng(run.seed)  # each tensor-parallel rank's heads: its own dropout
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     layout = run.layout
+    config, lr_scheduler = client_scheduler(run.ds_config)
     if layout.pp > 1:
         loss = PipelineLoss(objective)
         topology = pipeline_topology(layout.pp, layout.tp, layout.dp)
         model = BertPipeline(run.models[0], topology, loss)
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config)
+            model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
+            lr_scheduler=lr_scheduler)
         return model, engine, PipelineSteps(engine, loss, normalization, device)
     model = objective.build(run.models)
     model.universal_checkpoint_info = reshard.universal_info(model)  # saved by DeepSpeed
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=parameter_groups(model, weight_decay), config=run.ds_config,
-        mpu=MegatronMPU())
-    return model, engine, EngineSteps(engine, objective, normalization, device)
+        model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
+        lr_scheduler=lr_scheduler, mpu=MegatronMPU())
+    ramped = run.batch_split.ramp is not None
+    return model, engine, EngineSteps(engine, objective, normalization, device, ramped)
 
 
 def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
@@ -237,21 +246,32 @@ def train(run: RunConfig, launcher: str) -> None:
         data = datasets(run, vocab, objective)
     checkpoints = os.path.join(run.out, "checkpoints")
     state = resume.load(engine, plan, run.seed) if plan is not None else None
+    if state is not None:
+        rate_from_schedule(engine)
     if state is not None and not resume.records_training(plan):
         changes = unrecorded_training_changes(plan, run, engine)
     if changes:
         apply_config(engine, run.ds_config)
         for line in changes:
             say(line, flush=True)
-    if state is None and run.init_plan is not None:
+    branched = state is None and run.init_plan is not None and run.init_plan.branch
+    if branched:
+        state = resume.branch_from(engine, run.init_plan)
+        apply_config(engine, run.ds_config)  # the branch's schedule from its first step
+        for line in run.init_plan.changes:
+            say(line, flush=True)
+    elif state is None and run.init_plan is not None:
         resume.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
     step = state["step"] if state else 0
-    batches = TrainBatches(data["train"], engine.train_micro_batch_size_per_gpu(),
-                           engine.gradient_accumulation_steps(),
+    micro_batch = engine.train_micro_batch_size_per_gpu()
+    ramp = run.batch_split.ramp
+    batches = TrainBatches(data["train"], micro_batch, engine.gradient_accumulation_steps(),
                            parallel_state.get_data_parallel_rank(), run.layout.dp,
                            consumed=state["consumed"] if state else 0,
                            prefetch=run.prefetch if reads_data(run) else 0,
-                           pin=device.type != "cpu")
+                           pin=device.type != "cpu",
+                           ramp=BatchRamp(ramp, run.batch_split.global_batch, micro_batch,
+                                          run.layout.dp) if ramp else None)
     layout = saved_layout(run, engine)
     record = {"lineage": lineage, "identity": run.identity,  # for the manifests
               "training": run.training, "resumed_from": plan.tag if plan else None,
@@ -259,15 +279,18 @@ def train(run: RunConfig, launcher: str) -> None:
     guard = NonFiniteGuard(engine, run.max_nonfinite_steps,
                            state.get("nonfinite") if state else None)
     last_checkpoint = plan.tag if plan else None
-    monitor = Monitor(run.out, run.models, batches.global_batch, run.seq_len, run.world_size, rank,
+    monitor = Monitor(run.out, run.models, run.seq_len, run.world_size, rank,
                       resumed_at=step, times=state.get("times") if state else None,
                       settings={"train/mask_rate": run.masking.probability,
                                 "train/mask_split/mask": run.masking.mask,
                                 "train/mask_split/random": run.masking.random})
-    say(f"{'resumed at' if state else 'starting'} step {step} of {run.steps}: {run.objective} "
+    start = ("resumed at" if plan else f"branched from {run.init_plan.step_dir} at" if branched
+             else "starting")
+    say(f"{start} step {step} of {run.steps}: {run.objective} "
         f"{run.model} {run.models[0].pos_encoding}, {started_by(run.world_size, launcher)} "
         f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
-        f"{run.loss_normalization}, {data['train'].description(run.sources)}", flush=True)
+        f"{run.loss_normalization}, {run.masking}, learning rate "
+        f"{schedule_text(run.ds_config)}, {data['train'].description(run.sources)}", flush=True)
 
     metrics, totals, failure, everywhere = {}, {}, None, True
     logged_from = batches.consumed  # the first global sample of the logging interval
@@ -278,6 +301,9 @@ def train(run: RunConfig, launcher: str) -> None:
             "continue", flush=True)
     monitor.start()
     while step < run.steps and not stopped_early:
+        if ramp:
+            engine.set_train_batch_size(batches.global_batch)
+        lr, global_batch = engine.get_lr()[0], batches.global_batch  # this step's
         steps.train(batches.next_step(), totals)
         step += 1
         said = guard.after_step(step)
@@ -289,8 +315,9 @@ def train(run: RunConfig, launcher: str) -> None:
             break
         if step % run.intervals.log == 0 or step == run.steps:
             scale = loss_scale(engine.optimizer)
-            say(monitor.train(step, steps.reduce(totals), engine.get_lr()[0],
-                              engine.get_global_grad_norm(), scale, guard.total), flush=True)
+            say(monitor.train(step, steps.reduce(totals), lr, engine.get_global_grad_norm(),
+                              scale, guard.total, batches.consumed - logged_from, global_batch),
+                flush=True)
             if len(run.sources) > 1:
                 monitor.scalars(step, data["train"].shares(run.sources, logged_from,
                                                            batches.consumed - logged_from))

@@ -98,9 +98,8 @@ class Monitor:
 
     TIMED = ("training", "evaluation", "checkpoint")
 
-    def __init__(self, out: str, configs: tuple, global_batch: int, seq_len: int,
-                 world_size: int, rank: int, resumed_at: int = 0, times: dict = None,
-                 settings: dict = None):
+    def __init__(self, out: str, configs: tuple, seq_len: int, world_size: int, rank: int,
+                 resumed_at: int = 0, times: dict = None, settings: dict = None):
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.writer = None
         self.seconds = {name: float((times or {}).get(name, 0.0)) for name in self.TIMED}
@@ -112,9 +111,8 @@ class Monitor:
             # TensorBoard hides what earlier attempts wrote for the steps trained again
             self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe"),
                                         purge_step=resumed_at + 1)
-        self.step_flops = run_flops_per_step(configs, global_batch, seq_len)
-        self.samples = global_batch
-        self.tokens = global_batch * seq_len
+        self.sample_flops = run_flops_per_step(configs, 1, seq_len)
+        self.seq_len = seq_len
         self.world_size = world_size
         self.last_step = resumed_at
         self.last_time = self.startup = None
@@ -159,21 +157,24 @@ class Monitor:
             f.write(json.dumps({"step": step, **values}) + "\n")
 
     def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale,
-              nonfinite_steps: int) -> str:
+              nonfinite_steps: int, samples: int, global_batch: int) -> str:
         """Log line and scalars of the steps since the last call (the first call: since
-        `start`); metrics: name -> value; `nonfinite_steps`: the steps not applied so far
-        (their loss or gradient not finite)."""
+        `start`), which trained `samples`; metrics: name -> value; `lr` and `global_batch`:
+        the last step's; `nonfinite_steps`: the steps not applied so far (their loss or gradient
+        not finite)."""
         now = time.perf_counter()
-        trained = now - self.last_time - self.paused
+        trained = max(now - self.last_time - self.paused, 1e-9)
         seconds = trained / max(step - self.last_step, 1)
         self.seconds["training"] += trained
         self.last_time, self.last_step, self.paused = now, step, 0.0
         values = {f"train/{name}": value for name, value in metrics.items()}
         values.update({
             "train/lr": lr,
-            "throughput/samples_per_s": self.samples / seconds,
-            "throughput/tokens_per_s": self.tokens / seconds,
-            "throughput/tflops_per_rank": self.step_flops / seconds / self.world_size / 1e12,
+            "train/global_batch": global_batch,
+            "throughput/samples_per_s": samples / trained,
+            "throughput/tokens_per_s": samples * self.seq_len / trained,
+            "throughput/tflops_per_rank": (self.sample_flops * samples / trained
+                                           / self.world_size / 1e12),
             "throughput/seconds_per_step": seconds,
             "train/nonfinite_steps": nonfinite_steps,
         })

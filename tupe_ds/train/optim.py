@@ -25,11 +25,19 @@ def apply_config(engine, ds_config: dict) -> None:
         if "weight_decay" in params:
             group["weight_decay"] = params["weight_decay"] if index == 0 else 0.0
     if engine.lr_scheduler is not None:
-        for group, lr in zip(groups, engine.lr_scheduler.get_lr()):
-            group["lr"] = lr
+        rate_from_schedule(engine)
     elif "lr" in params:  # no schedule: the optimizer's own, constant
         for group in groups:
             group["lr"] = params["lr"]
+
+
+def rate_from_schedule(engine) -> None:
+    """After a checkpoint is loaded: the learning rate its parameter groups hold is the one its
+    own schedule set after its last step; the next step runs with this run's schedule's rate at
+    that step (another --steps moves a decay's end)."""
+    if engine.lr_scheduler is not None:
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_lr()):
+            group["lr"] = lr
 
 
 def loaded_differences(engine, ds_config: dict) -> list:

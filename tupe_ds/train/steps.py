@@ -30,9 +30,13 @@ def reduce_metrics(totals: dict, device) -> dict:
 class EngineSteps:
     """The whole model on every rank (tensor and data parallelism, any ZeRO stage)."""
 
-    def __init__(self, engine, objective, normalization: LossNormalization, device):
+    def __init__(self, engine, objective, normalization: LossNormalization, device,
+                 ramped: bool = False):
         self.engine, self.objective, self.device = engine, objective, device
         self.normalization = normalization
+        # DeepSpeed finds the accumulation boundary from its count of micro-steps modulo the
+        # accumulation steps, which a batch ramp changes between steps: a ramp sets it
+        self.ramped = ramped
 
     def _forward(self, batch, denominators):
         # What depends on the data is read on the host copy: no device synchronisation.
@@ -47,7 +51,9 @@ class EngineSteps:
         """The phases are named for torch.profiler (`step/...`): bench/gpu/step_time.py times them."""
         micro_batches = list(micro_batches)
         denominators, share = self.normalization.divisors(micro_batches, per_token=False)
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
+            if self.ramped:
+                self.engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
             with record_function("step/forward"):
                 batch, loss, output = self._forward(batch, denominators)
             with record_function("step/backward"):  # with ZeRO's gradient reduction

@@ -21,17 +21,18 @@ HOW_COMPUTED = ("tensor_parallel_size", "attention", "key_padding", "untied_as_c
 
 
 # What a checkpoint written before a setting existed was made with
-BEFORE_RECORDED = {"loss_normalization": "micro-batch"}
+BEFORE_RECORDED = {"loss_normalization": "micro-batch", "rampup_batch_size": None}
 
 
 def run_identity(objective: str, model: str, models: tuple, sources: Sequence[Source],
                  seq_len: int, global_batch: int, masking, seed: int,
-                 loss_normalization: str) -> dict:
+                 loss_normalization: str, rampup_batch_size=None) -> dict:
     """The identity of a run: data (the sentence lengths and document boundaries of each split,
     which define the packed samples; their digests kept in each source's index cache; for a
     blend, each source's with its samples per period of the blend's schedule), vocabulary
     (tokenizer.json), the sample stream's settings, the models and the objective, with its loss
-    normalisation."""
+    normalisation. A batch ramp (START, INCREMENT, SAMPLES) is part of it: it decides which
+    samples each step reads."""
     def digests(source):
         return {split: dataset_digest(os.path.join(source.folder, split), source.index_cache)
                 for split in ("train", "valid")}
@@ -47,6 +48,7 @@ def run_identity(objective: str, model: str, models: tuple, sources: Sequence[So
         "objective": objective, "model": model, "seed": seed, "seq_len": seq_len,
         "loss_normalization": loss_normalization,
         "global_batch": global_batch, "masking": dataclasses.asdict(masking),
+        "rampup_batch_size": str(rampup_batch_size) if rampup_batch_size else None,
         "vocabulary": file_digest(os.path.join(sources[0].folder, "tokenizer.json")),
         "data": data,
         "models": [{k: v for k, v in dataclasses.asdict(config).items() if k not in HOW_COMPUTED}
@@ -82,12 +84,13 @@ def training_settings(ds_config: dict) -> dict:
             "gradient_clipping": ds_config.get("gradient_clipping")}
 
 
-# What a resumed run may change with --allow-training-changes: what tupe-pretrain sets again
-# after DeepSpeed restored the checkpoint's parameter groups (optim.apply_config), and what the
-# engine and the scheduler read from the config. The rest (the optimizer's type, amsgrad, its
-# implementation, the scheduler's type) made the optimizer state the checkpoint holds.
+# What a resumed run may change with --allow-training-changes (a decay branch, --branch, always):
+# what tupe-pretrain sets again after DeepSpeed restored the checkpoint's parameter groups
+# (optim.apply_config), and what the engine and the scheduler read from the config (a schedule is
+# a function of the step alone: its type too). The rest (the optimizer's type, amsgrad, its
+# implementation) made the optimizer state the checkpoint holds.
 CHANGEABLE_AT_RESUME = re.compile(r"^(optimizer\.params\.(lr|betas\[\d\]|eps|weight_decay)"
-                                  r"|scheduler\.params\..*|gradient_clipping)$")
+                                  r"|scheduler\..*|gradient_clipping)$")
 
 
 DESCRIPTIONS = {"data": "the data (--data)", "vocabulary": "the vocabulary (tokenizer.json)"}
@@ -96,7 +99,10 @@ FLAGS = {"objective": "--objective", "model": "--model", "seed": "--seed", "seq_
          "masking.probability": "--mask-rate", "masking.mask": "--mask-split",
          "masking.random": "--mask-split",
          "optimizer.params.lr": "--lr", "scheduler.params.warmup_max_lr": "--lr",
-         "scheduler.params.warmup_num_steps": "--warmup-steps"}
+         "scheduler.params.warmup_num_steps": "--warmup-steps", "scheduler.type": "--lr-schedule",
+         "scheduler.params.decay_num_steps": "--decay-steps",
+         "scheduler.params.decay_shape": "--decay-shape",
+         "rampup_batch_size": "--rampup-batch-size"}
 
 
 def differences(saved: dict, current: dict, which=lambda key: True) -> List[str]:

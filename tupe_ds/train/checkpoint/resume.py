@@ -40,9 +40,12 @@ class ResumePlan:
 @dataclass(frozen=True)
 class InitPlan:
     """--init-from: the weights (and, with --init-optimizer, Adam's state) of another run's
-    checkpoint, in a new run."""
+    checkpoint, in a new run; with --branch all of its state, the run going on from its step."""
     step_dir: str
     with_optimizer: bool
+    branch: bool = False
+    step: int = 0  # the checkpoint's
+    changes: tuple = ()  # lines: how a branch's training settings differ from the checkpoint's
 
 
 def describe_steps(steps) -> str:
@@ -189,7 +192,8 @@ def records_training(plan: "ResumePlan") -> bool:
         os.path.join(plan.directory, plan.tag))
 
 
-def training_changes(step_dir: str, training: dict, allow: bool) -> List[str]:
+def training_changes(step_dir: str, training: dict, allow: bool,
+                     doing: str = "resuming") -> List[str]:
     """The lines that say how this run's optimizer and schedule settings differ from the
     checkpoint's, when `allow` (--allow-training-changes) lets them; ValueError naming them
     otherwise, and always for the settings the checkpoint's optimizer state was made with
@@ -211,8 +215,9 @@ def training_changes(step_dir: str, training: dict, allow: bool) -> List[str]:
             f"{step_dir} was trained with other optimizer or schedule settings: "
             + "; ".join(changes) + ". Resume with the checkpoint's settings, or add "
             "--allow-training-changes to go on with these (the run then says what changed)")
-    return [f"tupe-pretrain: resuming {os.path.basename(step_dir)} with changed training "
-            f"settings (--allow-training-changes): {change}" for change in changes]
+    why = " (--allow-training-changes)" if doing == "resuming" else ""
+    return [f"tupe-pretrain: {doing} {os.path.basename(step_dir)} with changed training "
+            f"settings{why}: {change}" for change in changes]
 
 
 def init_differences(saved: dict, current: dict) -> List[str]:
@@ -228,10 +233,14 @@ def init_differences(saved: dict, current: dict) -> List[str]:
 
 
 def plan_init(init_from: str, with_optimizer: bool, current: dict, world_size: int, tp: int,
-              pp: int, zero_stage: int) -> InitPlan:
+              pp: int, zero_stage: int, branch: bool = False,
+              training: Optional[dict] = None) -> InitPlan:
     """--init-from CHECKPOINT (a stepN folder, or a run's folder or checkpoints folder for its
     newest complete one), checked: complete, the same vocabulary and the same parameters (the
-    sequence length, dropout and precision may change), a layout it loads on."""
+    sequence length, dropout and precision may change), a layout it loads on. A --branch goes
+    on with the checkpoint's run: the same identity (stream and model), the optimizer settings
+    its state was made with (the schedule may change: `training`), and the layout its optimizer
+    state and random streams load on."""
     path = os.path.abspath(init_from)
     for sub in ("checkpoints", ""):
         steps = folders.complete_steps(os.path.join(path, sub))
@@ -257,11 +266,23 @@ def plan_init(init_from: str, with_optimizer: bool, current: dict, world_size: i
                          f"with the optimizer state, so they load on that layout "
                          f"({layout.world_size} processes) with --zero-stage "
                          f"{layout.zero_stage} only")
-    if with_optimizer and (layout.dp != dp or (layout.zero_stage == 0) != (zero_stage == 0)):
-        raise ValueError(f"--init-optimizer: {path} was written by {layout} with ZeRO stage "
+    flag = "--branch" if branch else "--init-optimizer"
+    if (with_optimizer or branch) and (layout.dp != dp
+                                       or (layout.zero_stage == 0) != (zero_stage == 0)):
+        raise ValueError(f"{flag}: {path} was written by {layout} with ZeRO stage "
                          f"{layout.zero_stage}; its optimizer state loads on that layout "
                          f"({layout.world_size} processes) and ZeRO stage only")
-    return InitPlan(path, with_optimizer)
+    if not branch:
+        return InitPlan(path, with_optimizer)
+    differences = identity.differences(saved["identity"], current)
+    if differences:
+        raise ValueError(f"--branch: {path} is another run than this command's: "
+                         + "; ".join(differences) + ". A branch continues the checkpoint's "
+                         "stream and model; to change them start from its weights alone (leave "
+                         "out --branch)")
+    changes = training_changes(path, training, True, "branching from") if training else []
+    return InitPlan(path, True, branch=True, step=folders.step_of(os.path.basename(path)),
+                    changes=tuple(changes))
 
 
 def model_list(models, tag: str) -> list:
@@ -469,6 +490,19 @@ def init_from(engine, plan: InitPlan, say) -> None:
     say(f"tupe-pretrain: initialised from {plan.step_dir}: its weights"
         + (" and optimizer state" if plan.with_optimizer else "")
         + "; a new schedule and data stream from step 0")
+
+
+def branch_from(engine, plan: InitPlan) -> dict:
+    """Collective: a decay branch (--branch): everything the checkpoint holds (weights, optimizer
+    state, the schedule's step, the step and data position of its client state, this rank's
+    random streams; plan_init checked the layout) into a new run's engine."""
+    directory, tag = os.path.split(plan.step_dir)
+    path, client_state = engine.load_checkpoint(directory, tag=tag)
+    if path is None:
+        raise RuntimeError(f"--init-from {plan.step_dir}: DeepSpeed could not load it")
+    confirm_loaded(tag, client_state["step"])
+    load_rng_state(os.path.join(plan.step_dir, file_name(dist.get_rank())))
+    return client_state
 
 
 def place_optimizer_state(engine) -> None:

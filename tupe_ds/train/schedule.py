@@ -1,0 +1,118 @@
+"""--lr-schedule: the learning rate of every optimizer step.
+
+linear and cosine are DeepSpeed's WarmupDecayLR and WarmupCosineLR, named in the DeepSpeed
+config as any DeepSpeed run names them. wsd (warmup-stable-decay, the trapezoid of ModernBERT and
+Megatron-LM's --lr-decay-style WSD) is written here, on DeepSpeed's WarmupLR, as DeepSpeed has
+none: the warmup is WarmupLR's, then the peak holds until the last --decay-steps of --steps,
+which decay to the minimum linearly or as 1 - sqrt (Hägele et al. 2024).
+
+All three count optimizer steps, whatever a batch ramp does to their size, and keep their place
+in the scheduler's `last_batch_iteration`, which DeepSpeed's checkpoints hold: a resume, a new
+layout and a decay branch (--init-from --branch) go on from the step they start at. DeepSpeed
+steps its scheduler after each optimizer step: step k (from 1) runs with the rate for
+last_batch_iteration k - 2, the warmup's minimum for the first two.
+"""
+
+import argparse
+import math
+
+from deepspeed.runtime.lr_schedules import WarmupLR
+
+SCHEDULES = {
+    "linear": "warmup, then a linear decay to the minimum at --steps (BERT's; DeepSpeed's "
+              "WarmupDecayLR)",
+    "cosine": "warmup, then a cosine decay to the minimum at --steps (DeepSpeed's "
+              "WarmupCosineLR)",
+    "wsd": "warmup, the peak held, then a decay over the last --decay-steps (warmup-stable-"
+           "decay; a stable run's checkpoints can each start a decay branch)",
+}
+DECAY_SHAPES = ("linear", "1-sqrt")
+WSD_TYPE = "WarmupStableDecayLR"  # how the DeepSpeed config's "scheduler" records it
+
+
+class WarmupStableDecayLR(WarmupLR):
+    """DeepSpeed's WarmupLR, held at the peak until `decay_num_steps` before `total_num_steps`,
+    then decayed to the minimum: linearly (the gamma of WarmupDecayLR over the decay alone) or
+    as 1 - sqrt of the decay's progress."""
+
+    def __init__(self, optimizer, total_num_steps: int, decay_num_steps: int,
+                 decay_shape: str = "linear", warmup_min_lr: float = 0.0,
+                 warmup_max_lr: float = 0.001, warmup_num_steps: int = 1000,
+                 warmup_type: str = "linear", last_batch_iteration: int = -1):
+        if decay_shape not in DECAY_SHAPES:
+            raise ValueError(f"decay_shape {decay_shape!r}: one of {', '.join(DECAY_SHAPES)}")
+        self.total_num_steps, self.decay_num_steps = total_num_steps, decay_num_steps
+        self.decay_shape = decay_shape
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                         last_batch_iteration)
+
+    def _get_gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return super()._get_gamma()
+        # the rate of step last_batch_iteration + 2 (module docstring), as Megatron-LM's and
+        # transformers' WSD give it: the first step of the decay at the peak, the step after
+        # the last at the minimum
+        decayed = self.last_batch_iteration + 1 - (self.total_num_steps - self.decay_num_steps)
+        progress = min(1.0, decayed / self.decay_num_steps)
+        if progress <= 0:
+            return 1.0
+        return 1.0 - progress if self.decay_shape == "linear" else 1.0 - math.sqrt(progress)
+
+
+def scheduler_config(name: str, steps: int, warmup: dict, args: argparse.Namespace) -> dict:
+    """The DeepSpeed config's "scheduler" for --lr-schedule `name`, from `warmup` (peak_lr,
+    min_lr, warmup_num_steps, warmup_type)."""
+    peak, low = warmup["peak_lr"], warmup["min_lr"]
+    shared = {"total_num_steps": steps, "warmup_num_steps": warmup["warmup_num_steps"],
+              "warmup_type": warmup["warmup_type"]}
+    if name == "cosine":
+        return {"type": "WarmupCosineLR",
+                "params": {**shared, "warmup_min_ratio": low / peak, "cos_min_ratio": low / peak}}
+    params = {**shared, "warmup_min_lr": low, "warmup_max_lr": peak}
+    if name == "linear":
+        return {"type": "WarmupDecayLR", "params": params}
+    return {"type": WSD_TYPE, "params": {**params, "decay_num_steps": args.decay_steps,
+                                         "decay_shape": args.decay_shape}}
+
+
+def config_warmup(ds_config: dict) -> dict:
+    """The peak and minimum learning rates and the warmup the config's scheduler (or, without
+    one, its optimizer) gives: what --lr-schedule keeps when it changes the schedule's shape."""
+    scheduler = ds_config.get("scheduler") or {}
+    params = scheduler.get("params", {})
+    peak = params.get("warmup_max_lr", ds_config.get("optimizer", {}).get("params", {})
+                      .get("lr", 1e-3))
+    if "warmup_min_lr" in params:
+        low = params["warmup_min_lr"]
+    else:
+        low = peak * params.get("warmup_min_ratio", 0.0)
+    return {"peak_lr": peak, "min_lr": low,
+            "warmup_num_steps": params.get("warmup_num_steps", 0),
+            "warmup_type": params.get("warmup_type", "linear")}
+
+
+def client_scheduler(ds_config: dict):
+    """(the config DeepSpeed is given, the lr_scheduler argument of deepspeed.initialize): a
+    WSD schedule is built here, as DeepSpeed does not know it; the others from the config."""
+    scheduler = ds_config.get("scheduler") or {}
+    if scheduler.get("type") != WSD_TYPE:
+        return ds_config, None
+    params = scheduler["params"]
+    return ({k: v for k, v in ds_config.items() if k != "scheduler"},
+            lambda optimizer: WarmupStableDecayLR(optimizer, **params))
+
+
+def schedule_text(ds_config: dict) -> str:
+    """The schedule in a few words, for the run's first line."""
+    scheduler = ds_config.get("scheduler") or {}
+    params = scheduler.get("params", {})
+    names = {"WarmupDecayLR": "linear", "WarmupCosineLR": "cosine", WSD_TYPE: "wsd"}
+    name = names.get(scheduler.get("type"), scheduler.get("type") or "constant")
+    peak = params.get("warmup_max_lr", ds_config.get("optimizer", {}).get("params", {})
+                      .get("lr"))
+    text = f"{name}, peak {peak:g}" if peak is not None else name
+    if "warmup_num_steps" in params:
+        text += f", {params['warmup_num_steps']} warmup steps"
+    if scheduler.get("type") == WSD_TYPE:
+        text += f", {params['decay_shape']} decay over the last {params['decay_num_steps']}"
+    return text
