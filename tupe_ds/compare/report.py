@@ -146,8 +146,9 @@ def markdown(report: dict) -> str:
     if report["figures"]["valid_loss"]:
         lines += [f"![validation loss]({report['figures']['valid_loss']})", "",
                   "Lines: mean over seeds; bands: lowest to highest seed; dotted: the baseline's "
-                  "final loss. Time: the logged seconds per step added up, each run's start-up "
-                  "(first steps) included; FLOPs: Megatron's count per sample times the "
+                  "final loss. Time: each run's training seconds (`time/training_seconds`: its "
+                  "steps, without start-up, validation and saves); FLOPs: Megatron's count per "
+                  "sample times the "
                   "samples trained (a batch ramp's smaller batches counted).", ""]
     if race["target"] is not None:
         baseline = race["baseline"]
