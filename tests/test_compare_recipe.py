@@ -83,13 +83,14 @@ def test_the_modern_recipe_adds_its_flags_scaled_to_the_run():
 
 
 def test_the_decay_is_cut_to_what_the_warmup_leaves():
-    assert modern_recipe(steps=40, warmup=36).flags[4:6] == ("--decay-steps", "4")
-    assert modern_recipe(steps=40, warmup=39).flags[4:6] == ("--decay-steps", "1")
-    filled = modern_recipe(steps=40, warmup=40)
+    # at most steps - warmup - 1: the peak reached at step warmup + 2 (schedule.decay_room)
+    assert modern_recipe(steps=40, warmup=36).flags[4:6] == ("--decay-steps", "3")
+    assert modern_recipe(steps=40, warmup=38).flags[4:6] == ("--decay-steps", "1")
+    filled = modern_recipe(steps=40, warmup=39)
     assert filled.flags[:4] == ("--mask-rate", "0.3", "--rampup-batch-size", "8")
-    assert filled.notes[1] == ("no warmup-stable-decay: the warmup takes all 40 steps, and the "
-                               "decay may not overlap it; the --ds-config's schedule kept (more "
-                               "--steps or fewer --warmup-steps make room)")
+    assert filled.notes[1] == ("no warmup-stable-decay: a warmup of 39 steps leaves no step at "
+                               "the peak before a decay in 40; the --ds-config's schedule kept "
+                               "(more --steps or fewer --warmup-steps make room)")
 
 
 def megatron_batches(ramp, micro, dp) -> list:
@@ -282,8 +283,8 @@ def test_a_modern_plan_takes_its_batch_from_tupe_pretrains_rules(data, tmp_path,
 def test_a_schedule_named_without_its_decay_gets_the_recipes(data, tmp_path):
     made = cli.make_plan(*plan_args(data, tmp_path / "cmp", "--recipe", "modern", "--nproc", "2",
                                     "--lr-schedule", "wsd", "--warmup-steps", "35"))
-    assert made.recipe.flags == ("--mask-rate", "0.3", "--decay-steps", "5", "--decay-shape",
-                                 "1-sqrt")  # 40 steps: 8 would overlap the 35 of warmup
+    assert made.recipe.flags == ("--mask-rate", "0.3", "--decay-steps", "4", "--decay-shape",
+                                 "1-sqrt")  # 40 steps: the 35 of warmup leave 4 (decay_room)
 
 
 @pytest.mark.skipif(not all(flag in parser()._option_string_actions for flag in NEW_FLAGS),

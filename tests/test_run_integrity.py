@@ -175,16 +175,16 @@ def nan_config(tmp_path, precision):
 def test_steps_that_are_not_finite_are_not_applied_and_a_run_of_them_stops(data, tmp_path,
                                                                            precision):
     """NaN in rank 1's loss at step 3 and in one gradient element of rank 0 at step 5: both
-    steps are skipped on every rank (the schedule does not advance) and counted; NaN loss at
-    steps 7-9 stops the run at step 9 (--max-nonfinite-steps 3), naming the last good
-    checkpoint; every checkpoint holds finite weights."""
+    steps are skipped on every rank (the schedule counts them: schedule.follow_step) and
+    counted; NaN loss at steps 7-9 stops the run at step 9 (--max-nonfinite-steps 3), naming
+    the last good checkpoint; every checkpoint holds finite weights."""
     out = tmp_path / "run"
     said = run(data, out, "--steps", "12", "--save-interval", "2", "--eval-interval", "12",
                "--warmup-steps", "4", "--ds-config", nan_config(tmp_path, precision),
                fault="nan-loss:1:3,7,8,9;nan-grad:0:5", expect=1)
     entries = log(out)
     lr = {step: entries[step]["train/lr"] for step in entries if "train/lr" in entries[step]}
-    assert lr[4] == lr[3] and lr[6] == lr[5] and lr[3] < lr[5] < lr[7], lr  # each step's own
+    assert lr[2] < lr[3] < lr[4] < lr[5] < lr[6], lr  # a step not applied counts as a step
     assert [entries[s]["train/nonfinite_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 2, 2]
     assert "step 3: loss or gradient not finite, the update was not applied (1 in a row, 1 in " \
            "this run" in said
@@ -723,7 +723,9 @@ def test_a_checkpoint_of_an_earlier_tupe_ds_is_checked_by_its_optimizer_state(da
 
 def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path):
     """A config without a scheduler (a constant learning rate): --lr changed at a resume with
-    --allow-training-changes is the one the next steps use."""
+    --allow-training-changes is the one the next steps use; and such a run is a stable phase a
+    WSD decay branches from (its checkpoint holds no scheduler state: the schedule takes its
+    place from the step)."""
     config = json.loads(open(CPU_CONFIG).read())
     del config["scheduler"]
     constant = tmp_path / "constant.json"
@@ -735,6 +737,13 @@ def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path):
     said = run(data, out, *flags, "--steps", "6", "--lr", "5e-4", "--allow-training-changes")
     assert "optimizer.params.lr: 0.002 in the checkpoint, 0.0005 now (--lr)" in said
     assert [log(out)[step]["train/lr"] for step in (4, 5, 6)] == [2e-3, 5e-4, 5e-4]
+    branch = tmp_path / "branch"
+    said = run(data, branch, *flags, "--steps", "7", "--lr", "5e-4", "--lr-schedule", "wsd",
+               "--warmup-steps", "1", "--decay-steps", "2", "--init-from",
+               str(out / "checkpoints" / "step4"), "--branch")
+    assert "branching from step4 with changed training settings: optimizer.params.lr: 0.002 " \
+           "in the checkpoint, 0.0005 now (--lr)" in said
+    assert [log(branch)[step]["train/lr"] for step in (5, 6, 7)] == [5e-4, 5e-4, 2.5e-4]
 
 
 def test_a_preemption_warning_while_the_run_starts_stops_it_cleanly(data, reference, tmp_path):

@@ -25,7 +25,7 @@ from tupe_ds.train.schedule import client_scheduler
 PEAK, LOW, WARMUP = 1e-3, 1e-5, 4
 
 
-def expected_lr(kind: str, step: int, steps: int, decay: int = 0) -> float:
+def expected_lr(kind: str, step: int, steps: int, decay: int = 0, warmup: int = WARMUP) -> float:
     """The rate optimizer step `step` (from 1) of a run of `steps` runs with: the warmup as
     DeepSpeed's WarmupLR gives it (the first two steps at the minimum, then linear), then
     linear: to the minimum 2 steps after --steps (DeepSpeed's WarmupDecayLR); cosine: DeepSpeed's
@@ -34,12 +34,12 @@ def expected_lr(kind: str, step: int, steps: int, decay: int = 0) -> float:
     i = step - 2  # DeepSpeed's last_batch_iteration when the step runs
     if i < 0:
         return 0.0 if kind == "cosine" else LOW  # WarmupCosineLR's ratio before it started
-    if i < WARMUP:
-        return LOW + (PEAK - LOW) * i / WARMUP
+    if i < warmup:
+        return LOW + (PEAK - LOW) * i / warmup
     if kind == "linear":
-        return LOW + (PEAK - LOW) * max(0.0, (steps - i) / (steps - WARMUP))
+        return LOW + (PEAK - LOW) * max(0.0, (steps - i) / (steps - warmup))
     if kind == "cosine":
-        progress = min(1.0, (i - WARMUP + 1) / (steps - WARMUP))
+        progress = min(1.0, (i - warmup + 1) / (steps - warmup))
         return PEAK * (LOW / PEAK + (1 - LOW / PEAK) * (1 + math.cos(math.pi * progress)) / 2)
     progress = min(1.0, max(0.0, (step - 1 - (steps - decay)) / decay))
     fall = progress if kind == "wsd-linear" else math.sqrt(progress)
@@ -107,6 +107,28 @@ def test_each_schedule_gives_every_step_the_formulas_rate(data, tmp_path, monkey
         assert all(a > b for a, b in zip(rates[steps - decay:], rates[steps - decay + 1:]))
 
 
+def test_another_shape_keeps_the_configs_peak_minimum_and_warmup(data, tmp_path, monkeypatch):
+    """--lr-schedule changes the shape only: a cosine config's end ratio stays with cosine, a
+    warmup without a type stays DeepSpeed's log warmup."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with open(CPU_CONFIG) as f:
+        config = json.load(f)
+    config["scheduler"] = {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 100, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01,
+        "warmup_num_steps": 4}}
+    cosine = tmp_path / "cosine.json"
+    cosine.write_text(json.dumps(config))
+    run = load(flags(data, tmp_path, "--steps", "20", "--lr-schedule", "cosine", "--ds-config",
+                     str(cosine)))
+    assert run.ds_config["scheduler"]["params"] == {
+        "total_num_steps": 20, "warmup_num_steps": 4, "warmup_type": "log",
+        "warmup_min_ratio": pytest.approx(0.1), "cos_min_ratio": 0.01}
+    run = load(flags(data, tmp_path, "--steps", "20", "--lr-schedule", "wsd", "--decay-steps",
+                     "5", "--ds-config", str(cosine)))
+    assert run.ds_config["scheduler"]["params"]["warmup_min_lr"] == pytest.approx(
+        0.1 * config["optimizer"]["params"]["lr"])
+
+
 def test_schedule_and_ramp_flags_are_checked_before_any_process_starts(data, tmp_path,
                                                                       monkeypatch, capsys):
     def refusal(*extra, world=2):
@@ -117,8 +139,15 @@ def test_schedule_and_ramp_flags_are_checked_before_any_process_starts(data, tmp
 
     assert "--lr-schedule wsd needs --decay-steps N" in refusal("--lr-schedule", "wsd")
     assert "add --lr-schedule wsd" in refusal("--decay-steps", "3")
-    assert "--decay-steps 17 overlaps the warmup: --steps 20 leaves 16 steps after 4" in refusal(
-        "--lr-schedule", "wsd", "--decay-steps", "17")
+    assert ("--decay-steps 16 leaves no step at the peak: a warmup of 4 steps reaches it at "
+            "step 6 (DeepSpeed's schedulers start 2 steps late), so --steps 20 allows at most "
+            "--decay-steps 15") in refusal("--lr-schedule", "wsd", "--decay-steps", "16")
+    without = tmp_path / "constant.json"
+    without.write_text(json.dumps({k: v for k, v in json.load(open(CPU_CONFIG)).items()
+                                   if k != "scheduler"}))
+    assert (f"--lr-schedule cosine: {without} gives no warmup (its scheduler's "
+            "warmup_num_steps); add --warmup-steps N") in refusal(
+        "--lr-schedule", "cosine", "--ds-config", str(without))
     assert "--branch needs --init-from" in refusal("--branch")
     assert "--warmup-steps must be at least 1" in refusal("--warmup-steps", "0")
     ramp = ["--global-batch", "16", "--micro-batch", "2", "--rampup-batch-size"]
@@ -176,6 +205,7 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_branches_into_a
     stable run's (step 5 runs at the peak in both)."""
     config = lr_config(tmp_path)
     common = ["--ds-config", config, "--lr-schedule", "wsd", "--decay-steps", "2",
+              "--warmup-steps", "2",
               "--global-batch", "8", "--micro-batch", "2", "--rampup-batch-size", "4", "4", "8",
               "--save-interval", "2", "--eval-interval", "6", "--dropout", "0"]
     stable = tmp_path / "stable"
@@ -186,7 +216,7 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_branches_into_a
         logged = log(out)
         for step in range(first, steps + 1):
             assert logged[step]["train/lr"] == pytest.approx(
-                expected_lr("wsd-linear", step, steps, decay), rel=1e-9), (out, step)
+                expected_lr("wsd-linear", step, steps, decay, warmup=2), rel=1e-9), (out, step)
             assert logged[step]["train/global_batch"] == sizes[step - 1], (out, step)
         return logged
 
@@ -241,6 +271,15 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_branches_into_a
     said = refusal(tmp_path / "b4", "--steps", "7", *branch_flags[:-2])  # dp 2, not tp 2
     assert "written with --tp 2 --pp 1; its weights load with the same --tp and --pp" in said
     assert not any(os.path.exists(tmp_path / name) for name in ("b2", "b3", "b4"))
+    said = refusal(stable, "--steps", "7", *branch_flags)  # --out forgotten: the stable run's
+    assert f"--branch: --out {stable} holds checkpoints of a run that is not a branch" in said
+    said = refusal(tmp_path / "branch", "--steps", "9", *branch_flags,
+                   checkpoint=str(stable / "checkpoints" / "step6"))
+    assert f"holds the branch of {step4} (" in said and "give this branch another --out" in said
+    again = load(["--data", data, "--model", "tiny", "--seq-len", "64", "--out",
+                  str(tmp_path / "branch"), "--steps", "7", *branch_flags, "--init-from", step4,
+                  "--branch"])  # the same command again: the branch resumes
+    assert again.resume_plan.tag == "step7" and again.init_plan is None
     monkeypatch.setenv("WORLD_SIZE", "2")
     other_ramp = [*common[:common.index("--rampup-batch-size") + 3], "16",
                   *common[common.index("--rampup-batch-size") + 4:]]

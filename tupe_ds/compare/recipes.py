@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 from tupe_ds.machine import doctor
 from tupe_ds.train.batch_ramp import BatchRamp, RampSettings
 from tupe_ds.train.ds_config import BatchSplit
+from tupe_ds.train.schedule import decay_room
 
 RECIPES = ("paper", "modern")
 MODERN_MASK_RATE = 0.3
@@ -164,11 +165,14 @@ def schedule(user_flags, steps: int, warmup: int) -> tuple:
     if chosen is not None and chosen != "wsd":
         return (), (f"learning-rate schedule {chosen}: --lr-schedule given, kept (the recipe's "
                     f"is wsd, {DECAY_SHAPE} decay over the last {DECAY_SHARE:.0%} of the steps)")
-    room = steps - warmup
+    if warmup < 1:
+        return (), ("no warmup-stable-decay: the --ds-config gives no warmup, which "
+                    "tupe-pretrain's schedules need; --warmup-steps N lets the recipe add one")
+    room = decay_room(steps, warmup)
     if room < 1 and given(user_flags, "--decay-steps") is None:
-        return (), (f"no warmup-stable-decay: the warmup takes all {steps} steps, and the decay "
-                    "may not overlap it; the --ds-config's schedule kept (more --steps or "
-                    "fewer --warmup-steps make room)")
+        return (), (f"no warmup-stable-decay: a warmup of {warmup} steps leaves no step at the "
+                    f"peak before a decay in {steps}; the --ds-config's schedule kept (more "
+                    "--steps or fewer --warmup-steps make room)")
     wanted = {"--lr-schedule": "wsd", "--decay-steps": str(min(decay_steps(steps), room)),
               "--decay-shape": DECAY_SHAPE}
     flags = tuple(part for flag, value in wanted.items() if given(user_flags, flag) is None

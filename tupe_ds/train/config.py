@@ -14,7 +14,7 @@ from tupe_ds.data.masking import MaskingScheme
 from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
-from tupe_ds.train import nonfinite, run_lock
+from tupe_ds.train import nonfinite, run_description, run_lock
 from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
@@ -78,6 +78,7 @@ class RunConfig:
     training: dict  # the optimizer and schedule settings (identity.training_settings)
     resume_plan: Optional[ResumePlan] = None  # the checkpoint of --out to resume
     init_plan: Optional[InitPlan] = None  # --init-from, for a run with nothing to resume
+    branch_origin: Optional[str] = None  # --branch: its --init-from, absolute (run.json)
     allow_training_changes: bool = False  # --allow-training-changes
     lock: Optional[RunLock] = None  # OUT/run.lock, held by rank 0 (run_lock.py)
 
@@ -159,6 +160,9 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                             ds_config["train_batch_size"], scheme, args.seed,
                             args.loss_normalization, batch_split.ramp)
     init_plan = None
+    branch_origin = os.path.abspath(args.init_from) if args.branch else None
+    if branch_origin and resume_plan is not None and resume_plan.candidates:
+        refuse_another_branch(args.out, branch_origin, resume_plan)
     try:
         if resume_plan is not None and resume_plan.candidates:
             refuse_another_run(resume_plan, identity, training, args.allow_training_changes)
@@ -182,8 +186,23 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                      loss_normalization=args.loss_normalization, masking=scheme,
                      batch_split=batch_split,
                      identity=identity, training=training, resume_plan=resume_plan,
-                     init_plan=init_plan, allow_training_changes=args.allow_training_changes,
+                     init_plan=init_plan, branch_origin=branch_origin,
+                     allow_training_changes=args.allow_training_changes,
                      lock=lock)
+
+
+def refuse_another_branch(out: str, origin: str, plan: ResumePlan) -> None:
+    """--branch into an --out with checkpoints: only the same branch goes on there (the same
+    command again), never the run it branches from or another branch."""
+    recorded = run_description.branched_from(out)
+    if recorded == origin:
+        return
+    held = f"{plan.directory}/{plan.tag}"
+    if recorded is None:
+        fail(f"--branch: --out {out} holds checkpoints of a run that is not a branch ({held}); "
+             "a decay branch starts in a folder of its own: give another --out")
+    fail(f"--branch: --out {out} holds the branch of {recorded} ({held}), not of {origin}; give "
+         f"this branch another --out (--init-from {recorded} goes on with that one)")
 
 
 def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:

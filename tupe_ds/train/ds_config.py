@@ -13,7 +13,7 @@ from tupe_ds.train import batch_ramp
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.identity import training_settings
 from tupe_ds.train.flags import fail
-from tupe_ds.train.schedule import config_warmup, scheduler_config
+from tupe_ds.train.schedule import config_warmup, decay_room, scheduler_config
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,20 @@ def set_schedule(args: argparse.Namespace, ds_config: dict) -> dict:
         if "warmup_max_lr" in scheduler:
             scheduler["warmup_max_lr"] = args.lr
     asked = training_settings(ds_config)
-    if scheduler.get("warmup_num_steps", 0) > args.steps:
+    if args.lr_schedule is not None and scheduler.get("warmup_num_steps", 0) < 1:
+        fail(f"--lr-schedule {args.lr_schedule}: {args.ds_config} gives no warmup "
+             "(its scheduler's warmup_num_steps); add --warmup-steps N (at least 1)")
+    warmup = scheduler.get("warmup_num_steps", 0)
+    if warmup > args.steps:
         scheduler["warmup_num_steps"] = args.steps
     decay = scheduler.get("decay_num_steps")
-    if decay is not None and decay > args.steps - scheduler.get("warmup_num_steps", 0):
-        fail(f"--decay-steps {decay} overlaps the warmup: --steps {args.steps} leaves "
-             f"{args.steps - scheduler.get('warmup_num_steps', 0)} steps after "
-             f"{scheduler.get('warmup_num_steps', 0)} of warmup; lower --decay-steps or "
-             "--warmup-steps, or raise --steps")
+    if decay is not None and decay > decay_room(args.steps, scheduler["warmup_num_steps"]):
+        shortened = (f" (the warmup of {warmup} cut to --steps {args.steps})"
+                     if warmup > args.steps else "")
+        fail(f"--decay-steps {decay} leaves no step at the peak: a warmup of "
+             f"{scheduler['warmup_num_steps']} steps{shortened} reaches it at step "
+             f"{max(2, scheduler['warmup_num_steps']) + 2} (DeepSpeed's schedulers start 2 "
+             f"steps late), so --steps {args.steps} allows at most --decay-steps "
+             f"{max(0, decay_room(args.steps, scheduler['warmup_num_steps']))}; lower "
+             "--decay-steps or --warmup-steps, or raise --steps")
     return asked

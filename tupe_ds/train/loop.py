@@ -34,7 +34,7 @@ from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.optim import (apply_config, loaded_differences, parameter_groups,
                                   rate_from_schedule)
-from tupe_ds.train.schedule import client_scheduler, schedule_text
+from tupe_ds.train.schedule import client_scheduler, follow_step, schedule_text
 from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal
 from tupe_ds.train.waits import announced
@@ -108,6 +108,7 @@ def write_run_description(run: RunConfig, lineage: str) -> None:
                    "rampup_batch_size": str(run.batch_split.ramp) if run.batch_split.ramp
                    else None,
                    "lr_schedule": run.ds_config.get("scheduler"),
+                   "branched_from": run.branch_origin or run_description.branched_from(run.out),
                    "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
                    "models": [dataclasses.asdict(config) for config in run.models]}
     run_description.write(run.out, description)
@@ -303,6 +304,7 @@ def train(run: RunConfig, launcher: str) -> None:
     while step < run.steps and not stopped_early:
         if ramp:
             engine.set_train_batch_size(batches.global_batch)
+        follow_step(engine.lr_scheduler, step + 1)
         lr, global_batch = engine.get_lr()[0], batches.global_batch  # this step's
         steps.train(batches.next_step(), totals)
         step += 1

@@ -56,6 +56,15 @@ def lineage(out: str) -> Optional[str]:
     return value if isinstance(value, str) and value else None
 
 
+def branched_from(out: str) -> Optional[str]:
+    """The --init-from a decay branch (--branch) in `out` started from, as OUT/run.json
+    records it; None for a run that is not one (or no readable run.json)."""
+    try:
+        return read(out).get("branched_from")
+    except ValueError:
+        return None
+
+
 def damage(out: str) -> Optional[str]:
     """What is wrong with an existing OUT/run.json (None: none there, or a good one)."""
     if not os.path.exists(os.path.join(out, FILE)):

@@ -10,7 +10,9 @@ All three count optimizer steps, whatever a batch ramp does to their size, and k
 in the scheduler's `last_batch_iteration`, which DeepSpeed's checkpoints hold: a resume, a new
 layout and a decay branch (--init-from --branch) go on from the step they start at. DeepSpeed
 steps its scheduler after each optimizer step: step k (from 1) runs with the rate for
-last_batch_iteration k - 2, the warmup's minimum for the first two.
+last_batch_iteration k - 2, the warmup's minimum for the first two. It does not step it after a
+step it skipped (a non-finite gradient, an fp16 overflow); `follow_step` counts those too, so
+that every step has its own rate and a decay ends at --steps.
 """
 
 import argparse
@@ -67,7 +69,8 @@ def scheduler_config(name: str, steps: int, warmup: dict, args: argparse.Namespa
               "warmup_type": warmup["warmup_type"]}
     if name == "cosine":
         return {"type": "WarmupCosineLR",
-                "params": {**shared, "warmup_min_ratio": low / peak, "cos_min_ratio": low / peak}}
+                "params": {**shared, "warmup_min_ratio": low / peak,
+                           "cos_min_ratio": warmup["cosine_end_ratio"]}}
     params = {**shared, "warmup_min_lr": low, "warmup_max_lr": peak}
     if name == "linear":
         return {"type": "WarmupDecayLR", "params": params}
@@ -76,8 +79,10 @@ def scheduler_config(name: str, steps: int, warmup: dict, args: argparse.Namespa
 
 
 def config_warmup(ds_config: dict) -> dict:
-    """The peak and minimum learning rates and the warmup the config's scheduler (or, without
-    one, its optimizer) gives: what --lr-schedule keeps when it changes the schedule's shape."""
+    """The peak and minimum learning rates, the end of a cosine decay (as a share of the peak)
+    and the warmup the config's scheduler (or, without one, its optimizer) gives: what
+    --lr-schedule keeps when it changes the schedule's shape. The warmup's type defaults to
+    DeepSpeed's (log) where the config names a scheduler."""
     scheduler = ds_config.get("scheduler") or {}
     params = scheduler.get("params", {})
     peak = params.get("warmup_max_lr", ds_config.get("optimizer", {}).get("params", {})
@@ -87,8 +92,24 @@ def config_warmup(ds_config: dict) -> dict:
     else:
         low = peak * params.get("warmup_min_ratio", 0.0)
     return {"peak_lr": peak, "min_lr": low,
+            "cosine_end_ratio": params.get("cos_min_ratio", low / peak),
             "warmup_num_steps": params.get("warmup_num_steps", 0),
-            "warmup_type": params.get("warmup_type", "linear")}
+            "warmup_type": params.get("warmup_type", "log" if scheduler else "linear")}
+
+
+def decay_room(steps: int, warmup_steps: int) -> int:
+    """The most --decay-steps a wsd schedule of `steps` leaves at least one step at the peak
+    with: WarmupLR's warmup (at least 2 steps) reaches it at step warmup + 2, and the decay's
+    first step runs at the peak."""
+    return steps - max(2, warmup_steps) - 1
+
+
+def follow_step(lr_scheduler, step: int) -> None:
+    """Before optimizer step `step` (from 1): the scheduler at that step's place, where DeepSpeed
+    left it behind by the steps it skipped."""
+    place = step - 2
+    if getattr(lr_scheduler, "last_batch_iteration", place) != place:
+        lr_scheduler.step(place)
 
 
 def client_scheduler(ds_config: dict):

@@ -453,7 +453,9 @@ def load(engine, plan: ResumePlan, seed: int) -> dict:
         elif rank == 0:
             print(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; its "
                   "optimizer state is not partitioned and loads as it is", flush=True)
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+    path, client_state = engine.load_checkpoint(
+        load_dir, tag=tag,
+        load_lr_scheduler_states=not plan.verified or holds_schedule(os.path.join(directory, tag)))
     if path is None:
         raise RuntimeError(f"{load_dir}/{tag}: DeepSpeed could not load this checkpoint")
     confirm_loaded(tag, client_state["step"])
@@ -497,12 +499,25 @@ def branch_from(engine, plan: InitPlan) -> dict:
     state, the schedule's step, the step and data position of its client state, this rank's
     random streams; plan_init checked the layout) into a new run's engine."""
     directory, tag = os.path.split(plan.step_dir)
-    path, client_state = engine.load_checkpoint(directory, tag=tag)
+    try:
+        path, client_state = engine.load_checkpoint(
+            directory, tag=tag, load_lr_scheduler_states=holds_schedule(plan.step_dir))
+    except (AssertionError, OSError) as error:  # DeepSpeed asserts its files are there
+        raise RuntimeError(f"--init-from {plan.step_dir}: could not be loaded ({error!r}); was "
+                           "it removed meanwhile, by its own run's --keep-checkpoints?") from None
     if path is None:
         raise RuntimeError(f"--init-from {plan.step_dir}: DeepSpeed could not load it")
     confirm_loaded(tag, client_state["step"])
     load_rng_state(os.path.join(plan.step_dir, file_name(dist.get_rank())))
     return client_state
+
+
+def holds_schedule(step_dir: str) -> bool:
+    """Whether the checkpoint holds a scheduler's state: one of a run without a scheduler (a
+    constant rate) does not, and the schedule of a run resuming or branching from it takes its
+    place from the step (schedule.follow_step)."""
+    training = manifest.read(step_dir).get("training")
+    return training is None or (training.get("scheduler") or {}).get("type") is not None
 
 
 def place_optimizer_state(engine) -> None:
