@@ -20,7 +20,7 @@ ONE_AT_A_TIME = {"test_slurm.py": "slurm", "test_multinode.py": "slurm"}
 # so that neither process is left alone with a long one at the end; the others after them, as
 # collected.
 LONGEST = {"test_run_integrity.py": 383, "slurm": 344, "test_chaos.py": 233,
-           "test_compare.py": 210, "test_hf_export.py": 198, "test_loss_normalization.py": 127,
+           "test_compare.py": 210, "test_loss_normalization.py": 210, "test_hf_export.py": 198,
            "test_pretrain.py": 119, "test_resume_layout.py": 105, "test_pipeline.py": 103,
            "test_export.py": 101}
 

@@ -721,11 +721,14 @@ def test_a_checkpoint_of_an_earlier_tupe_ds_is_checked_by_its_optimizer_state(da
     assert [tuple(g["betas"]) for g in groups] == [(0.8, 0.99)] * len(groups)
 
 
-def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path):
+def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path, monkeypatch):
     """A config without a scheduler (a constant learning rate): --lr changed at a resume with
-    --allow-training-changes is the one the next steps use; and such a run is a stable phase a
-    WSD decay branches from (its checkpoint holds no scheduler state: the schedule takes its
-    place from the step)."""
+    --allow-training-changes is the one the next steps use. Such a run is a stable phase a WSD
+    decay branches from (its checkpoint holds no scheduler state: the schedule takes its place
+    from the step): the branch goes on with the run's weights, optimizer state and data
+    position, its first two losses those of the resumed run (both at the same rate); the same
+    command again resumes the branch, and a branch from another checkpoint into its --out is
+    refused."""
     config = json.loads(open(CPU_CONFIG).read())
     del config["scheduler"]
     constant = tmp_path / "constant.json"
@@ -737,13 +740,25 @@ def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path):
     said = run(data, out, *flags, "--steps", "6", "--lr", "5e-4", "--allow-training-changes")
     assert "optimizer.params.lr: 0.002 in the checkpoint, 0.0005 now (--lr)" in said
     assert [log(out)[step]["train/lr"] for step in (4, 5, 6)] == [2e-3, 5e-4, 5e-4]
-    branch = tmp_path / "branch"
-    said = run(data, branch, *flags, "--steps", "7", "--lr", "5e-4", "--lr-schedule", "wsd",
-               "--warmup-steps", "1", "--decay-steps", "2", "--init-from",
-               str(out / "checkpoints" / "step4"), "--branch")
+    branch, step4 = tmp_path / "branch", str(out / "checkpoints" / "step4")
+    decay = [*flags, "--steps", "7", "--lr", "5e-4", "--lr-schedule", "wsd", "--warmup-steps",
+             "1", "--decay-steps", "2"]
+    said = run(data, branch, *decay, "--init-from", step4, "--branch")
+    assert f"branched from {step4} at step 4 of 7" in said
     assert "branching from step4 with changed training settings: optimizer.params.lr: 0.002 " \
            "in the checkpoint, 0.0005 now (--lr)" in said
     assert [log(branch)[step]["train/lr"] for step in (5, 6, 7)] == [5e-4, 5e-4, 2.5e-4]
+    for step in (5, 6):
+        assert log(branch)[step]["train/loss"] == pytest.approx(log(out)[step]["train/loss"],
+                                                                rel=1e-6)
+    common = ["--data", data, "--model", "tiny", "--ds-config", str(constant), "--out",
+              str(branch), "--seq-len", "64", *decay, "--branch", "--init-from"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from tupe_ds.train.config import load
+    again = load([*common, step4])  # the same command again: the branch resumes
+    assert again.resume_plan.tag == "step7" and again.init_plan is None
+    said = refusal([*common, str(out / "checkpoints" / "step6")], monkeypatch)
+    assert f"holds the branch of {step4} (" in said and "give this branch another --out" in said
 
 
 def test_a_preemption_warning_while_the_run_starts_stops_it_cleanly(data, reference, tmp_path):

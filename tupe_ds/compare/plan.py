@@ -177,8 +177,9 @@ class Plan:
                 f"{path}: --recipe {self.recipe.name} gave this comparison's runs "
                 f"{' '.join(before.recipe.flags) or 'no flags'}, and would now give them "
                 f"{' '.join(self.recipe.flags) or 'no flags'}{config}: it scales its decay and "
-                "batch ramp to --steps and the batch, and its precision to this machine's GPUs "
-                "and the --ds-config; use another --out, or the same --steps, flags and "
+                "batch ramp to --steps and the batch split (--nproc, the machine's GPUs, "
+                "--micro-batch, --global-batch), and its precision to this machine's GPUs and "
+                "the --ds-config; use another --out, or the same --steps, --nproc, flags and "
                 "--ds-config on a machine with the same GPUs")
 
 
