@@ -19,7 +19,7 @@ from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.write import consolidated_state
 from tupe_ds.train.batch_ramp import BatchRamp, RampSettings
 from tupe_ds.train.config import load
-from tupe_ds.train.schedule import client_scheduler
+from tupe_ds.train.schedule import WSD_TYPE, client_scheduler, decay_restart
 
 PEAK, LOW, WARMUP = 1e-3, 1e-5, 4
 
@@ -126,6 +126,22 @@ def test_another_shape_keeps_the_configs_peak_minimum_and_warmup(data, tmp_path,
                      "5", "--ds-config", str(cosine)))
     assert run.ds_config["scheduler"]["params"]["warmup_min_lr"] == pytest.approx(
         0.1 * config["optimizer"]["params"]["lr"])
+
+
+def test_a_resume_that_restarts_a_finished_decay_says_so():
+    """A WSD run resumed at step 9, in the decay that began after step 8 (--steps 10), with
+    --steps 20: its decay now begins after step 17, and the rate climbs back to the peak."""
+    def wsd(steps, decay):
+        return {"type": WSD_TYPE, "params": {"total_num_steps": steps, "decay_num_steps": decay}}
+
+    previous = {"steps": 10, "lr_schedule": wsd(10, 2)}
+    assert decay_restart(previous, 9, {"scheduler": wsd(20, 3)}) == (
+        "tupe-pretrain: step 9 was in the decay that began after step 8 (--steps 10); with "
+        "--steps 20 it begins after step 17: the rate goes back to the peak until then")
+    assert decay_restart(previous, 8, {"scheduler": wsd(20, 3)}) == ""  # still stable
+    assert decay_restart(previous, 9, {"scheduler": wsd(20, 12)}) == ""  # decays on
+    assert decay_restart(None, 9, {"scheduler": wsd(20, 3)}) == ""
+    assert decay_restart({"steps": 10}, 9, {"scheduler": wsd(20, 3)}) == ""  # an older run.json
 
 
 def test_schedule_and_ramp_flags_are_checked_before_any_process_starts(data, tmp_path,

@@ -4,6 +4,7 @@ this run: `checkpoint/`) and the model configs together in a `RunConfig`, all ch
 heavy work."""
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -21,6 +22,7 @@ from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_anoth
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
 from tupe_ds.train.flags import check_flags, data_sources, fail, masking_scheme, parser
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.schedule import decay_restart
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
 CPU_CONFIG = doctor.CPU_CONFIG
@@ -149,6 +151,14 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
         resume_plan = plan_resume(args.out, args.resume, args.resume_from, *shape)
     except ValueError as error:
         fail(f"--out {args.out}: {error}")
+    if resume_plan is not None and resume_plan.candidates:
+        try:
+            previous = run_description.read(args.out)  # as the run's last start wrote it
+        except ValueError:
+            previous = None
+        note = decay_restart(previous, resume_plan.candidates[0], ds_config)
+        if note:
+            resume_plan = dataclasses.replace(resume_plan, notes=(*resume_plan.notes, note))
     resharding = resume_plan.resharding if resume_plan else None
     if resharding is not None and resharding.convert:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True

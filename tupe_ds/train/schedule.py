@@ -137,3 +137,20 @@ def schedule_text(ds_config: dict) -> str:
     if scheduler.get("type") == WSD_TYPE:
         text += f", {params['decay_shape']} decay over the last {params['decay_num_steps']}"
     return text
+
+
+def decay_restart(previous: dict, step: int, ds_config: dict) -> str:
+    """The line that says a resumed WSD run climbs back to the peak: its checkpoint (`step`) was
+    in the decay of the --steps it was started with (`previous`: its run.json), and this
+    command's --steps starts the decay later. "" otherwise."""
+    before = (previous or {}).get("lr_schedule") or {}
+    now = ds_config.get("scheduler") or {}
+    if before.get("type") != WSD_TYPE or now.get("type") != WSD_TYPE:
+        return ""
+    began = previous["steps"] - before["params"]["decay_num_steps"]
+    begins = now["params"]["total_num_steps"] - now["params"]["decay_num_steps"]
+    if step <= began or begins <= step:
+        return ""
+    return (f"tupe-pretrain: step {step} was in the decay that began after step {began} (--steps "
+            f"{previous['steps']}); with --steps {now['params']['total_num_steps']} it begins "
+            f"after step {begins}: the rate goes back to the peak until then")
