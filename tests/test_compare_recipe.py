@@ -22,7 +22,6 @@ from tupe_ds.compare.recipes import Recipe, batch_ramp, modern
 from tupe_ds.compare.report import write_report
 from tupe_ds.machine.doctor import Machine
 from tupe_ds.train.ds_config import BatchSplit
-from tupe_ds.train.flags import parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP16_CONFIG = os.path.join(ROOT, "ds_configs", "bert_base_fp16.json")
@@ -30,7 +29,6 @@ BF16_CONFIG = os.path.join(ROOT, "ds_configs", "demo_bf16.json")
 CPU = Machine("cpu", 0)
 A100S = Machine("cuda", 2, ((8, 0), (9, 0)))
 FLAGS = ("--model", "tiny", "--objective", "mlm", "--ds-config", FP16_CONFIG)
-NEW_FLAGS = ("--lr-schedule", "--decay-steps", "--decay-shape", "--rampup-batch-size")
 
 
 def config(path) -> dict:
@@ -287,9 +285,6 @@ def test_a_schedule_named_without_its_decay_gets_the_recipes(data, tmp_path):
                                  "1-sqrt")  # 40 steps: the 35 of warmup leave 4 (decay_room)
 
 
-@pytest.mark.skipif(not all(flag in parser()._option_string_actions for flag in NEW_FLAGS),
-                    reason="tupe-pretrain's --lr-schedule, --decay-steps, --decay-shape and "
-                           "--rampup-batch-size are not there yet")
 def test_a_modern_plan_passes_tupe_pretrains_checks(data, tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["plan", "--data", data, "--out", str(out), "--encodings", "bert-a,tupe-r",

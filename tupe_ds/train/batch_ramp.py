@@ -56,10 +56,3 @@ class BatchRamp:
         with self._lock:
             self._calculator.update(consumed, consistency_check=True)
             return self._calculator.get_current_global_batch_size()
-
-    def samples_before(self, steps: int) -> int:
-        """The samples the first `steps` steps consume."""
-        consumed = 0
-        for _ in range(steps):
-            consumed += self(consumed)
-        return consumed

@@ -129,9 +129,7 @@ def schedule_text(ds_config: dict) -> str:
     params = scheduler.get("params", {})
     names = {"WarmupDecayLR": "linear", "WarmupCosineLR": "cosine", WSD_TYPE: "wsd"}
     name = names.get(scheduler.get("type"), scheduler.get("type") or "constant")
-    peak = params.get("warmup_max_lr", ds_config.get("optimizer", {}).get("params", {})
-                      .get("lr"))
-    text = f"{name}, peak {peak:g}" if peak is not None else name
+    text = f"{name}, peak {config_warmup(ds_config)['peak_lr']:g}"
     if "warmup_num_steps" in params:
         text += f", {params['warmup_num_steps']} warmup steps"
     if scheduler.get("type") == WSD_TYPE:
