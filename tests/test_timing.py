@@ -4,7 +4,6 @@ training seconds survive resumes; tupe-compare's time axis reads them (compare/r
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -87,7 +86,10 @@ def test_the_time_axis_reads_the_training_seconds_or_estimates_an_older_log_s(tm
 def test_a_run_resumed_twice_records_the_training_time_its_steps_took(data, tmp_path):
     """12 steps, stopped by SIGUSR1 in steps 4 and 8 (it saves and exits) and run again: the
     recorded training seconds equal a clock outside the run (each start's first to last step)
-    within 10%, and each start's first interval is timed like the steady ones (within 2x)."""
+    within 10%, and each start's first interval is timed from its first step: its 2 steps take
+    less than half the start-up before them, which a clock started with the process would
+    count in (a bound a busy machine slows alike on both sides: CI saw a first interval 3.5x
+    the steady ones' while another test loaded the cores)."""
     out, stamps = tmp_path / "run", tmp_path / "stamps"
     for fault, said in (("usr1:0:4", "stopping at step 4"), ("usr1:0:8", "resumed at step 4"),
                         ("", "resumed at step 8")):
@@ -111,9 +113,8 @@ def test_a_run_resumed_twice_records_the_training_time_its_steps_took(data, tmp_
     assert recorded == pytest.approx(outside, rel=0.1)
     per_step = {step: e["throughput/seconds_per_step"] for step, e in entries.items()
                 if "throughput/seconds_per_step" in e}
-    steady = statistics.median(per_step[step] for step in (4, 8, 12))
-    for first in (2, 6, 10):  # each start's first interval
-        assert per_step[first] < 2 * steady, (per_step, steady)
-        assert entries[first]["time/startup_seconds"] > 0
+    for first in (2, 6, 10):  # each start's first interval, of 2 steps
+        startup = entries[first]["time/startup_seconds"]
+        assert 0 < 2 * per_step[first] < startup / 2, (per_step, startup)
     assert entries[12]["time/evaluation_seconds"] > 0
     assert entries[12]["time/checkpoint_seconds"] > 0  # the saves at steps 4 and 8, carried
