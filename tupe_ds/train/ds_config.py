@@ -55,6 +55,10 @@ def deepspeed_config(args: argparse.Namespace, dp: int,
     ds_config["tensorboard"] = {"enabled": True, "job_name": "deepspeed",
                                 "output_path": os.path.join(args.out, "tensorboard")}
     ds_config.setdefault("steps_per_print", 10**9)
+    # DeepSpeed's throughput timer synchronises the device twice a micro-batch (forward and
+    # step; DeepSpeed PR #5363 cites 20-25% slower steps): off unless the config turns it on.
+    # The log line gives samples/s (train/monitor.py).
+    ds_config.setdefault("timers", {"throughput": {"enabled": False}})
     return ds_config, dtype, split, training
 
 
