@@ -50,7 +50,7 @@ def exported_config(directory: str) -> tuple:
         raise ExportError(f"{directory}: an ELECTRA generator, exported for transformers; "
                           "tupe_ds fine-tunes the discriminator: export without --electra-network")
     try:
-        return ModelConfig(**description["model"]), description
+        return ModelConfig.from_record(description["model"]), description
     except (TypeError, ValueError) as error:
         raise ExportError(f"{directory}/config.json: {error} (written by another tupe_ds "
                           "version: export the checkpoint again with this one)") from None
@@ -59,8 +59,10 @@ def exported_config(directory: str) -> tuple:
 def load_exported(directory: str):
     """(model, config, kind) from a tupe-export folder of either format: a BertForMaskedLM on
     this process's device, its masked-LM head absent (left at its initial values) for ELECTRA
-    discriminators."""
+    discriminators. Its layers are not compiled as one block: batches padded to their
+    longest text vary in shape (ModelConfig.without_block)."""
     config, description = exported_config(directory)
+    config = config.without_block()
     model = build_model(config)
     device = str(next(model.parameters()).device)
     state = load_file(os.path.join(directory, "model.safetensors"), device=device)

@@ -187,7 +187,8 @@ def consolidated_state(run: dict, step_dir: str) -> tuple:
     run's run.json."""
     tp, pp = run["tp"], run["pp"]
     try:
-        configs = [dataclasses.replace(ModelConfig(**model), tensor_parallel_size=1, dtype="fp32")
+        configs = [dataclasses.replace(ModelConfig.from_record(model), tensor_parallel_size=1,
+                                       dtype="fp32")
                    for model in run["models"]]
     except (TypeError, ValueError) as error:
         raise ExportError(f"{os.path.dirname(os.path.dirname(step_dir))}/run.json: its models "

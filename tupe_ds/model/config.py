@@ -71,6 +71,15 @@ ATTENTION = {
              "[batch or 1, heads or 1, n, n] mask",
 }
 
+COMPILE = {  # what torch.compile takes as one region (ModelConfig.compile)
+    "block": "the whole TransformerBlock, every layer forward and backward, as one region: "
+             "the fewest Python calls and kernel launches a micro-batch (a pipeline stage "
+             "compiles each of its layers instead)",
+    "elementwise": "bias + dropout + residual and bias + GELU, each its own region (three a "
+                   "layer), the rest eager",
+    "none": "eager: the reference",
+}
+
 KEY_PADDING = {  # the fast layout's candidates for a padded batch (model/kernel_layout.py)
     "auto": "one more q/k column where q/k are widened or a positional mask is there anyway, "
             "else a [batch, 1, 1, n] mask",
@@ -110,10 +119,9 @@ class ModelConfig:
     # widened q/k heads are zero-padded to a multiple of this; None: the device's choice
     # (kernel_layout.head_multiple)
     head_multiple: Optional[int] = None
-    # bias + dropout + residual and bias + GELU each compiled into one kernel (torch.compile);
-    # None: on CUDA (what it saves there is not measured yet; on a CPU the compile takes longer
-    # than it saves)
-    fused_elementwise: Optional[bool] = None
+    # one of COMPILE: what torch.compile takes as one region; None: the device's choice
+    # (compile_mode)
+    compile: Optional[str] = None
 
     def __post_init__(self):
         def require(condition, field, message):
@@ -161,9 +169,30 @@ class ModelConfig:
         require(self.attention == "fast" or self.key_padding == "auto", "key_padding",
                 f"{self.key_padding!r} applies to attention='fast' only (the dense reference "
                 "puts padding into its mask)")
+        require(self.compile is None or self.compile in COMPILE, "compile",
+                f"unknown compile {self.compile!r}; choose one of {', '.join(COMPILE)}")
+        if self.compile == "block":
+            require(self.tensor_parallel_size == 1, "compile",
+                    f"'block' at tensor_parallel_size={self.tensor_parallel_size}: megatron-core's "
+                    "collectives split a compiled block (11 graphs for the tiny model's 2 "
+                    "layers at tp 2); choose compile='elementwise'")
+            require(self.key_padding != "unpadded", "compile",
+                    "'block' with key_padding='unpadded': nested tensors split a compiled block "
+                    "at every layer; choose compile='elementwise' or another key_padding")
         require(self.head_multiple is None
                 or (isinstance(self.head_multiple, int) and self.head_multiple > 0),
                 "head_multiple", f"must be None or a positive integer, got {self.head_multiple!r}")
+
+    @classmethod
+    def from_record(cls, fields: dict) -> "ModelConfig":
+        """A ModelConfig as run.json, a manifest or an export recorded it, earlier tupe_ds's
+        included (its `fused_elementwise`: True is compile="elementwise", False "none")."""
+        fields = dict(fields)
+        if "fused_elementwise" in fields:
+            fused = fields.pop("fused_elementwise")
+            fields.setdefault("compile", None if fused is None
+                              else "elementwise" if fused else "none")
+        return cls(**fields)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -190,10 +219,30 @@ class ModelConfig:
         return 1.0 / math.sqrt(self.encoding.logit_terms * self.head_size)
 
     @property
+    def compile_mode(self) -> str:
+        """`compile`, or the device's choice: on CUDA the whole block where it is one region
+        (see __post_init__), else the elementwise regions; eager on a CPU, where compiling takes
+        longer than it saves."""
+        if self.compile is not None:
+            return self.compile
+        if accelerator_device().type != "cuda":
+            return "none"
+        whole = self.tensor_parallel_size == 1 and self.key_padding != "unpadded"
+        return "block" if whole else "elementwise"
+
+    def without_block(self) -> "ModelConfig":
+        """This config with the elementwise regions where it would compile the whole block:
+        for work whose shapes vary (fine-tuning pads each batch to its longest text) or whose
+        hooks split the block (ZeRO-3's)."""
+        if self.compile_mode == "block":
+            return dataclasses.replace(self, compile="elementwise")
+        return self
+
+    @property
     def fuses_elementwise(self) -> bool:
-        if self.fused_elementwise is not None:
-            return self.fused_elementwise
-        return accelerator_device().type == "cuda"
+        """Bias + dropout + residual and bias + GELU each in one compiled kernel, where the
+        layer itself is not compiled whole."""
+        return self.compile_mode == "elementwise"
 
     def transformer_config(self) -> TransformerConfig:
         """The megatron-core config of the encoder layers.
@@ -201,7 +250,7 @@ class ModelConfig:
         Weights are initialised on the CPU from the full (unsplit) matrices, so the same seed gives
         the same model whatever the tensor-parallel size. Fusions that need Apex or Transformer
         Engine are off; megatron-core's torch.compile'd bias-dropout-add follows
-        `fused_elementwise` (its bias-GELU is the tanh approximation: see attention.py).
+        `compile_mode` "elementwise" (its bias-GELU is the tanh approximation: see attention.py).
         """
         dtype = DTYPES[self.dtype]
         return TransformerConfig(

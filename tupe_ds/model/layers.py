@@ -9,6 +9,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import make_viewless_tensor
 from torch import Tensor, nn
 
 from tupe_ds.data.masking import IGNORE_INDEX
@@ -37,17 +38,31 @@ def embed(embedding: LanguageModelEmbedding, input_ids: Tensor, max_positions: i
 
 
 class Encoder(MegatronModule):
-    """The positional module and megatron-core's TransformerBlock: [n, b, h] -> [n, b, h]."""
+    """The positional module and megatron-core's TransformerBlock: [n, b, h] -> [n, b, h].
+
+    With ModelConfig.compile_mode "block" the TransformerBlock is one torch.compile region, its
+    backward one compiled graph: a micro-batch runs a few thousand Python calls where the eager
+    layers ran tens of thousands (bench/host_calls.py). It compiles at the first forward and
+    again for each new kind of batch: padded or not, training or evaluation, and each shape
+    (static shapes, the fastest kernels: a run's shapes are fixed; ELECTRA's two widths make 8
+    graphs, dynamo's default limit). Inductor caches the kernels on disk for the next start.
+    """
 
     def __init__(self, config: ModelConfig, tconfig: TransformerConfig):
         super().__init__(config=tconfig)
         self.positional = PositionalEncoding(config, tconfig)
         self.block = TransformerBlock(tconfig, spec=encoder_layer_spec(config))
+        if config.compile_mode == "block":
+            self.block.compile(dynamic=False)
 
     def forward(self, hidden: Tensor, padding) -> Tensor:
         """padding: [batch, seq] True at padded positions, or None."""
         n = hidden.shape[0]
         bias = self.positional.attention_bias(n, padding, hidden.dtype, hidden.device)
+        # The block makes a view (ELECTRA's generator reads a projection) viewless with an
+        # assignment to `.data`, which dynamo does not trace: a compiled block broke there and
+        # then ran a graph on the wrong input. Done here, outside the block, it costs nothing.
+        hidden = make_viewless_tensor(hidden, requires_grad=True, keep_graph=True)
         return self.block(hidden, attention_mask=None, attention_bias=bias,
                           rotary_pos_emb=self.positional.rotary_embedding(n))
 

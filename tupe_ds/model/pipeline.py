@@ -65,11 +65,15 @@ class PositionalPipe(nn.Module):
 
 
 class TransformerLayerPipe(nn.Module):
-    """One megatron-core TransformerLayer, reading the positional term its stage computed."""
+    """One megatron-core TransformerLayer, reading the positional term its stage computed. With
+    compile_mode "block" each layer is a compiled region (DeepSpeed's pipeline calls the layers
+    of a stage one by one): one compiled graph serves every layer of the stage."""
 
     def __init__(self, model: weakref.ref, index: int):
         super().__init__()
         self.layer = model().encoder.block.layers[index]
+        if model().model_config.compile_mode == "block":
+            self.layer.compile(dynamic=False)
 
     def forward(self, inputs):
         hidden, attention_mask, positional = inputs

@@ -8,7 +8,7 @@ import os
 
 from tupe_ds.data import blend
 from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING, MaskingScheme
-from tupe_ds.model.config import ENCODINGS, PRESETS
+from tupe_ds.model.config import COMPILE, ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools.files import file_digest
 from tupe_ds.tools.third_party_warnings import add_verbose_flag
@@ -93,6 +93,11 @@ def parser() -> argparse.ArgumentParser:
                         "first SAMPLES samples; START and INCREMENT are multiples of micro-batch "
                         "x data-parallel ranks. --steps and the schedule count optimizer steps")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--compile", choices=list(COMPILE),
+                   help="what torch.compile takes as one region (default: on CUDA the whole "
+                        "block at --tp 1, the elementwise regions above it and under ZeRO stage "
+                        "3; none on a CPU); " + "; ".join(f"{name}: {text}"
+                                                          for name, text in COMPILE.items()))
     p.add_argument("--eval-interval", type=int, default=1000, help="steps between validations")
     p.add_argument("--eval-samples", type=int, default=256, help="valid samples per validation")
     p.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")

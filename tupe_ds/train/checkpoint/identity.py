@@ -17,7 +17,7 @@ from tupe_ds.tools.files import file_digest
 
 # ModelConfig fields that choose how the same model is computed or split, not what it is
 HOW_COMPUTED = ("tensor_parallel_size", "attention", "key_padding", "untied_as_columns",
-                "head_multiple", "fused_elementwise")
+                "head_multiple", "compile")
 
 
 # What a checkpoint written before a setting existed was made with

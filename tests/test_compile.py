@@ -1,0 +1,174 @@
+"""Compiled regions (ModelConfig.compile) against eager: the whole block, and the fused
+elementwise kernels (torch.compile'd bias-dropout-add and bias-GELU)."""
+
+import contextlib
+import math
+import warnings
+
+import pytest
+import torch
+import torch._inductor.config
+from megatron.core.fusions import fused_bias_dropout
+from torch._dynamo.utils import counters
+
+from test_attention import inputs, loss_logits_grads
+from tupe_ds.distributed import parallel
+from tupe_ds.model import config
+from tupe_ds.model.attention import BiasGeluMLP, GroupedRowParallelLinear
+from tupe_ds.model.config import ModelConfig
+
+
+@pytest.fixture
+def compile_afresh():
+    """compile_afresh(fallback_random): set inductor's `fallback_random` and start from no
+    compiled graph and zeroed compile counters; drop the test's graphs after it. Dynamo does not
+    guard on inductor's settings: a graph compiled under the other setting (by an earlier test)
+    would be reused as it is."""
+    with contextlib.ExitStack() as settings:
+
+        def start(fallback_random: bool):
+            torch._dynamo.reset()
+            counters.clear()
+            settings.enter_context(torch._inductor.config.patch(fallback_random=fallback_random))
+
+        yield start
+        torch._dynamo.reset()
+
+
+def test_fused_elementwise_matches_eager(tiny_model, compile_afresh):
+    """With dropout on, the fused model (compiled bias-dropout-add and bias-GELU) gives eager's
+    loss, logits and gradients: its dropout drops the same elements and scales the kept ones by
+    1/(1-p). `fallback_random` makes the compiled code draw its masks from eager's generator, in
+    eager's order; attention dropout (eager SDPA in both models, no part of the fusion) stays off,
+    so that a difference can only come from the fused kernels."""
+    compile_afresh(fallback_random=True)
+    ids, mask, labels = inputs(padded=True)
+    eager = tiny_model("tupe-r", compile="none", hidden_dropout=0.1)
+    fused = tiny_model("tupe-r", compile="elementwise", hidden_dropout=0.1)
+    assert isinstance(fused.encoder.block.layers[0].mlp, BiasGeluMLP)
+    assert fused.encoder.block.layers[0].config.bias_dropout_fusion
+    assert not isinstance(eager.encoder.block.layers[0].mlp, BiasGeluMLP)
+    assert eager.training and fused.training
+    torch.manual_seed(1)
+    expected_loss, expected_logits, expected_grads = loss_logits_grads(eager, ids, mask, labels)
+    torch.manual_seed(1)
+    loss, logits, grads = loss_logits_grads(fused, ids, mask, labels)
+    assert counters["stats"]["unique_graphs"] >= 2  # bias-dropout-add and bias-GELU, compiled
+    assert not counters["graph_break"]
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_fused_dropout_statistics(compile_afresh):
+    """megatron-core's compiled bias-dropout-add, with inductor's own random numbers (what
+    training runs): out = residual + (x + bias) * mask / (1 - p), with a share p of elements
+    dropped (within 5 binomial standard deviations), the gradient through the same mask, and a
+    new mask at each call. That the mask differs from eager's under the same seed shows that the
+    compiled code ran, not an eager fallback."""
+    compile_afresh(fallback_random=False)
+    p, shape = 0.1, (1024, 4, 256)  # [n, b, hidden]: 2^20 elements
+    bias_dropout_add = fused_bias_dropout.get_bias_dropout_add(training=True, fused=True)
+    assert bias_dropout_add is fused_bias_dropout.bias_dropout_add_fused_train
+    generator = torch.Generator().manual_seed(0)
+    # x + bias in [1, 3): a kept element always moves its residual, a dropped one leaves it
+    x = (1 + torch.rand(shape, generator=generator)).requires_grad_()
+    bias = torch.rand(shape[-1], generator=generator)
+    residual = torch.randn(shape, generator=generator)
+
+    torch.manual_seed(0)
+    out = bias_dropout_add((x, bias), residual, p)
+    assert counters["stats"]["unique_graphs"] == 1  # compiled by dynamo, in one graph
+    assert not counters["graph_break"]
+    kept = out != residual
+    dropped_share = 1 - kept.double().mean().item()
+    assert abs(dropped_share - p) <= 5 * math.sqrt(p * (1 - p) / kept.numel()), dropped_share
+    torch.testing.assert_close(out, residual + (x + bias) * kept / (1 - p))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, kept / (1 - p))
+
+    again = bias_dropout_add((x, bias), residual, p)
+    assert not torch.equal(again != residual, kept)
+    torch.manual_seed(0)
+    eager = fused_bias_dropout.get_bias_dropout_add(training=True, fused=False)
+    assert not torch.equal(eager((x, bias), residual, p) != residual, kept)
+
+
+# (pos_encoding, padded batch, ModelConfig overrides): the CPU's layout (TUPE-R's terms in one
+# mask) with attention and hidden dropout on, and CUDA's (TUPE-A's term as q/k columns padded to
+# a multiple of 8, the padding as one more column)
+BLOCK_CASES = [("tupe-r", True, dict(hidden_dropout=0.1, attention_dropout=0.1)),
+               ("tupe-a", True, dict(untied_as_columns=True, head_multiple=8))]
+
+
+@pytest.mark.parametrize("encoding, padded, overrides", BLOCK_CASES)
+def test_compiled_block_matches_eager(tiny_model, compile_afresh, encoding, padded, overrides):
+    """The whole TransformerBlock as one compiled region gives eager's loss, logits and every
+    gradient (1e-5): one graph for both layers, forward and backward, no graph break (the
+    attention at tp 1 forks no generator, the row-parallel linears warn no more), and with
+    dropout on the same masks (`fallback_random`: the compiled graph draws from eager's
+    generator in eager's order, attention dropout included)."""
+    compile_afresh(fallback_random=True)
+    ids, mask, labels = inputs(padded=padded)
+    eager = tiny_model(encoding, compile="none", **overrides)
+    block = tiny_model(encoding, compile="block", **overrides)
+    torch.manual_seed(1)
+    expected_loss, expected_logits, expected_grads = loss_logits_grads(eager, ids, mask, labels)
+    torch.manual_seed(1)
+    loss, logits, grads = loss_logits_grads(block, ids, mask, labels)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_eager_layer_spends_no_call_on_unused_machinery(tiny_model, monkeypatch):
+    """At tp 1 the attention draws dropout from the default generator (no state swap of the
+    tensor-parallel tracker) and the row-parallel linears hand their group on (no warning a
+    call): the Python work the compiled block would otherwise break on."""
+    forks = []
+    fork = parallel.AcceleratorRNGTracker.fork
+    monkeypatch.setattr(parallel.AcceleratorRNGTracker, "fork",
+                        lambda self, *a, **k: forks.append(1) or fork(self, *a, **k))
+    model = tiny_model("tupe-r", compile="none", attention_dropout=0.1)
+    layer = model.encoder.block.layers[0]
+    assert isinstance(layer.self_attention.linear_proj, GroupedRowParallelLinear)
+    assert isinstance(layer.mlp.linear_fc2, GroupedRowParallelLinear)
+    ids, mask, labels = inputs(padded=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(ids, mask, labels)[0].backward()
+    assert not [w for w in caught if "tp_group" in str(w.message)]
+    assert not forks
+
+
+@pytest.mark.parametrize("device, tp, key_padding, mode", [
+    ("cuda:0", 1, "auto", "block"), ("cuda:0", 2, "auto", "elementwise"),
+    ("cuda:0", 1, "unpadded", "elementwise"), ("cpu", 1, "auto", "none")])
+def test_compile_follows_the_device(monkeypatch, device, tp, key_padding, mode):
+    """Left to itself (None): on CUDA the whole block where it is one region, else the
+    elementwise regions; eager on a CPU. A choice made is kept."""
+    monkeypatch.setattr(config, "accelerator_device", lambda: torch.device(device))
+    chosen = ModelConfig(tensor_parallel_size=tp, key_padding=key_padding)
+    assert chosen.compile_mode == mode
+    assert chosen.fuses_elementwise is (mode == "elementwise")
+    assert ModelConfig(compile="none").compile_mode == "none"
+    assert chosen.without_block().compile_mode == ("elementwise" if mode == "block" else mode)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(tensor_parallel_size=2), "collectives split"),
+    (dict(key_padding="unpadded"), "nested tensors split"),
+    (dict(compile="blocks"), "unknown compile 'blocks'")])
+def test_compile_refused_where_it_would_not_be_one_region(overrides, words):
+    with pytest.raises(ValueError, match=words):
+        ModelConfig(**{"compile": "block", **overrides})
+
+
+@pytest.mark.parametrize("fused, mode", [(True, "elementwise"), (False, "none"), (None, None)])
+def test_records_of_earlier_versions_read(fused, mode):
+    """run.json and exports of an earlier tupe_ds hold `fused_elementwise`."""
+    assert ModelConfig.from_record({"fused_elementwise": fused}).compile == mode
