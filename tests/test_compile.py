@@ -146,17 +146,18 @@ def test_eager_layer_spends_no_call_on_unused_machinery(tiny_model, monkeypatch)
 
 
 @pytest.mark.parametrize("device, tp, key_padding, mode", [
-    ("cuda:0", 1, "auto", "block"), ("cuda:0", 2, "auto", "elementwise"),
-    ("cuda:0", 1, "unpadded", "elementwise"), ("cpu", 1, "auto", "none")])
+    ("cuda:0", 1, "auto", "block"), ("cuda:0", 2, "auto", "none"),
+    ("cuda:0", 1, "unpadded", "none"), ("cpu", 1, "auto", "none")])
 def test_compile_follows_the_device(monkeypatch, device, tp, key_padding, mode):
-    """Left to itself (None): on CUDA the whole block where it is one region, else the
-    elementwise regions; eager on a CPU. A choice made is kept."""
+    """Left to itself (None): on CUDA the whole block where it is one region, else eager; eager
+    on a CPU. A choice made is kept; without_block is eager where the block would be."""
     monkeypatch.setattr(config, "accelerator_device", lambda: torch.device(device))
     chosen = ModelConfig(tensor_parallel_size=tp, key_padding=key_padding)
     assert chosen.compile_mode == mode
-    assert chosen.fuses_elementwise is (mode == "elementwise")
-    assert ModelConfig(compile="none").compile_mode == "none"
-    assert chosen.without_block().compile_mode == ("elementwise" if mode == "block" else mode)
+    assert not chosen.fuses_elementwise
+    assert ModelConfig(compile="elementwise").fuses_elementwise
+    assert chosen.without_block().compile_mode == "none"
+    assert ModelConfig(compile="elementwise").without_block().compile == "elementwise"
 
 
 @pytest.mark.parametrize("overrides, words", [

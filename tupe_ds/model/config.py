@@ -221,21 +221,20 @@ class ModelConfig:
     @property
     def compile_mode(self) -> str:
         """`compile`, or the device's choice: on CUDA the whole block where it is one region
-        (see __post_init__), else the elementwise regions; eager on a CPU, where compiling takes
-        longer than it saves."""
+        (see __post_init__), else eager; eager on a CPU, where compiling takes longer than it
+        saves. Not the elementwise regions: their guards and wrappers doubled the Python calls
+        of a micro-batch (bench/README.md, "Compiled regions")."""
         if self.compile is not None:
             return self.compile
-        if accelerator_device().type != "cuda":
-            return "none"
         whole = self.tensor_parallel_size == 1 and self.key_padding != "unpadded"
-        return "block" if whole else "elementwise"
+        return "block" if whole and accelerator_device().type == "cuda" else "none"
 
     def without_block(self) -> "ModelConfig":
-        """This config with the elementwise regions where it would compile the whole block:
-        for work whose shapes vary (fine-tuning pads each batch to its longest text) or whose
-        hooks split the block (ZeRO-3's)."""
+        """This config, eager where it would compile the whole block: for work whose shapes vary
+        (fine-tuning pads each batch to its longest text) or whose hooks split the block
+        (ZeRO-3's)."""
         if self.compile_mode == "block":
-            return dataclasses.replace(self, compile="elementwise")
+            return dataclasses.replace(self, compile="none")
         return self
 
     @property

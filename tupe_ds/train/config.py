@@ -242,9 +242,9 @@ def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
 def model_configs(args: argparse.Namespace, dtype: str, vocab_size: int,
                   zero_stage: int = 0) -> tuple:
     """(ModelConfig,) for mlm; (discriminator, generator) for electra. Left to the device
-    (no --compile), ZeRO stage 3 gets the elementwise regions where the device would compile
-    the whole block: ZeRO-3 gathers each module's parameters in hooks that split a compiled
-    block (62 graph breaks in the tiny model's 2 layers)."""
+    (no --compile), ZeRO stage 3 runs eager where the device would compile the whole block:
+    ZeRO-3 gathers each module's parameters in hooks that split a compiled block (62 graph
+    breaks in the tiny model's 2 layers)."""
     presets = PAIRS[args.model] if args.objective == "electra" else (args.model,)
     positions = max(args.seq_len,
                     *(PRESETS[p].get("max_position_embeddings", 512) for p in presets))

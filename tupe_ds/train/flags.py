@@ -95,9 +95,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
     p.add_argument("--compile", choices=list(COMPILE),
                    help="what torch.compile takes as one region (default: on CUDA the whole "
-                        "block at --tp 1, the elementwise regions above it and under ZeRO stage "
-                        "3; none on a CPU); " + "; ".join(f"{name}: {text}"
-                                                          for name, text in COMPILE.items()))
+                        "block at --tp 1 outside ZeRO stage 3, else none); "
+                        + "; ".join(f"{name}: {text}" for name, text in COMPILE.items()))
     p.add_argument("--eval-interval", type=int, default=1000, help="steps between validations")
     p.add_argument("--eval-samples", type=int, default=256, help="valid samples per validation")
     p.add_argument("--save-interval", type=int, default=1000, help="steps between checkpoints")
