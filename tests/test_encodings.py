@@ -5,7 +5,8 @@ import torch
 
 import tupe_ds
 from reference import reference_logits
-from tupe_ds.model.layers import at_labelled, labelled_positions
+from tupe_ds.model.layers import (at_labelled, labelled_positions, vocabulary_parallel_loss,
+                                  whole_vocabulary_loss)
 
 ENCODINGS = list(tupe_ds.ENCODINGS)
 
@@ -64,6 +65,20 @@ def test_loss_ignores_minus_100_and_matches_cross_entropy(tiny_model):
         loss, logits = model(ids, mask, labels)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), labels.reshape(-1))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_whole_vocabulary_loss_is_megatron_cores_at_tp_1():
+    """At tensor-parallel size 1 the loss is torch's cross-entropy: the same sum and gradient as
+    megatron-core's vocab-parallel one, which tp > 1 runs (tests/test_tensor_parallel.py)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(7, 3, 512, generator=generator)).requires_grad_()
+    labels = torch.randint(0, 512, (7, 3), generator=generator).masked_fill(
+        torch.rand(7, 3, generator=generator) < 0.5, -100)
+    tupe_ds.build_model("tiny")  # megatron-core's parallel state at tp 1
+    sums = [loss(logits, labels) for loss in (whole_vocabulary_loss, vocabulary_parallel_loss)]
+    grads = [torch.autograd.grad(total, logits)[0] for total in sums]
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("encoding", ["tupe-r", "bert-a"])

@@ -133,6 +133,9 @@ def end_distributed() -> None:
     for name, value in vars(parallel_state).items():  # what destroy_model_parallel leaves (0.16)
         if isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # a compiled encoder's graphs hold the groups they were traced with
+        dynamo.reset()
     pipeline_p2p = sys.modules.get("deepspeed.runtime.pipe.p2p")
     if pipeline_p2p is not None:  # DeepSpeed's pipeline engine keeps its grid there (0.19)
         pipeline_p2p._grid, pipeline_p2p._groups, pipeline_p2p._async = None, None, []

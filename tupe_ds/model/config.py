@@ -72,9 +72,9 @@ ATTENTION = {
 }
 
 COMPILE = {  # what torch.compile takes as one region (ModelConfig.compile)
-    "block": "the whole TransformerBlock, every layer forward and backward, as one region: "
-             "the fewest Python calls and kernel launches a micro-batch (a pipeline stage "
-             "compiles each of its layers instead)",
+    "block": "the encoder, its positional terms and every layer, forward and backward, as one "
+             "region: the fewest Python calls and kernel launches a micro-batch (a pipeline "
+             "stage compiles each of its layers instead)",
     "elementwise": "bias + dropout + residual and bias + GELU, each its own region (three a "
                    "layer), the rest eager",
     "none": "eager: the reference",

@@ -4,7 +4,8 @@ Layout inside: megatron-core's [seq, batch, hidden].
 """
 
 import torch
-from megatron.core import tensor_parallel
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -40,12 +41,14 @@ def embed(embedding: LanguageModelEmbedding, input_ids: Tensor, max_positions: i
 class Encoder(MegatronModule):
     """The positional module and megatron-core's TransformerBlock: [n, b, h] -> [n, b, h].
 
-    With ModelConfig.compile_mode "block" the TransformerBlock is one torch.compile region, its
-    backward one compiled graph: a micro-batch runs a few thousand Python calls where the eager
-    layers ran tens of thousands (bench/host_calls.py). It compiles at the first forward and
-    again for each new kind of batch: padded or not, training or evaluation, and each shape
-    (static shapes, the fastest kernels: a run's shapes are fixed; ELECTRA's two widths make 8
-    graphs, dynamo's default limit). Inductor caches the kernels on disk for the next start.
+    With ModelConfig.compile_mode "block" the positional terms and every layer are one
+    torch.compile region, the backward one compiled graph: a micro-batch runs a few thousand
+    Python calls where the eager layers ran tens of thousands (bench/host_calls.py). It compiles
+    at the first forward and again for each new kind of batch: padded or not, training or
+    evaluation, and each shape (static shapes, the fastest kernels: a run's shapes are fixed;
+    ELECTRA's two widths make 8 graphs, dynamo's default limit). Inductor caches the kernels on
+    disk for the next start; its size assertions are off in the region (dynamo's guards check
+    the inputs' sizes and strides already: 880 calls a micro-batch fewer at BERT-Large's depth).
     """
 
     def __init__(self, config: ModelConfig, tconfig: TransformerConfig):
@@ -53,16 +56,20 @@ class Encoder(MegatronModule):
         self.positional = PositionalEncoding(config, tconfig)
         self.block = TransformerBlock(tconfig, spec=encoder_layer_spec(config))
         if config.compile_mode == "block":
-            self.block.compile(dynamic=False)
+            self.encode = torch.compile(self.encode, dynamic=False,
+                                        options={"size_asserts": False})
 
     def forward(self, hidden: Tensor, padding) -> Tensor:
         """padding: [batch, seq] True at padded positions, or None."""
-        n = hidden.shape[0]
-        bias = self.positional.attention_bias(n, padding, hidden.dtype, hidden.device)
         # The block makes a view (ELECTRA's generator reads a projection) viewless with an
         # assignment to `.data`, which dynamo does not trace: a compiled block broke there and
-        # then ran a graph on the wrong input. Done here, outside the block, it costs nothing.
-        hidden = make_viewless_tensor(hidden, requires_grad=True, keep_graph=True)
+        # then ran a graph on the wrong input. Done here, outside the region, it costs nothing.
+        return self.encode(make_viewless_tensor(hidden, requires_grad=True, keep_graph=True),
+                           padding)
+
+    def encode(self, hidden: Tensor, padding) -> Tensor:
+        n = hidden.shape[0]
+        bias = self.positional.attention_bias(n, padding, hidden.dtype, hidden.device)
         return self.block(hidden, attention_mask=None, attention_bias=bias,
                           rotary_pos_emb=self.positional.rotary_embedding(n))
 
@@ -114,10 +121,27 @@ def at_labelled(tensor: Tensor, labelled: Tensor) -> Tensor:
 
 def masked_lm_loss(local_logits: Tensor, labels: Tensor, denominator=None) -> Tensor:
     """Cross-entropy summed over labels != -100 and divided by `denominator` (default: their
-    count, the mean); local_logits [n, b, vocab / tp], labels [n, b]."""
+    count, the mean); local_logits [n, b, vocab / tp], labels [n, b].
+
+    At tensor-parallel size 1 the logits are the whole vocabulary's: torch's cross-entropy, in
+    place of megatron-core's vocab-parallel one, whose autograd.Function and three all-reduces
+    (over a group of one) ran every micro-batch. The same sum (tests/test_encodings.py)."""
+    if denominator is None:
+        denominator = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return whole_vocabulary_loss(local_logits, labels) / denominator
+    return vocabulary_parallel_loss(local_logits, labels) / denominator
+
+
+def whole_vocabulary_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """The summed cross-entropy of labels != -100, in fp32; logits [..., vocab]."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def vocabulary_parallel_loss(local_logits: Tensor, labels: Tensor) -> Tensor:
+    """The same sum over this rank's vocabulary shard, through megatron-core's collectives."""
     counted = labels != IGNORE_INDEX
     losses = tensor_parallel.vocab_parallel_cross_entropy(  # works in place on its input
         local_logits.to(torch.float32, copy=True), labels.masked_fill(~counted, 0))
-    if denominator is None:
-        denominator = counted.sum().clamp(min=1)
-    return torch.where(counted, losses, 0.0).sum() / denominator
+    return torch.where(counted, losses, 0.0).sum()

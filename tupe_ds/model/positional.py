@@ -96,7 +96,13 @@ class RelativeBias(RelativePositionEmbedding):
         weight = self.relative_attention_bias.weight
         weight.data.copy_(table.chunk(tp, dim=1)[rank])
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=1, stride=1)
-        self._buckets = None  # bucket(j - i) of the distances 1 - n ... n - 1, for the last n
+        self.longest = config.max_position_embeddings
+        # bucket(j - i) of the distances 1 - N ... N - 1 (N the longest sequence): made once, not
+        # saved; a shorter n reads the middle 2n - 1
+        self.register_buffer("buckets", self._relative_position_bucket(
+            torch.arange(1 - self.longest, self.longest), bidirectional=True,
+            num_buckets=config.relative_buckets, max_distance=config.relative_max_distance),
+            persistent=False)
 
     def forward(self, n: int) -> Tensor:
         """[heads, n, n] with [h, i, j] = b_h(bucket(j - i)).
@@ -104,16 +110,7 @@ class RelativeBias(RelativePositionEmbedding):
         Looked up once per distance (2n - 1 rows, not n^2 pairs) and laid out as a Toeplitz
         matrix through a strided view: the backward then sums over 2n - 1 rows too.
         """
-        device = self.relative_attention_bias.weight.device
-        cached = self._buckets
-        if cached is None or len(cached) != 2 * n - 1 or cached.device != device:
-            self._buckets = self._relative_position_bucket(  # the same every step: made once
-                torch.arange(1 - n, n, device=device),
-                bidirectional=self.bidirectional,
-                num_buckets=self.relative_attention_num_buckets,
-                max_distance=self.relative_attention_max_distance,
-            )
-        bucket = self._buckets
+        bucket = self.buckets[self.longest - n:self.longest + n - 1]
         per_distance = self.relative_attention_bias(bucket).t()  # [heads, 2n - 1]
         # window k of unfold holds distances k - (n - 1) ... k; row i is window n - 1 - i.
         return per_distance.unfold(1, n, 1).flip(1)
