@@ -1,6 +1,8 @@
-"""bench/gpu/step_time.py's batches and the three steps it times, each as a runner with step(), module()
-and close(): Hugging Face's BERT with torch AMP, our model under deepspeed.initialize, and
-tupe_ds.pretrain's own step (EngineSteps) for the ELECTRA-vs-BERT rows."""
+"""bench/gpu/step_time.py's batches and the three steps it times, each as a runner with step(),
+use_batches() (another micro-batch on the same model), module() and close(): Hugging Face's BERT
+with torch AMP, our model under deepspeed.initialize, and tupe_ds.pretrain's own step
+(EngineSteps) for the ELECTRA-vs-BERT rows. The first two also step in phases (forward(batch),
+backward(loss, last): bench/gpu/phases.py)."""
 
 import json
 import os
@@ -12,12 +14,14 @@ import torch
 from transformers import BertConfig
 from transformers import BertForMaskedLM as HFBertForMaskedLM
 
+from bench.gpu.phases import run_step
 from bench.real_lengths import padding_mask, real_lengths
 from tupe_ds.data.masking import generator_draws
 from tupe_ds.distributed.parallel import MegatronMPU
 from tupe_ds.model import ModelConfig, build_model
 from tupe_ds.model.config import DTYPES
 from tupe_ds.model.layers import labelled_positions
+from tupe_ds.train import optimizer_boundary
 from tupe_ds.train.monitor import flops_per_step
 from tupe_ds.train.normalization import PER_TOKEN, LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
@@ -29,12 +33,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PADDINGS = {"real": "real padding", "none": "no padding"}
 
 
-def model_config(settings, seq: int, encoding: str, attention: str) -> ModelConfig:
+def model_config(settings, seq: int, encoding: str, attention: str,
+                 compile_mode: Optional[str] = None) -> ModelConfig:
+    """Our model at the run's size; `compile_mode` None: the device's choice
+    (ModelConfig.compile)."""
     return ModelConfig(num_layers=settings.layers, hidden_size=settings.hidden,
                        num_attention_heads=settings.heads, ffn_hidden_size=settings.ffn,
                        vocab_size=settings.vocab, seq_length=seq,
                        max_position_embeddings=max(512, max(settings.seqs)),
-                       pos_encoding=encoding, attention=attention, dtype=settings.dtype)
+                       pos_encoding=encoding, attention=attention, dtype=settings.dtype,
+                       compile=compile_mode)
 
 
 def make_batches(settings, seq: int, micro: int, count: int, padding: str) -> list:
@@ -60,13 +68,21 @@ def make_batches(settings, seq: int, micro: int, count: int, padding: str) -> li
     return batches
 
 
-def ds_config(settings, micro: Optional[int], zero_stage=None, path: Optional[str] = None) -> dict:
-    """The config at `path` (default --ds-config) with the run's global batch, precision and
-    `micro` (None: the config's own micro-batch)."""
-    path = path or settings.ds_config
+def read_config(path: str) -> dict:
     with open(path if os.path.isabs(path) else os.path.join(ROOT, path)) as f:
-        config = json.load(f)
-    micro = micro or config["train_micro_batch_size_per_gpu"]
+        return json.load(f)
+
+
+def config_micro_batch(path: str):
+    """The micro-batch a shipped config asks for: a number, or "auto" (tupe-pretrain's probe
+    picks the largest that fits; the bench sweeps its own micro-batches instead)."""
+    return read_config(path)["train_micro_batch_size_per_gpu"]
+
+
+def ds_config(settings, micro: int, zero_stage=None, path: Optional[str] = None) -> dict:
+    """The config at `path` (default --ds-config) with the run's global batch, precision and
+    micro-batch."""
+    config = read_config(path or settings.ds_config)
     config["train_batch_size"] = settings.global_batch
     config["train_micro_batch_size_per_gpu"] = micro
     config["gradient_accumulation_steps"] = settings.global_batch // micro
@@ -89,14 +105,38 @@ def fused_adamw_supported(device: torch.device) -> bool:
 
 
 def deepspeed_engine(model: torch.nn.Module, config: dict):
+    """The engine tupe_ds.pretrain builds: its parameter groups, megatron-core's groups, and its
+    optimizer boundary (optimizer_boundary.DEFAULT)."""
     weight_decay = config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
         mpu=MegatronMPU())
+    optimizer_boundary.install(engine.optimizer, optimizer_boundary.DEFAULT)
     return engine
 
 
-class HFRunner:
+def use_micro_batch(engine, micro: int) -> None:
+    """The engine's micro-batch changed, its global batch kept (fewer or more accumulation
+    steps). Only at a step's boundary into a count of accumulation steps that divides the old
+    one (a larger micro-batch by a whole factor): DeepSpeed finds the boundary by counting
+    micro-steps modulo the accumulation steps."""
+    global_batch = engine.train_batch_size()
+    engine.set_train_micro_batch_size(micro)
+    engine.set_train_batch_size(global_batch)
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        raise ValueError(f"micro-batch {micro}: {engine.micro_steps} micro-steps so far are no "
+                         f"whole number of {engine.gradient_accumulation_steps()}-micro-batch "
+                         "steps; sweep micro-batches upwards by whole factors")
+
+
+class MicroBatchRunner:
+    """A step over `batches` made of forward(batch) and backward(loss, last) per micro-batch."""
+
+    def step(self) -> None:
+        run_step(self)
+
+
+class HFRunner(MicroBatchRunner):
     """BertForMaskedLM, torch AMP, clipping, torch AdamW: the step a Hugging Face user writes."""
 
     def __init__(self, settings, seq: int, batches: list, ds_config: dict):
@@ -123,18 +163,25 @@ class HFRunner:
         self.flops = flops_per_step(model_config(settings, seq, "bert-a", "fast"),
                                     settings.global_batch, seq)
 
-    def step(self) -> None:
-        for ids, mask, labels, _ in self.batches:
-            with torch.autocast(self.device_type, dtype=self.autocast,
-                                enabled=self.autocast is not None):
-                loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            self.scaler.scale(loss / len(self.batches)).backward()
+    def forward(self, batch):
+        ids, mask, labels, _ = batch
+        with torch.autocast(self.device_type, dtype=self.autocast,
+                            enabled=self.autocast is not None):
+            return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def backward(self, loss, last: bool) -> None:
+        self.scaler.scale(loss / len(self.batches)).backward()
+        if not last:
+            return
         if self.clipping > 0:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clipping)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def use_batches(self, batches: list) -> None:
+        self.batches = batches
 
     def module(self) -> torch.nn.Module:
         return self.model
@@ -143,23 +190,8 @@ class HFRunner:
         vars(self).clear()
 
 
-class OursRunner:
-    """tupe_ds.build_model under deepspeed.initialize: the step tupe_ds.pretrain runs, less the
-    accuracy metric it adds (an argmax over the logits), so both sides compute the loss only."""
-
-    def __init__(self, settings, seq: int, batches: list, encoding: str, attention: str,
-                 config: dict):
-        torch.manual_seed(settings.seed)
-        model = build_model(model_config(settings, seq, encoding, attention))
-        self.engine = deepspeed_engine(model, config)
-        self.batches = batches
-        self.flops = flops_per_step(model.model_config, settings.global_batch, seq)
-
-    def step(self) -> None:
-        for ids, mask, labels, positions in self.batches:
-            loss, _ = self.engine(ids, mask, labels, positions)
-            self.engine.backward(loss)
-            self.engine.step()
+class EngineRunner:
+    """A runner over a DeepSpeed engine."""
 
     def module(self) -> torch.nn.Module:
         return self.engine.module
@@ -169,7 +201,32 @@ class OursRunner:
         vars(self).clear()
 
 
-class TrainingStepRunner(OursRunner):
+class OursRunner(EngineRunner, MicroBatchRunner):
+    """tupe_ds.build_model under deepspeed.initialize: the step tupe_ds.pretrain runs, less the
+    accuracy metric it adds (an argmax over the logits), so both sides compute the loss only."""
+
+    def __init__(self, settings, seq: int, batches: list, encoding: str, attention: str,
+                 config: dict, compile_mode: Optional[str] = None):
+        torch.manual_seed(settings.seed)
+        model = build_model(model_config(settings, seq, encoding, attention, compile_mode))
+        self.engine = deepspeed_engine(model, config)
+        self.batches = batches
+        self.flops = flops_per_step(model.model_config, settings.global_batch, seq)
+        self.compile = model.model_config.compile_mode
+
+    def forward(self, batch):
+        return self.engine(*batch)[0]
+
+    def backward(self, loss, last: bool) -> None:
+        self.engine.backward(loss)
+        self.engine.step()  # at the boundary the optimizer's; else it counts the micro-batch
+
+    def use_batches(self, batches: list) -> None:
+        use_micro_batch(self.engine, len(batches[0][0]))
+        self.batches = batches
+
+
+class TrainingStepRunner(EngineRunner):
     """tupe_ds.pretrain's own step (EngineSteps: host copies of the batches, labelled positions
     and the no-padding check taken there, the objective's metrics added per micro-batch) on the
     presets of `objective` with a shipped config: the ELECTRA-vs-BERT rows."""
@@ -181,20 +238,31 @@ class TrainingStepRunner(OursRunner):
             preset, pos_encoding=settings.electra_encoding, vocab_size=settings.vocab,
             seq_length=seq, max_position_embeddings=max(512, seq), dtype=settings.dtype)
             for preset in presets]
-        objective = OBJECTIVES[objective]
-        self.engine = deepspeed_engine(objective.build(models), config)
-        normalization = LossNormalization(PER_TOKEN, objective, settings.device)
-        self.steps = EngineSteps(self.engine, objective, normalization, settings.device)
-        self.batches = [{"input_ids": ids.cpu(), "labels": labels.cpu(), "attention_mask":
-                         torch.ones_like(ids.cpu()) if mask is None else mask.cpu()}
-                        for ids, mask, labels, _ in batches]
-        if objective.generator_draws:  # as the data stream draws them, sample i of batch b
-            for b, batch in enumerate(self.batches):
+        self.objective, self.seed = OBJECTIVES[objective], settings.seed
+        self.engine = deepspeed_engine(self.objective.build(models), config)
+        normalization = LossNormalization(PER_TOKEN, self.objective, settings.device)
+        self.steps = EngineSteps(self.engine, self.objective, normalization, settings.device)
+        self.batches = self.loader_batches(batches)
+        self.flops = sum(flops_per_step(m, settings.global_batch, seq) for m in models)
+        self.compile = models[0].compile_mode
+
+    def loader_batches(self, batches: list) -> list:
+        """The batches as the training loader gives them: on the host, a mask for every batch,
+        ELECTRA's generator draws (as the data stream draws them, sample i of batch b)."""
+        out = [{"input_ids": ids.cpu(), "labels": labels.cpu(), "attention_mask":
+                torch.ones_like(ids.cpu()) if mask is None else mask.cpu()}
+               for ids, mask, labels, _ in batches]
+        if self.objective.generator_draws:
+            for b, batch in enumerate(out):
                 rows = len(batch["labels"])
                 batch["generator_draws"] = torch.from_numpy(generator_draws(
-                    settings.seed, np.zeros(rows, dtype=np.int64), b * rows + np.arange(rows),
+                    self.seed, np.zeros(rows, dtype=np.int64), b * rows + np.arange(rows),
                     batch["labels"].numpy()))
-        self.flops = sum(flops_per_step(m, settings.global_batch, seq) for m in models)
+        return out
 
     def step(self) -> None:
         self.steps.train(self.batches, {})
+
+    def use_batches(self, batches: list) -> None:
+        use_micro_batch(self.engine, len(batches[0][0]))
+        self.batches = self.loader_batches(batches)

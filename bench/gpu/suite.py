@@ -8,8 +8,10 @@ one markdown report made from them.
 Parts (--parts), in this order:
 1. table: bench/gpu/step_time.py's step time, our DeepSpeed step against Hugging Face's BertForMaskedLM +
    torch AMP, BERT-Large at seq 128 and 512, every encoding, padded as the training loader pads
-   (real) and unpadded;
-2. electra: bench/gpu/step_time.py's ELECTRA-Base against BERT-Base (both paddings);
+   (real; the CUDA plan leaves the unpadded rows out), HF and bert-a swept over micro-batches
+   (the headline: each at its best), 2 warm-up steps, each model's first micro-batch profiled
+   (operators, kernel launches, the device's busy time, host against device ms per phase);
+2. electra: bench/gpu/step_time.py's ELECTRA-Base against BERT-Base (the plan's paddings);
 3. attention: bench/attention.py's kernel-layout candidates (key padding, TUPE-A's columns, head
    multiples 8 and 64) at BERT-Large shapes, seq 512;
 4. data_stream: bench/data_stream.py's samples/s on one core of this machine (its tiny synthetic
@@ -18,22 +20,22 @@ Parts (--parts), in this order:
 Without CUDA the tiny plan: step_time.py at its tiny width but BERT-Large's depth (24 layers, where
 the operator counts per step are BERT-Large's), one step each; the other parts at tiny sizes.
 
-Each row (a model build of step_time.py, a padding's attention candidates, the data stream's figures)
-is appended to the rows file (--rows, JSON lines) and flushed to disk as soon as it is measured;
+Each row (a model build's rows of step_time.py, a padding's attention candidates, the data stream's
+figures) is appended to the rows file (--rows, JSON lines) and flushed to disk as soon as it is measured;
 the JSON and markdown are made from that file after each part, and by --report-only from the file
 alone: a run cut at any point keeps every finished row. A rows file of an earlier run is moved
 aside (its name stamped with its time), never overwritten.
 
 Before each model build and each other part, the time left of --budget-s (default 570 s,
 counted from the process's start: one 10-minute device call less margin) is checked against its
-estimate: the longest row of its kind (part, seq, padding) measured in this run, else GUESSES.
-What does not fit is skipped with the rest of its part; the report says so and gives the command
-that runs it. The estimates are guesses (GUESSES), not measurements, and are labelled so wherever
-they are printed.
+estimate: the longest build of its kind (part, seq, padding, HF's or ours, micro-batches)
+measured in this run, else GUESSES, whose compile times are replaced by this run's once a
+compiled build has measured them. What does not fit is skipped with the rest of its part; the
+report says so and gives the command that runs it. The estimates are guesses (GUESSES), not
+measurements, and are labelled so wherever they are printed.
 """
 
 import argparse
-import functools
 import os
 import subprocess
 import time
@@ -44,18 +46,18 @@ from bench import attention
 from bench.gpu import step_time
 from bench.gpu.measure import BUILDS
 from bench.gpu.runners import PADDINGS
-from bench.gpu.suite_budget import Budget, estimate_s, guess_s
+from bench.gpu.suite_budget import Budget, Guesses, build_kind, estimate_s
 from bench.gpu.suite_report import RowsFile, data_stream_figures, write_reports
 from tupe_ds.distributed.parallel import end_distributed
 
 PARTS = ("table", "electra", "attention", "data_stream", "sweep")  # in the order they run
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLANS = {  # the flags of each part, per device kind
-    "cuda": {"gpu": ["--steps", "3", "--warmup", "1", "--sweep-zero-stages", "0,1,2",
-                     "--sweep-micro-batches", "64,128", "--profiled-paddings", "real"],
+    "cuda": {"gpu": ["--steps", "3", "--warmup", "2", "--padding", "real",
+                     "--sweep-zero-stages", "0,1,2", "--sweep-micro-batches", "64,128"],
              "attention": ["--steps", "10", "--warmup", "2"],
              "data_stream": ["--size", "tiny"]},
-    "cpu": {"gpu": ["--layers", "24", "--seqs", "32", "--steps", "1", "--warmup", "1",
+    "cpu": {"gpu": ["--layers", "24", "--seqs", "32", "--steps", "1", "--warmup", "2",
                     "--sweep-zero-stages", "0,1", "--sweep-micro-batches", "4,8"],
             "attention": ["--steps", "1", "--warmup", "1"],
             "data_stream": ["--size", "tiny", "--samples", "640", "--reference-samples", "64"]},
@@ -104,16 +106,17 @@ class Run:
         write_reports(self.paths)
 
     def measure_rows(self, part: str, builds) -> None:
-        """step_time.py's `part`, one Build at a time while the next fits, each row written when
+        """step_time.py's `part`, one Build at a time while the next fits, its rows written when
         measured."""
         started = time.perf_counter()
         for build in builds:
-            kind = (part, build.seq, build.padding)
+            kind = build_kind(part, build)
             where = f"{build.model}, {PADDINGS[build.padding]}, seq {build.seq}"
             if not self.fits(kind, f"{part} rows from {where} on"):
                 break
-            row = self.budget.timed(kind, lambda: build.measure(self.gpu_settings))
-            self.write_rows("gpu", step_time.PARTS[part], [row])
+            rows = self.budget.timed(kind, lambda: build.measure(self.gpu_settings))
+            self.budget.guesses.learn(rows)
+            self.write_rows("gpu", step_time.PARTS[part], rows)
         self.done(part, started)
 
     def attention(self, argv: list) -> None:
@@ -175,7 +178,7 @@ def main(argv=None) -> None:
     print(f"bench/gpu/suite.py, {kind} plan: estimated {sum(estimate.values()) / 60:.1f} min, from "
           f"guessed timings: not measured ({parts_s}); budget {paths.budget_s:.0f} s; rows to "
           f"{paths.rows}", flush=True)
-    budget = Budget(paths.budget_s, functools.partial(guess_s, gpu_settings, kind))
+    budget = Budget(paths.budget_s, Guesses(gpu_settings, kind))
     run = Run(paths, budget, gpu_settings, dict(
         date=time.strftime("%Y-%m-%d"), commit=commit(), kind=kind, plan=plan, parts=paths.parts,
         estimate_s=estimate, budget_s=paths.budget_s))

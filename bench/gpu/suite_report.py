@@ -110,7 +110,7 @@ def content_of(lines: list) -> dict:
 
 def gpu_settings_of(content: dict) -> argparse.Namespace:
     """step_time.py's settings as its report reads them, from the flags its result holds."""
-    return argparse.Namespace(**content["gpu"]["args"], cuda=content["kind"] == "cuda")
+    return argparse.Namespace(**{**content["gpu"]["args"], "cuda": content["kind"] == "cuda"})
 
 
 def markdown(content: dict) -> str:
