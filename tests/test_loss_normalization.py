@@ -6,7 +6,9 @@ accumulation, dp, tp, pp, ZeRO stage) layouts give the same parameters, for BERT
 for ELECTRA (both terms, and the generator's samples drawn from the data stream), and the same
 logged losses, gradient norms and validation metrics. BERT's batches ramp up
 (--rampup-batch-size: 8 samples, then 16, so each layout's accumulation steps change between
-steps), ELECTRA's are 8 each. The same
+steps), ELECTRA's are 8 each. The reference layout takes --micro-batch auto, whose probe
+chooses 8 for it (auto_micro_batch.py): the split auto chooses changes nothing either. Two
+layouts compile (COMPILED): the compiled step gives the eager one's parameters too. The same
 comparison on the mean-of-means path (--loss-normalization micro-batch) gives other parameters:
 the negative control that shows the comparison can fail.
 """
@@ -39,6 +41,10 @@ LAYOUTS = {
     "4x2-pp2": (4, 2, 1, 1, 2, 1),  # the pipeline engine takes ZeRO stage 0 or 1
 }
 ELECTRA_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout[4] == 1]  # no pipeline
+# Layouts that also compile (--compile block; on a CPU the default is eager): the encoder as one
+# region, both of ELECTRA's; a pipeline stage's layers one by one. The same parameters as the
+# eager reference is the compiled training step's parity test, evaluation included.
+COMPILED = {"4x2", "4x2-pp2"}
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # measured: at most 2e-6 apart; the control 1e-2
 
 
@@ -101,10 +107,14 @@ def constant_lr(tmp_path_factory):
 def test_every_layout_trains_the_same_parameters(data, tmp_path, constant_lr, objective, layouts):
     assert_micro_batches_differ(data, objective, layouts)
     reference = run_layout(data, tmp_path / layouts[0], objective, LAYOUTS[layouts[0]],
-                           constant_lr)
+                           constant_lr, "--micro-batch", "auto")
+    chosen = json.loads((tmp_path / layouts[0] / "run.json").read_text())["micro_batch"]
+    assert chosen["size"] == chosen["auto"]["micro_batch"] == LAYOUTS[layouts[0]][0]
     logged = log(tmp_path / layouts[0])
     for name in layouts[1:]:
-        state = run_layout(data, tmp_path / name, objective, LAYOUTS[name], constant_lr)
+        compiled = ("--compile", "block") if name in COMPILED else ()
+        state = run_layout(data, tmp_path / name, objective, LAYOUTS[name], constant_lr,
+                           *compiled)
         print(objective, name, largest_difference(state, reference))
         for parameter, expected in reference.items():
             torch.testing.assert_close(state[parameter], expected, **TOLERANCE,

@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 from tupe_ds.machine import doctor
 from tupe_ds.train.batch_ramp import BatchRamp, RampSettings
 from tupe_ds.train.ds_config import BatchSplit
+from tupe_ds.train.precision import with_bf16
 from tupe_ds.train.schedule import decay_room
 
 RECIPES = ("paper", "modern")
@@ -190,6 +191,10 @@ def ramping(user_flags, split: BatchSplit, steps: int) -> tuple:
     """(flags, note) of the batch ramp."""
     if given(user_flags, "--rampup-batch-size") is not None:
         return (), "batch ramp: --rampup-batch-size given, kept"
+    if split.micro_batch is None:
+        return (), ("no batch ramp: the micro-batch is auto, chosen at each run's start, and every "
+                    "batch of a ramp is a multiple of micro-batch x data-parallel ranks; "
+                    "--micro-batch N allows one")
     ramp = batch_ramp(split, steps)
     if ramp is None:
         return (), (f"no batch ramp: the global batch {split.global_batch} is one micro-batch "
@@ -217,11 +222,9 @@ def precision(ds_config: dict, path: str, machine: doctor.Machine, out: str) -> 
         return (), f"precision {dtype}, the --ds-config's ({why})", None
     if dtype == "bf16":
         return (), "precision bf16, the --ds-config's", None
-    config = {key: value for key, value in ds_config.items() if key not in ("fp16", "amp")}
-    config["bf16"] = {**ds_config.get("bf16", {}), "enabled": True}
     flags = ("--ds-config", os.path.join(out, DS_CONFIG_FILE))
     return flags, (f"precision bf16 (these GPUs have it): {flags[1]}, {path} with bf16 in "
-                   f"place of its {dtype} ({flags_note(flags)})"), config
+                   f"place of its {dtype} ({flags_note(flags)})"), with_bf16(ds_config)
 
 
 def modern(steps: int, split: BatchSplit, warmup: int, machine: doctor.Machine,

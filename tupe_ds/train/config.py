@@ -15,7 +15,7 @@ from tupe_ds.data.masking import MaskingScheme
 from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
-from tupe_ds.train import nonfinite, run_description, run_lock
+from tupe_ds.train import nonfinite, optimizer_boundary, run_description, run_lock
 from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
@@ -83,6 +83,7 @@ class RunConfig:
     branch_origin: Optional[str] = None  # --branch: its --init-from, absolute (run.json)
     allow_training_changes: bool = False  # --allow-training-changes
     lock: Optional[RunLock] = None  # OUT/run.lock, held by rank 0 (run_lock.py)
+    optimizer_boundary: str = optimizer_boundary.DEFAULT  # --optimizer-boundary
 
     @property
     def world_size(self) -> int:
@@ -198,7 +199,7 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                      identity=identity, training=training, resume_plan=resume_plan,
                      init_plan=init_plan, branch_origin=branch_origin,
                      allow_training_changes=args.allow_training_changes,
-                     lock=lock)
+                     lock=lock, optimizer_boundary=args.optimizer_boundary)
 
 
 def refuse_another_branch(out: str, origin: str, plan: ResumePlan) -> None:

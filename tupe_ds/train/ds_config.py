@@ -2,6 +2,7 @@
 DeepSpeed's pipeline engine, with the command line's ZeRO stage, batch and schedule written in."""
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -9,28 +10,32 @@ from typing import Optional, Tuple
 
 from tupe_ds.distributed.launch import processes_on_this_node
 from tupe_ds.machine import doctor
-from tupe_ds.train import batch_ramp
+from tupe_ds.train import batch_ramp, precision
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.identity import training_settings
-from tupe_ds.train.flags import fail
+from tupe_ds.train.flags import MICRO_BATCH_AUTO, fail
 from tupe_ds.train.schedule import config_warmup, decay_room, scheduler_config
 
 
 @dataclass(frozen=True)
 class BatchSplit:
     """How a step's global batch is split: micro-batch x accumulation steps x data-parallel
-    ranks; `note` says what the config logic changed by itself ("" if nothing)."""
+    ranks; `note` says what the config logic changed or chose by itself ("" if nothing). Under
+    --micro-batch auto, micro_batch and accumulation are None until the start chooses them
+    (train/auto_micro_batch.py), which `auto` then records."""
     global_batch: int
-    micro_batch: int
-    accumulation: int
+    micro_batch: Optional[int]
+    accumulation: Optional[int]
     dp: int
     note: str = ""
     ramp: Optional[RampSettings] = None  # --rampup-batch-size
+    auto: Optional[dict] = None  # --micro-batch auto's choice, as run.json records it
 
     def __str__(self) -> str:
         ramp = self.ramp
-        return (f"global batch {self.global_batch} = micro-batch {self.micro_batch} x "
-                f"accumulation {self.accumulation} x dp {self.dp}"
+        micro = (f"micro-batch {self.micro_batch} x accumulation {self.accumulation}"
+                 if self.micro_batch else "micro-batch auto")
+        return (f"global batch {self.global_batch} = {micro} x dp {self.dp}"
                 + (f", ramped up from {ramp.start} by {ramp.increment} over the first "
                    f"{ramp.samples} samples" if ramp else "")
                 + (f" ({self.note})" if self.note else ""))
@@ -42,6 +47,11 @@ def deepspeed_config(args: argparse.Namespace, dp: int,
     fp16 or bf16), its batch split and its training settings (set_schedule); tupe-doctor's fatal
     findings on `machine` stop the run."""
     ds_config = read_ds_config(args.ds_config)
+    if args.bf16:
+        refusal = precision.bf16_refusal(machine)
+        if refusal:
+            fail(refusal)
+        ds_config = precision.with_bf16(ds_config)
     dtype = doctor.precision(ds_config)
     for finding in doctor.all_findings(machine, args.ds_config, processes_on_this_node(),
                                        ds_config=ds_config):
@@ -89,7 +99,8 @@ def check_pipeline(args: argparse.Namespace, ds_config: dict, dtype: str) -> Non
 
 
 def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
-    """Global batch, micro-batch and the gradient accumulation that joins them over dp ranks."""
+    """Global batch, micro-batch and the gradient accumulation that joins them over dp ranks;
+    a micro-batch `auto` is checked here and chosen at the start (train/auto_micro_batch.py)."""
     if args.micro_batch is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.global_batch is not None:
@@ -99,23 +110,65 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
     if micro is None or batch is None:
         fail(f"{args.ds_config}: set train_batch_size and train_micro_batch_size_per_gpu "
              "(or --global-batch and --micro-batch)")
+    ramp = RampSettings(*args.rampup_batch_size) if args.rampup_batch_size else None
+    unsplit = BatchSplit(batch, None, None, dp, ramp=ramp)
+    if micro == MICRO_BATCH_AUTO:
+        check_auto(args, unsplit)
+        return unsplit
+    if type(micro) is not int or micro < 1:
+        fail(f"{args.ds_config}: train_micro_batch_size_per_gpu {json.dumps(micro)} is neither a "
+             f"count of samples nor \"{MICRO_BATCH_AUTO}\"")
     note = ""
     if args.micro_batch is None and batch % dp == 0 and batch // dp < micro:
         # A config's micro-batch is the most one rank runs at once: with more data-parallel ranks
         # than that many fill the global batch, each runs its share in one micro-batch.
         note = (f"{args.ds_config}'s micro-batch {micro} lowered to {batch // dp}, each rank's "
                 "share; --micro-batch sets it")
-        micro = ds_config["train_micro_batch_size_per_gpu"] = batch // dp
+        micro = batch // dp
     if batch % (micro * dp):
         fail(f"global batch {batch} is not a multiple of micro-batch {micro} x {dp} data-parallel "
              "ranks; change --global-batch or --micro-batch")
-    ds_config["gradient_accumulation_steps"] = batch // (micro * dp)
-    ramp = RampSettings(*args.rampup_batch_size) if args.rampup_batch_size else None
     if ramp is not None:
         problem = batch_ramp.check(ramp, batch, micro, dp)
         if problem:
             fail(problem)
-    return BatchSplit(batch, micro, batch // (micro * dp), dp, note, ramp)
+    return with_micro_batch(ds_config, unsplit, micro, note)
+
+
+def check_auto(args: argparse.Namespace, split: BatchSplit) -> None:
+    """What --micro-batch auto (given, or the config's) needs before any work: one data-parallel
+    share per rank, a micro-batch the batch ramp allows, no pipeline."""
+    source = (f"--micro-batch {MICRO_BATCH_AUTO}" if args.micro_batch == MICRO_BATCH_AUTO
+              else f"{args.ds_config}'s micro-batch \"{MICRO_BATCH_AUTO}\"")
+    batch, dp = split.global_batch, split.dp
+    if batch % dp:
+        fail(f"global batch {batch} does not split into equal shares for {dp} data-parallel "
+             "ranks; change --global-batch or the number of processes")
+    if args.pp > 1:
+        fail(f"--pp {args.pp}: {source} probes the whole model on one device, and a pipeline "
+             "stage's memory depends on the micro-batches its schedule keeps in flight; give "
+             f"--micro-batch N, a divisor of each data-parallel rank's {batch // dp} samples")
+    if not micro_batch_candidates(batch, dp, split.ramp):
+        fail(batch_ramp.check(split.ramp, batch, 1, dp))  # even micro-batch 1: the ramp's fault
+
+
+def micro_batch_candidates(global_batch: int, dp: int, ramp: Optional[RampSettings]) -> list:
+    """The micro-batches a rank may run, ascending: the divisors of its share of the global
+    batch that a batch ramp allows."""
+    share = global_batch // dp
+    return [micro for micro in range(1, share + 1) if share % micro == 0
+            and not (ramp and batch_ramp.check(ramp, global_batch, micro, dp))]
+
+
+def with_micro_batch(ds_config: dict, split: BatchSplit, micro: int, note: str = "",
+                     auto: Optional[dict] = None) -> BatchSplit:
+    """`split` at micro-batch `micro`, written into `ds_config` with the gradient accumulation
+    that joins it to the global batch over the data-parallel ranks."""
+    accumulation = split.global_batch // (micro * split.dp)
+    ds_config["train_micro_batch_size_per_gpu"] = micro
+    ds_config["gradient_accumulation_steps"] = accumulation
+    return dataclasses.replace(split, micro_batch=micro, accumulation=accumulation, note=note,
+                               auto=auto)
 
 
 def set_schedule(args: argparse.Namespace, ds_config: dict) -> dict:

@@ -12,9 +12,10 @@ from tupe_ds.model.config import COMPILE, ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools.files import file_digest
 from tupe_ds.tools.third_party_warnings import add_verbose_flag
-from tupe_ds.train import normalization
+from tupe_ds.train import normalization, optimizer_boundary
 from tupe_ds.train.schedule import DECAY_SHAPES, SCHEDULES
 
+MICRO_BATCH_AUTO = "auto"  # of --micro-batch and the config's micro-batch: auto_micro_batch.py
 DATA_STREAMS = {
     "vectorised": "each micro-batch read and masked in whole-batch operations",
     "per-sample": "the reference: sample by sample (the same batches, slower)",
@@ -39,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
                    help="a preset; with --objective electra a pair: electra-base or tiny")
     p.add_argument("--pos-encoding", default="tupe-r", choices=list(ENCODINGS))
     p.add_argument("--ds-config", required=True, help="DeepSpeed JSON config (ds_configs/)")
+    p.add_argument("--bf16", action="store_true",
+                   help="train the --ds-config in bf16 in place of its precision (GPUs of compute "
+                        "capability 8.0 or newer: A100, H100, H200): no loss scaling, so no step "
+                        "skipped for overflow")
     p.add_argument("--out", required=True, help="run folder: checkpoints/, tensorboard/, log")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1,
@@ -73,7 +78,10 @@ def parser() -> argparse.ArgumentParser:
                         "the rest stay as they were (default: BERT "
                         f"{BERT_MASKING.mask:g},{BERT_MASKING.random:g}, ELECTRA's generator "
                         f"{ELECTRA_MASKING.mask:g},{ELECTRA_MASKING.random:g})")
-    p.add_argument("--micro-batch", type=int, help="overrides train_micro_batch_size_per_gpu")
+    p.add_argument("--micro-batch", type=micro_batch, metavar="N | auto",
+                   help="overrides train_micro_batch_size_per_gpu; auto: the largest divisor of "
+                        "each rank's share of the global batch that fits in memory, probed at the "
+                        "first start and kept in OUT/run.json (train/auto_micro_batch.py)")
     p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
     p.add_argument("--warmup-steps", type=int, help="overrides the scheduler's warmup_num_steps")
@@ -130,6 +138,10 @@ def parser() -> argparse.ArgumentParser:
                         "under this command's schedule (a decay branch of a stable WSD run: "
                         "--lr-schedule wsd --decay-steps N --steps STEP+N; same layout, same "
                         "data and model)")
+    p.add_argument("--optimizer-boundary", choices=list(optimizer_boundary.BOUNDARIES),
+                   default=optimizer_boundary.DEFAULT,
+                   help="; ".join(f"{name}: {text}"
+                                  for name, text in optimizer_boundary.BOUNDARIES.items()))
     p.add_argument("--max-nonfinite-steps", type=int, default=3,
                    help="stop after this many steps in a row whose loss or gradient is not "
                         "finite (none of them is applied)")
@@ -138,6 +150,20 @@ def parser() -> argparse.ArgumentParser:
                         "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
     return p
+
+
+def micro_batch(text: str):
+    """--micro-batch: a count of samples, or MICRO_BATCH_AUTO."""
+    if text == MICRO_BATCH_AUTO:
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give a count of samples (at least 1) or "
+                                         f"{MICRO_BATCH_AUTO}")
+    return count
 
 
 def mask_rate(text: str) -> float:

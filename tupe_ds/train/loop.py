@@ -18,10 +18,11 @@ from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import made_ahead
 from tupe_ds.distributed.parallel import (MegatronMPU, accelerator_device, seed_tensor_parallel_rng,
                                           share_cpu_cores, start_distributed)
+from tupe_ds.machine import doctor
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
-from tupe_ds.train import run_description, run_lock
+from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_description, run_lock
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest, reshard, resume
@@ -110,31 +111,45 @@ def write_run_description(run: RunConfig, lineage: str) -> None:
                    "lr_schedule": run.ds_config.get("scheduler"),
                    "branched_from": run.branch_origin or run_description.branched_from(run.out),
                    "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
+                   "micro_batch": {"size": run.batch_split.micro_batch,  # auto_micro_batch.py
+                                   "auto": run.batch_split.auto},  # reads it at the next start
                    "models": [dataclasses.asdict(config) for config in run.models]}
     run_description.write(run.out, description)
 
 
-def build_engine(run: RunConfig, objective, device):
-    """The model (a pipeline of stages when --pp > 1), its DeepSpeed engine and its steps."""
-    normalization = LossNormalization(run.loss_normalization, objective, device)
+def build_model(run: RunConfig, objective):
+    """The model this rank trains, from the run's seed: the objective's, or for --pp > 1 this
+    rank's pipeline stages (BertPipeline)."""
     torch.manual_seed(run.seed)  # weights, and dropout alike on every tensor-parallel rank
     seed_tensor_parallel_rng(run.seed)  # each tensor-parallel rank's heads: its own dropout
-    weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     layout = run.layout
-    config, lr_scheduler = client_scheduler(run.ds_config)
     if layout.pp > 1:
-        loss = PipelineLoss(objective)
         topology = pipeline_topology(layout.pp, layout.tp, layout.dp)
-        model = BertPipeline(run.models[0], topology, loss)
+        return BertPipeline(run.models[0], topology, PipelineLoss(objective))
+    model = objective.build(run.models)
+    model.universal_checkpoint_info = reshard.universal_info(model)  # saved by DeepSpeed
+    return model
+
+
+def build_engine(run: RunConfig, objective, device, model=None):
+    """The model (build_model's unless given), its DeepSpeed engine and its steps."""
+    if run.batch_split.micro_batch is None:  # DeepSpeed must never read "auto"
+        raise RuntimeError("--micro-batch auto is chosen before the engine is built: "
+                           "auto_micro_batch.settled(run, model, ...) first")
+    model = build_model(run, objective) if model is None else model
+    normalization = LossNormalization(run.loss_normalization, objective, device)
+    weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
+    config, lr_scheduler = client_scheduler(run.ds_config)
+    if run.layout.pp > 1:
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
             lr_scheduler=lr_scheduler)
-        return model, engine, PipelineSteps(engine, loss, normalization, device)
-    model = objective.build(run.models)
-    model.universal_checkpoint_info = reshard.universal_info(model)  # saved by DeepSpeed
+        optimizer_boundary.install(engine.optimizer, run.optimizer_boundary)
+        return model, engine, PipelineSteps(engine, model.loss_fn, normalization, device)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
         lr_scheduler=lr_scheduler, mpu=MegatronMPU())
+    optimizer_boundary.install(engine.optimizer, run.optimizer_boundary)
     ramped = run.batch_split.ramp is not None
     return model, engine, EngineSteps(engine, objective, normalization, device, ramped)
 
@@ -218,6 +233,9 @@ def train(run: RunConfig, launcher: str) -> None:
     os.makedirs(run.out, exist_ok=True)
     say = print if rank == 0 else (lambda *a, **k: None)
     run_lock.confirm_on_every_rank(run.lock, run.out)
+    advice = precision.bf16_advice(precision.every_rank_machine(), doctor.precision(run.ds_config))
+    if advice:
+        say(advice, flush=True)
     layout = run.layout
     # rank 0's plan, verified by every rank before the engine is built for it
     plan = resume.choose(run.resume_plan, layout.world_size, layout.tp, layout.pp,
@@ -229,18 +247,20 @@ def train(run: RunConfig, launcher: str) -> None:
     convert = plan is not None and plan.resharding is not None and plan.resharding.convert
     run.ds_config.setdefault("checkpoint", {})["load_universal"] = convert
     lineage = resume.lineage_of(plan, run.out)
-    if rank == 0:
-        damage = run_description.damage(run.out)
-        if damage:
-            say(f"tupe-pretrain: {damage}: written anew", flush=True)
-        write_run_description(run, lineage)
 
     arch_note = fit_cuda_arch_list()
     if arch_note and rank == 0:
         print(f"tupe-pretrain: {arch_note}", flush=True)
     objective = OBJECTIVES[run.objective]
     with announced(waiting_with_extensions("the DeepSpeed engine of every rank"), rank):
-        model, engine, steps = build_engine(run, objective, device)
+        model = build_model(run, objective)
+        run = auto_micro_batch.settled(run, model, objective, device)  # the last run.json's
+        model, engine, steps = build_engine(run, objective, device, model)
+    if rank == 0:  # with the micro-batch chosen
+        damage = run_description.damage(run.out)
+        if damage:
+            say(f"tupe-pretrain: {damage}: written anew", flush=True)
+        write_run_description(run, lineage)
     vocab = Vocabulary.from_data_dir(run.data)
     folders = ", ".join(source.folder for source in run.sources)
     with announced(f"the sample indexes of {folders} (seq-len {run.seq_len})", rank):

@@ -1,0 +1,143 @@
+"""What waits for the device in tupe_ds's optimizer step (issue 55.2), counted on the CPU:
+`get_accelerator().synchronize()` calls and host reads of tensor values (tests/support/
+host_reads.py), per optimizer step of EngineSteps.train, the tiny model under the DeepSpeed
+engine tupe-pretrain builds (config.load, loop.build_engine), ZeRO 1 as shipped
+(ds_configs/bert_large_fp16.json), 4 micro-batches, in fp32, bf16 (--bf16) and fp16 (DeepSpeed's
+CPU accelerator refuses fp16 unless `is_fp16_supported` says yes, and tupe-doctor unless the
+machine has a GPU: both are told so; torch's CPU kernels run the tiny model in fp16).
+
+No micro-batch waits; the optimizer boundary reads the device once, at its overflow check and
+norm (tupe_ds/train/optimizer_boundary.py). The reads that tupe_ds makes on the loader's host copy
+of a batch on purpose, indistinguishable from device reads on a CPU, are allowed by name
+(HOST_COPY): a read anywhere else fails the test. The negative controls: DeepSpeed's throughput
+timer (2 synchronize() calls a micro-batch from the third step on) and DeepSpeed's own optimizer
+boundary (4 reads a step)."""
+
+import json
+import os
+
+import pytest
+from deepspeed.accelerator import get_accelerator
+
+from host_reads import Counter, host_values, waits
+from one_process import deepspeed_group  # noqa: F401  (a fixture)
+from runs import ROOT
+from tupe_ds.data.loader import TrainBatches, Vocabulary
+from tupe_ds.distributed.parallel import accelerator_device
+from tupe_ds.machine import doctor
+from tupe_ds.train import precision as precision_line
+from tupe_ds.train.config import load
+from tupe_ds.train.loop import build_engine, datasets
+from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.steps import release
+
+# what tupe_ds reads on the host copy of a batch: whether it is padded (EngineSteps._forward)
+# and each micro-batch's count of masked tokens (the loss's divisors: normalization.divisors,
+# objective.token_counts). (layers.labelled_positions, also taken on the host copy, reads no
+# value: its nonzero() makes a tensor.)
+HOST_COPY = {"tupe_ds/train/steps.py:_forward", "tupe_ds/train/objectives.py:masked_count"}
+BOUNDARY_READ = ("item", "tupe_ds/train/optimizer_boundary.py:scaled_norm")
+STEPS, MICRO_BATCHES = 3, 4  # DeepSpeed's throughput timer synchronises from step 3 on
+GPU = doctor.Machine(accelerator="cuda", gpus=1, capabilities=((9, 0),))  # for fp16 (see above)
+CPU = doctor.Machine(accelerator="cpu", gpus=0)
+
+
+def shipped_config(tmp_path, precision: str, **settings) -> str:
+    with open(os.path.join(ROOT, "ds_configs", "bert_large_fp16.json")) as f:
+        config = json.load(f)
+    config["fp16"]["enabled"] = precision == "fp16"
+    config.update(settings)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def counted_steps(data, tmp_path, monkeypatch, precision: str, *flags, **settings) -> list:
+    """Per optimizer step, the reads and synchronisations of EngineSteps.train, each labelled
+    with where it happened: "boundary" (engine.step at the accumulation boundary) or
+    "micro-batch" (everything else)."""
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = shipped_config(tmp_path, precision, **settings)
+    run = load(["--data", data, "--model", "tiny", "--ds-config", config, "--out",
+                str(tmp_path / "out"), "--steps", str(STEPS), "--seq-len", "32",
+                "--micro-batch", "2", "--global-batch", str(2 * MICRO_BATCHES), "--prefetch", "0",
+                *(("--bf16",) if precision == "bf16" else ()), *flags],
+               world_size=1, machine=GPU if precision == "fp16" else CPU)
+    objective = OBJECTIVES[run.objective]
+    _, engine, steps = build_engine(run, objective, accelerator_device())
+    batches = TrainBatches(datasets(run, Vocabulary.from_data_dir(run.data), objective)["train"],
+                           2, MICRO_BATCHES, 0, 1)
+    counter = Counter().install(monkeypatch)
+    host_values(monkeypatch)
+    phase_steps(engine, counter)
+    found = []
+    try:
+        for _ in range(STEPS):
+            micro_batches = list(batches.next_step())  # made on the host, before the step
+            counter.take()
+            steps.train(micro_batches, {})
+            found.append(counter.take())
+    finally:
+        monkeypatch.undo()  # the counting off before the engine goes
+        release(engine)
+    return found
+
+
+def phase_steps(engine, counter: Counter) -> None:
+    step = engine.step
+
+    def labelled_step(*args, **kwargs):
+        counter.phase = "boundary" if engine.is_gradient_accumulation_boundary() else "micro-batch"
+        try:
+            return step(*args, **kwargs)
+        finally:
+            counter.phase = "micro-batch"
+    engine.step = labelled_step
+    counter.phase = "micro-batch"
+
+
+def problems(found: list, boundary_waits: int = precision_line.FOREACH_WAITS) -> list:
+    """What waits where it should not: in a micro-batch anything but the reads of the batch's
+    host copy; at the boundary a synchronize() or more reads than `boundary_waits`."""
+    said = []
+    for number, reads in enumerate(found, 1):
+        micro = waits([r for r in reads if r.phase == "micro-batch"], HOST_COPY)
+        boundary = waits([r for r in reads if r.phase == "boundary"])
+        said += [f"step {number}, micro-batch: {read.what} at {read.where}" for read in micro]
+        if len(boundary) > boundary_waits or any(r.what == "synchronize" for r in boundary):
+            said.append(f"step {number}, boundary: " + ", ".join(f"{r.what} at {r.where}"
+                                                                  for r in boundary))
+    return said
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_only_the_boundary_waits_for_the_device_once_a_step(precision, data, tmp_path,
+                                                           monkeypatch, deepspeed_group):
+    found = counted_steps(data, tmp_path, monkeypatch, precision)
+    assert problems(found) == []
+    for reads in found:
+        boundary = waits([r for r in reads if r.phase == "boundary"])
+        assert [(r.what, r.where) for r in boundary] == [BOUNDARY_READ]
+        assert {r.where for r in reads if r.phase == "micro-batch"} == HOST_COPY  # read as said
+        # bf16 and fp16 pay the same at the boundary (tupe-pretrain's bf16 line says so)
+        assert len(boundary) == precision_line.FOREACH_WAITS
+
+
+def test_the_count_sees_the_throughput_timer(data, tmp_path, monkeypatch, deepspeed_group):
+    """The negative control: DeepSpeed's throughput timer (on by default, off in the shipped
+    configs) synchronises in the forward and in engine.step of every micro-batch once 2 steps
+    are done."""
+    found = counted_steps(data, tmp_path, monkeypatch, "fp32",
+                          timers={"throughput": {"enabled": True}})
+    said = problems(found)
+    assert said and all(line.startswith("step 3") for line in said), said
+    assert any("synchronize at deepspeed/utils/timer.py" in line for line in said), said
+
+
+def test_the_count_sees_deepspeed_s_own_boundary(data, tmp_path, monkeypatch, deepspeed_group):
+    """The negative control: DeepSpeed's own check and norm read the device 4 times a step."""
+    found = counted_steps(data, tmp_path, monkeypatch, "bf16", "--optimizer-boundary",
+                          "deepspeed")
+    assert len(problems(found)) == STEPS
+    assert problems(found, boundary_waits=precision_line.DEEPSPEED_WAITS) == []

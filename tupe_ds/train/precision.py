@@ -1,0 +1,68 @@
+"""--bf16: the --ds-config trained in bf16 in place of its precision, refused where a GPU lacks
+bf16; and, for a run in fp16 whose GPUs all have bf16, the line that says it is one flag away.
+
+fp16 stays the shipped precision (its configs run on every GPU from compute capability 6.0).
+bf16 has fp32's range: DeepSpeed scales no loss, so no step is skipped while the fp16 scaler
+looks for its scale (from 2^16 at the start, and after each overflow). The overflow check at the
+optimizer boundary stays in bf16: DeepSpeed's `bf16.check_grad_overflow` is on by default and
+tupe_ds keeps it on (nonfinite.config_problem), so that a step with a NaN is skipped; it costs
+the same in both (counted below).
+"""
+
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from tupe_ds.machine import doctor
+
+# The optimizer boundary's check and norm in one step, fp16 and bf16 alike (2 parameter groups,
+# ZeRO 1, measured on the CPU 2026-11-27; tests/test_optimizer_boundary.py and
+# tests/test_step_syncs.py check them): with --optimizer-boundary foreach, aten operators
+# (whatever the number of gradient tensors) and reads that wait for the device; with DeepSpeed's
+# own check and norm, operators per gradient tensor and reads.
+FOREACH_OPERATORS, FOREACH_WAITS = 15, 1
+DEEPSPEED_OPERATORS_PER_TENSOR, DEEPSPEED_WAITS = 11, 4
+
+
+def with_bf16(ds_config: dict) -> dict:
+    """`ds_config` with bf16 in place of its precision (fp16 and torch autocast's amp removed)."""
+    config = {key: value for key, value in ds_config.items() if key not in ("fp16", "amp")}
+    config["bf16"] = {**ds_config.get("bf16", {}), "enabled": True}
+    return config
+
+
+def bf16_refusal(machine: doctor.Machine) -> Optional[str]:
+    """Why --bf16 cannot train on `machine`; None where it can (GPUs that all have bf16, or
+    DeepSpeed's CPU accelerator), or where no GPU is visible to say so (doctor's environment
+    findings do)."""
+    if machine.supports("bf16") or (machine.accelerator == "cuda" and not machine.capabilities):
+        return None
+    need = doctor.BF16_CAPABILITY
+    capabilities = ", ".join(f"{a}.{b}" for a, b in sorted(set(machine.capabilities)))
+    return (f"--bf16: bf16 needs GPUs of compute capability {need[0]}.{need[1]} or newer (A100, "
+            f"H100, H200); these have {capabilities}: leave --bf16 out (the --ds-config's "
+            "precision runs here)")
+
+
+def bf16_advice(machines: Sequence[doctor.Machine], dtype: str) -> Optional[str]:
+    """The line a run in fp16 says where every GPU of `machines` (the run's) has bf16; None
+    otherwise."""
+    if dtype != "fp16" or not machines or any(m.half_precision != "bf16" for m in machines):
+        return None
+    return ("tupe-pretrain: every GPU of this run has bf16: --bf16 (one flag) trains this config "
+            "in bf16, with no loss scaling, so no step skipped for an fp16 overflow (the "
+            "scaler's search down from 2^16 at the start and after each overflow). The overflow "
+            "check before each step stays in bf16 (DeepSpeed's bf16.check_grad_overflow: a NaN "
+            f"step is skipped) and costs the same: {FOREACH_OPERATORS} operators and "
+            f"{FOREACH_WAITS} read that waits for the device a step at the optimizer boundary in "
+            f"fp16 and in bf16 (DeepSpeed's own check, --optimizer-boundary deepspeed: "
+            f"{DEEPSPEED_OPERATORS_PER_TENSOR} operators per gradient tensor and "
+            f"{DEEPSPEED_WAITS} reads in either; counted on the CPU). Speed on these GPUs: not "
+            "measured")
+
+
+def every_rank_machine() -> list:
+    """Each rank's doctor.Machine, on every rank (its own GPUs, whatever the node)."""
+    machines = [None] * dist.get_world_size()
+    dist.all_gather_object(machines, doctor.probe())
+    return machines
