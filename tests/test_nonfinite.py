@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from one_process import deepspeed_group  # noqa: F401  (a fixture)
 from tupe_ds.train import nonfinite
 from tupe_ds.train.steps import release
 from tupe_ds.train.checkpoint.save import weights_are_finite
@@ -15,21 +16,6 @@ from tupe_ds.train.checkpoint.save import weights_are_finite
 CPU = torch.device("cpu")
 STEM = "resume from it with a lower --lr (or more --warmup-steps) and --allow-training-changes, " \
        "or --resume-from an earlier checkpoint"
-
-
-@pytest.fixture(scope="module")
-def deepspeed():
-    """DeepSpeed over a one-process gloo group, destroyed at the end if this module started it."""
-    import deepspeed  # before the group exists: see end_distributed
-
-    from tupe_ds.distributed.parallel import end_distributed, ensure_model_parallel, start_distributed
-
-    started = not torch.distributed.is_initialized()
-    ensure_model_parallel(1)
-    start_distributed("gloo")
-    yield deepspeed
-    if started:
-        end_distributed()
 
 
 class Loss:
@@ -41,7 +27,7 @@ class Loss:
 
 
 @pytest.fixture
-def build(deepspeed, monkeypatch):
+def build(deepspeed_group, monkeypatch):
     """build(precision, stage, pipeline=False, **settings): a real engine, destroyed after the
     test."""
     from deepspeed.accelerator import get_accelerator
@@ -53,7 +39,7 @@ def build(deepspeed, monkeypatch):
     engines = []
 
     def make(*args, **kwargs):
-        engines.append(new_engine(deepspeed, *args, **kwargs))
+        engines.append(new_engine(deepspeed_group, *args, **kwargs))
         return engines[-1]
 
     yield make
