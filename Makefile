@@ -84,8 +84,10 @@ bench: venv
 bench-gpu: venv
 	$(BIN)/python -m bench.gpu.step_time $(ARGS)
 
-# Every GPU measurement in one go (bench/gpu/suite.py: step time against HF at seq 128 and 512, padded
-# and unpadded, ELECTRA, the attention candidates, the data stream, the ZeRO sweep). Each row is
+# Every GPU measurement in one go (bench/gpu/suite.py: step time against HF at seq 128 and 512,
+# padded as the loader pads, each at the like-for-like micro-batch and at its best, with the host
+# against device ms of each phase; ELECTRA, the attention candidates, the data stream, the ZeRO
+# sweep). Each row is
 # appended to build/bench-gpu-all.rows.jsonl as it is measured (an earlier run's file is moved
 # aside, stamped); build/bench-gpu-all.json and .md are made from it after each part, and a cut
 # run's with `python3 -m bench.gpu.suite --report-only`. Each model build and part runs only if its
@@ -94,7 +96,8 @@ bench-gpu: venv
 # bench-gpu-all`; offline, with a folder of wheels .whl whose setup.sh installs them: `source
 # .whl/setup.sh && make bench-gpu-all` (its python3). Its time estimate is from
 # guessed timings, not measured.
-# Without nvidia-smi: the tiny CPU plan in the venv (about 45 s).
+# Without nvidia-smi: the tiny CPU plan in the venv (43 s idle on 2026-11-24; 128 s on 2026-11-27 with
+# the micro-batch sweep, 2 warm-up steps and the phases, under load: bench/README.md).
 bench-gpu-all: $(if $(HAVE_GPU),,venv)
 	$(if $(HAVE_GPU),python3,$(BIN)/python) -m bench.gpu.suite
 
