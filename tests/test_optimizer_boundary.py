@@ -23,7 +23,6 @@ from host_reads import Counter, host_values, waits
 from one_process import deepspeed_group  # noqa: F401  (a fixture)
 from runs import ROOT
 from tupe_ds.train import nonfinite, optimizer_boundary
-from tupe_ds.train import precision as precision_line
 from tupe_ds.train.optim import parameter_groups
 from tupe_ds.train.steps import release
 
@@ -191,10 +190,10 @@ def test_the_boundary_takes_a_fixed_number_of_operators(precision, build):
                                                      precision)
               for boundary in optimizer_boundary.BOUNDARIES for layers in (2, 8)}
     print(precision, counts)
-    assert counts["foreach", 2] == counts["foreach", 8] == precision_line.FOREACH_OPERATORS
+    assert counts["foreach", 2] == counts["foreach", 8] == optimizer_boundary.FOREACH_OPERATORS
     tensors = {layers: 2 * layers for layers in (2, 8)}  # a weight and a bias each
     per_tensor = (counts["deepspeed", 8] - counts["deepspeed", 2]) / (tensors[8] - tensors[2])
-    assert per_tensor == precision_line.DEEPSPEED_OPERATORS_PER_TENSOR, counts
+    assert per_tensor == optimizer_boundary.DEEPSPEED_OPERATORS_PER_TENSOR, counts
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
@@ -218,7 +217,7 @@ def test_one_read_waits_for_the_device_a_step(precision, build, monkeypatch):
     theirs = {read.where for read in found["deepspeed", 2]}
     assert "deepspeed/runtime/utils.py:is_invalid_grad_norm" in theirs
     # fp32 has no overflow check: only the norm's
-    expected = precision_line.DEEPSPEED_WAITS - (precision == "fp32")
+    expected = optimizer_boundary.DEEPSPEED_WAITS - (precision == "fp32")
     assert len(found["deepspeed", 2]) == expected, found
 
 

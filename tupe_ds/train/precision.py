@@ -14,14 +14,8 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from tupe_ds.machine import doctor
+from tupe_ds.train.optimizer_boundary import FOREACH_OPERATORS, FOREACH_WAITS
 
-# The optimizer boundary's check and norm in one step, fp16 and bf16 alike (2 parameter groups,
-# ZeRO 1, measured on the CPU 2026-11-27; tests/test_optimizer_boundary.py and
-# tests/test_step_syncs.py check them): with --optimizer-boundary foreach, aten operators
-# (whatever the number of gradient tensors) and reads that wait for the device; with DeepSpeed's
-# own check and norm, operators per gradient tensor and reads.
-FOREACH_OPERATORS, FOREACH_WAITS = 15, 1
-DEEPSPEED_OPERATORS_PER_TENSOR, DEEPSPEED_WAITS = 11, 4
 
 
 def with_bf16(ds_config: dict) -> dict:
@@ -49,16 +43,11 @@ def bf16_advice(machines: Sequence[doctor.Machine], dtype: str) -> Optional[str]
     otherwise."""
     if dtype != "fp16" or not machines or any(m.half_precision != "bf16" for m in machines):
         return None
-    return ("tupe-pretrain: every GPU of this run has bf16: --bf16 (one flag) trains this config "
-            "in bf16, with no loss scaling, so no step skipped for an fp16 overflow (the "
-            "scaler's search down from 2^16 at the start and after each overflow). The overflow "
-            "check before each step stays in bf16 (DeepSpeed's bf16.check_grad_overflow: a NaN "
-            f"step is skipped) and costs the same: {FOREACH_OPERATORS} operators and "
-            f"{FOREACH_WAITS} read that waits for the device a step at the optimizer boundary in "
-            f"fp16 and in bf16 (DeepSpeed's own check, --optimizer-boundary deepspeed: "
-            f"{DEEPSPEED_OPERATORS_PER_TENSOR} operators per gradient tensor and "
-            f"{DEEPSPEED_WAITS} reads in either; counted on the CPU). Speed on these GPUs: not "
-            "measured")
+    return ("tupe-pretrain: every GPU of this run has bf16: --bf16 trains this config in bf16, "
+            "with no loss scaling, so no step is skipped for an fp16 overflow (the scaler starts "
+            "at 2^16 and halves at each); the overflow check before each step stays, as cheap "
+            f"as in fp16 ({FOREACH_OPERATORS} operators, {FOREACH_WAITS} read that waits for "
+            "the device). Speed on these GPUs: not measured")
 
 
 def every_rank_machine() -> list:
