@@ -4,6 +4,7 @@ fits, what DeepSpeed is handed), the choice kept in run.json or probed again, th
 refused, tupe-compare's ramp left out. tests/test_loss_normalization.py trains its reference
 layout with it: the split it chooses trains the same parameters as every other split."""
 
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,7 @@ from tupe_ds.distributed.parallel import accelerator_device, ensure_model_parall
 from tupe_ds.train import auto_micro_batch, loop
 from tupe_ds.train.auto_micro_batch import Probe, largest_fitting
 from tupe_ds.train.batch_ramp import RampSettings
+from tupe_ds.train.checkpoint import ResumePlan
 from tupe_ds.train.config import load
 from tupe_ds.train.ds_config import BatchSplit, micro_batch_candidates
 from tupe_ds.train.flags import Refused
@@ -130,13 +132,23 @@ def test_a_start_keeps_run_jsons_choice_for_its_layout_and_probes_another(data, 
         recorded = json.load(f)["micro_batch"]
     assert recorded == {"size": 16, "auto": chosen.batch_split.auto}
     assert recorded["auto"]["layout"]["global_batch"] == 16
-    # the same layout: kept, not probed (nothing would fit in 1 byte)
-    again = auto_micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device(), limit=1)
+    # no checkpoint of the run behind the choice (its first step may have run out of memory):
+    # probed again, and said
+    fresh = auto_micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device())
+    assert fresh.batch_split.note.endswith("; probed again: run.json's choice of 16 has no "
+                                           "checkpoint of this run behind it (a first step that "
+                                           "ran out of memory, another model)")
+    # resuming a checkpoint on the same layout: kept, not probed (nothing would fit in 1 byte)
+    resumed = dataclasses.replace(run, resume_plan=ResumePlan(
+        os.path.join(run.out, "checkpoints"), ("step2",), None, False))
+    again = auto_micro_batch.settled(resumed, model, OBJECTIVES["mlm"], accelerator_device(),
+                                     limit=1)
     assert again.batch_split.micro_batch == 16
     assert again.batch_split.note.startswith("auto, kept from run.json for this layout: the "
                                              "largest of 1, 2, 4, 8, 16")
     # another global batch: probed again, and said
-    other = load(flags(data, run.out, "--global-batch", "8"))
+    other = dataclasses.replace(load(flags(data, run.out, "--global-batch", "8")),
+                                resume_plan=resumed.resume_plan)
     changed = auto_micro_batch.settled(other, model, OBJECTIVES["mlm"], accelerator_device())
     assert changed.batch_split.micro_batch == 8
     assert changed.batch_split.note.endswith("; probed again: the layout changed since run.json's "
@@ -165,3 +177,9 @@ def test_auto_is_checked_before_any_work(data, tmp_path, monkeypatch):
     for wrong in ("0", "some"):
         with pytest.raises(SystemExit):
             load(flags(data, tmp_path, "--micro-batch", wrong))
+    with pytest.raises(SystemExit, match="--loss-normalization micro-batch with --micro-batch "
+                                         "auto: the mean of each micro-batch's mean depends on "
+                                         "the split"):
+        load(flags(data, tmp_path, "--loss-normalization", "micro-batch"))
+    with pytest.raises(SystemExit, match="--global-batch 0: give a count of samples"):
+        load(flags(data, tmp_path, "--global-batch", "0"))

@@ -7,20 +7,24 @@ CPU accelerator refuses fp16 unless `is_fp16_supported` says yes, and tupe-docto
 machine has a GPU: both are told so; torch's CPU kernels run the tiny model in fp16).
 
 No micro-batch waits; the optimizer boundary reads the device once, at its overflow check and
-norm (tupe_ds/train/optimizer_boundary.py). The reads that tupe_ds makes on the loader's host copy
-of a batch on purpose, indistinguishable from device reads on a CPU, are allowed by name
-(HOST_COPY): a read anywhere else fails the test. The negative controls: DeepSpeed's throughput
-timer (2 synchronize() calls a micro-batch from the third step on) and DeepSpeed's own optimizer
-boundary (4 reads a step)."""
+norm (tupe_ds/train/optimizer_boundary.py). tupe_ds reads the loader's host copy of a batch on
+purpose (whether it is padded, the masked tokens of each micro-batch, the labelled positions):
+on a CPU those reads look like device reads, so the host copy is made of HostValues
+(tests/support/host_reads.py), which everything computed from it inherits, and the copy
+steps.to_device makes is a plain tensor, as the device's would be: a read of anything that came
+from the device copy fails the test, wherever it is. The negative controls: DeepSpeed's
+throughput timer (2 synchronize() calls a micro-batch from the third step on) and DeepSpeed's
+own optimizer boundary (4 reads a step)."""
 
 import gc
 import json
 import os
 
 import pytest
+import torch
 from deepspeed.accelerator import get_accelerator
 
-from host_reads import Counter, host_values, waits
+from host_reads import Counter, HostValue, host_values, waits
 from one_process import deepspeed_group  # noqa: F401  (a fixture)
 from runs import ROOT
 from tupe_ds.data.loader import TrainBatches, Vocabulary
@@ -30,13 +34,9 @@ from tupe_ds.train import optimizer_boundary
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import build_engine, datasets
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train import steps as steps_module
 from tupe_ds.train.steps import release
 
-# what tupe_ds reads on the host copy of a batch: whether it is padded (EngineSteps._forward)
-# and each micro-batch's count of masked tokens (the loss's divisors: normalization.divisors,
-# objective.token_counts). (layers.labelled_positions, also taken on the host copy, reads no
-# value: its nonzero() makes a tensor.)
-HOST_COPY = {"tupe_ds/train/steps.py:_forward", "tupe_ds/train/objectives.py:masked_count"}
 BOUNDARY_READ = ("item", "tupe_ds/train/optimizer_boundary.py:scaled_norm")
 STEPS, MICRO_BATCHES = 3, 4  # DeepSpeed's throughput timer synchronises from step 3 on
 GPU = doctor.Machine(accelerator="cuda", gpus=1, capabilities=((9, 0),))  # for fp16 (see above)
@@ -75,11 +75,14 @@ def counted_steps(data, tmp_path, monkeypatch, precision: str, *flags, **setting
     gc.disable()
     counter = Counter().install(monkeypatch)
     host_values(monkeypatch)
+    monkeypatch.setattr(steps_module, "to_device",
+                        lambda tensor, device: tensor.as_subclass(torch.Tensor))
     phase_steps(engine, counter)
     found = []
     try:
         for _ in range(STEPS):
-            micro_batches = list(batches.next_step())  # made on the host, before the step
+            micro_batches = [{name: value.as_subclass(HostValue) for name, value in batch.items()}
+                             for batch in batches.next_step()]  # made on the host, before
             counter.take()
             steps.train(micro_batches, {})
             found.append(counter.take())
@@ -104,11 +107,11 @@ def phase_steps(engine, counter: Counter) -> None:
 
 
 def problems(found: list, boundary_waits: int = optimizer_boundary.FOREACH_WAITS) -> list:
-    """What waits where it should not: in a micro-batch anything but the reads of the batch's
-    host copy; at the boundary a synchronize() or more reads than `boundary_waits`."""
+    """What waits where it should not: anything in a micro-batch; at the boundary a
+    synchronize() or more reads than `boundary_waits`."""
     said = []
     for number, reads in enumerate(found, 1):
-        micro = waits([r for r in reads if r.phase == "micro-batch"], HOST_COPY)
+        micro = waits([r for r in reads if r.phase == "micro-batch"])
         boundary = waits([r for r in reads if r.phase == "boundary"])
         said += [f"step {number}, micro-batch: {read.what} at {read.where}" for read in micro]
         if len(boundary) > boundary_waits or any(r.what == "synchronize" for r in boundary):
@@ -125,7 +128,8 @@ def test_only_the_boundary_waits_for_the_device_once_a_step(precision, data, tmp
     for reads in found:
         boundary = waits([r for r in reads if r.phase == "boundary"])
         assert [(r.what, r.where) for r in boundary] == [BOUNDARY_READ]
-        assert {r.where for r in reads if r.phase == "micro-batch"} == HOST_COPY  # read as said
+        host_copy = {r.where for r in reads if r.phase == "micro-batch" and r.host_value}
+        assert "tupe_ds/train/steps.py:_forward" in host_copy  # the host copy is read, as said
         # bf16 and fp16 pay the same at the boundary (tupe-pretrain's bf16 line says so)
         assert len(boundary) == optimizer_boundary.FOREACH_WAITS
 
@@ -147,3 +151,36 @@ def test_the_count_sees_deepspeed_s_own_boundary(data, tmp_path, monkeypatch, de
                           "deepspeed")
     assert len(problems(found)) == STEPS
     assert problems(found, boundary_waits=optimizer_boundary.DEEPSPEED_WAITS) == []
+
+
+def test_the_stop_check_is_a_host_collective(deepspeed_group):
+    """Every step the loop asks whether some rank received SIGTERM or SIGUSR1: a flag in host
+    memory through a gloo group (the world's where it is gloo, one of its own beside NCCL), not a
+    device tensor read back every step."""
+    import signal
+
+    import torch.distributed as dist
+
+    from tupe_ds.train.stop_signal import StopSignal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        stop = StopSignal()
+        assert stop.any_rank() is None
+        assert dist.get_backend(stop.group) == "gloo"
+        stop.received = signal.SIGUSR1
+        assert stop.any_rank() == "SIGUSR1"
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+@pytest.mark.parametrize("timers, enabled", [({}, False), ({"throughput": {}}, False),
+                                             ({"throughput": {"synchronized": False}}, False),
+                                             ({"throughput": {"enabled": True}}, True)])
+def test_the_throughput_timer_is_off_unless_a_config_turns_it_on(data, tmp_path, timers,
+                                                                  enabled):
+    config = shipped_config(tmp_path, "fp32", timers=timers)
+    run = load(["--data", data, "--model", "tiny", "--ds-config", config, "--out",
+                str(tmp_path / "out"), "--steps", "1", "--micro-batch", "2"], world_size=1,
+               machine=CPU)
+    assert run.ds_config["timers"]["throughput"]["enabled"] is enabled

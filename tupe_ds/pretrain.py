@@ -58,8 +58,11 @@ def run_or_check(run, launcher: str) -> int:
         findings = doctor.all_findings(machine, run.ds_config_path,
                                        launch.processes_on_this_node(), ds_config=run.ds_config)
         print(doctor.report(machine, findings))
+        auto = (" (auto: probed at the start, or kept from OUT/run.json when it resumes a "
+                "checkpoint of the run on the same layout)" if run.batch_split.micro_batch is None
+                else "")
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
-              f"global batch {run.ds_config['train_batch_size']}")
+              f"{run.batch_split}{auto}")
         return 0
     said, code = None, 0
     try:

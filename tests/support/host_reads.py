@@ -1,12 +1,13 @@
 """What waits for the device in a step, counted on the CPU: `get_accelerator().synchronize()`
 calls and host reads of tensor values (`Tensor.item`, `__bool__`, `__float__`, `__int__`,
-`tolist`), each with the first frame outside torch that made it (`path:function`, the path from
-the repository root or site-packages).
+`tolist`, `cpu`, `numpy`, `nonzero`; not boolean-mask indexing), each with the first frame
+outside torch that made it (`path:function`, the path from the repository root or
+site-packages).
 
-On a CPU every tensor is in host memory. Two kinds of read do not wait for a device on a GPU
-either, and are told apart here: reads of the host values the foreach optimizer boundary hands
-DeepSpeed (`host_values` tags them with HostValue, a tensor subclass that every tensor made from
-one inherits), and the reads a caller names as reads of the loader's host copy of a batch."""
+On a CPU every tensor is in host memory. Reads of tensors that are in host memory on a GPU too
+are told apart by type: HostValue, a tensor subclass that every tensor made from one inherits
+(the loader's host copy of a batch, which a caller tags; the host values the foreach optimizer
+boundary hands DeepSpeed, tagged by `host_values`)."""
 
 import os
 import sys
@@ -17,7 +18,7 @@ import torch
 
 from tupe_ds.train import optimizer_boundary
 
-READS = ("item", "__bool__", "__float__", "__int__", "tolist")
+READS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy", "nonzero")
 TORCH = os.path.dirname(torch.__file__)
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -98,8 +99,7 @@ def host_values(monkeypatch) -> None:
                         lambda value: made(value).as_subclass(HostValue))
 
 
-def waits(reads, host_copy=()) -> list:
-    """The reads that would wait for a GPU: synchronisations, and reads of tensors that are
-    neither HostValues nor read at a `host_copy` location (path:function)."""
-    return [read for read in reads if read.what == "synchronize"
-            or not (read.host_value or read.where in host_copy)]
+def waits(reads) -> list:
+    """The reads that would wait for a GPU: synchronisations, and reads of tensors that are not
+    HostValues."""
+    return [read for read in reads if read.what == "synchronize" or not read.host_value]

@@ -22,8 +22,10 @@ ranks and each takes the tightest rank's (the most over, or the least under, its
 every rank probes the same sizes in the same order and ends with the same micro-batch, the
 largest that fits on all of them, which DeepSpeed needs.
 
-OUT/run.json records the choice with the layout it was made for; a later start of the run on the
-same layout keeps it without probing, another layout probes again and says what changed. An
+OUT/run.json records the choice with the layout it was made for (models, objective, the split of
+the work, the device); a later start that resumes a checkpoint of the run on the same layout
+keeps it without probing; a start with no checkpoint behind the choice (its first step ran out
+of memory, or the folder held another model) or on another layout probes again and says why. An
 explicit --micro-batch N skips all of this. With --pp > 1 `auto` is refused before any work
 (ds_config.py): a pipeline stage's memory depends on the micro-batches its schedule holds.
 """
@@ -317,13 +319,14 @@ def probed_choice(run, model, objective, device: torch.device,
 
 
 def layout_of(run, device: torch.device) -> dict:
-    """What a choice depends on besides the model, which a run keeps."""
+    """What a choice depends on: the models and objective, and how the work is split."""
     ramp = run.batch_split.ramp
     return {"world_size": run.world_size, "tp": run.layout.tp, "pp": run.layout.pp,
             "global_batch": run.batch_split.global_batch, "seq_len": run.seq_len,
             "zero_stage": run.ds_config.get("zero_optimization", {}).get("stage", 0),
             "precision": run.models[0].dtype, "rampup_batch_size": str(ramp) if ramp else None,
-            "device": device_name(device)}
+            "device": device_name(device), "objective": run.objective,
+            "models": [dataclasses.asdict(config) for config in run.models]}
 
 
 def device_name(device: torch.device) -> str:
@@ -354,8 +357,26 @@ def kept_everywhere(micro_batch: int, device: torch.device) -> bool:
     return figures[0].item() == -figures[1].item() > 0
 
 
+def not_kept_because(before: dict, layout: dict, run) -> str:
+    """Why run.json's choice is not this start's ("" where it is): a choice is kept when the run
+    resumes a checkpoint of its own, trained at that size, on the layout it was made for."""
+    split = run.batch_split
+    if not (run.resume_plan is not None and run.resume_plan.candidates):
+        return (f"run.json's choice of {before['micro_batch']} has no checkpoint of this run "
+                "behind it (a first step that ran out of memory, another model)")
+    if before["layout"] != layout:
+        return (f"the layout changed since run.json's choice of {before['micro_batch']} "
+                f"({changes(before['layout'], layout)})")
+    if before["micro_batch"] not in micro_batch_candidates(split.global_batch, split.dp,
+                                                           split.ramp):
+        return (f"run.json's choice of {before['micro_batch']} does not divide each rank's "
+                f"{split.global_batch // split.dp} samples")
+    return ""
+
+
 def changes(before: dict, now: dict) -> str:
-    return ", ".join(f"{name} {before.get(name)} -> {value}" for name, value in now.items()
+    return ", ".join("the models" if name == "models" else
+                     f"{name} {before.get(name)} -> {value}" for name, value in now.items()
                      if before.get(name) != value)
 
 
@@ -369,15 +390,13 @@ def settled(run, model, objective, device: torch.device, limit: Optional[float] 
         return run
     layout = layout_of(run, device)
     before = recorded(run.out)
-    keep = before is not None and before["layout"] == layout and before["micro_batch"] in \
-        micro_batch_candidates(split.global_batch, split.dp, split.ramp)
-    if kept_everywhere(before["micro_batch"] if keep else 0, device):
+    not_kept = before is not None and not_kept_because(before, layout, run)
+    if kept_everywhere(before["micro_batch"] if before and not not_kept else 0, device):
         choice, note = before, f"auto, kept from run.json for this layout: {before['why']}"
     else:
         choice = {**probed_choice(run, model, objective, device, limit), "layout": layout}
         note = f"auto: {choice['why']}"
-        if before is not None and before["layout"] != layout:
-            note += (f"; probed again: the layout changed since run.json's choice of "
-                     f"{before['micro_batch']} ({changes(before['layout'], layout)})")
+        if not_kept:
+            note += f"; probed again: {not_kept}"
     return dataclasses.replace(run, batch_split=with_micro_batch(
         run.ds_config, split, choice["micro_batch"], note, auto=choice))

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 from tupe_ds.distributed.launch import processes_on_this_node
 from tupe_ds.machine import doctor
-from tupe_ds.train import batch_ramp, precision
+from tupe_ds.train import batch_ramp, normalization, precision
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.identity import training_settings
 from tupe_ds.train.flags import MICRO_BATCH_AUTO, fail
@@ -68,7 +68,7 @@ def deepspeed_config(args: argparse.Namespace, dp: int,
     # DeepSpeed's throughput timer synchronises the device twice a micro-batch (forward and
     # step; DeepSpeed PR #5363 cites 20-25% slower steps): off unless the config turns it on.
     # The log line gives samples/s (train/monitor.py).
-    ds_config.setdefault("timers", {"throughput": {"enabled": False}})
+    ds_config.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
     return ds_config, dtype, split, training
 
 
@@ -110,6 +110,10 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
     if micro is None or batch is None:
         fail(f"{args.ds_config}: set train_batch_size and train_micro_batch_size_per_gpu "
              "(or --global-batch and --micro-batch)")
+    if type(batch) is not int or batch < 1:
+        source = "--global-batch" if args.global_batch is not None else \
+            f"{args.ds_config}'s train_batch_size"
+        fail(f"{source} {json.dumps(batch)}: give a count of samples, at least 1")
     ramp = RampSettings(*args.rampup_batch_size) if args.rampup_batch_size else None
     unsplit = BatchSplit(batch, None, None, dp, ramp=ramp)
     if micro == MICRO_BATCH_AUTO:
@@ -137,7 +141,8 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
 
 def check_auto(args: argparse.Namespace, split: BatchSplit) -> None:
     """What --micro-batch auto (given, or the config's) needs before any work: one data-parallel
-    share per rank, a micro-batch the batch ramp allows, no pipeline."""
+    share per rank, a micro-batch the batch ramp allows, no pipeline, a loss the split leaves
+    alone."""
     source = (f"--micro-batch {MICRO_BATCH_AUTO}" if args.micro_batch == MICRO_BATCH_AUTO
               else f"{args.ds_config}'s micro-batch \"{MICRO_BATCH_AUTO}\"")
     batch, dp = split.global_batch, split.dp
@@ -148,6 +153,10 @@ def check_auto(args: argparse.Namespace, split: BatchSplit) -> None:
         fail(f"--pp {args.pp}: {source} probes the whole model on one device, and a pipeline "
              "stage's memory depends on the micro-batches its schedule keeps in flight; give "
              f"--micro-batch N, a divisor of each data-parallel rank's {batch // dp} samples")
+    if args.loss_normalization != normalization.PER_TOKEN:
+        fail(f"--loss-normalization {args.loss_normalization} with {source}: the mean of each "
+             "micro-batch's mean depends on the split, which auto chooses by memory (another "
+             f"device, another split); give --micro-batch N, a divisor of {batch // dp}")
     if not micro_batch_candidates(batch, dp, split.ramp):
         fail(batch_ramp.check(split.ramp, batch, 1, dp))  # even micro-batch 1: the ramp's fault
 

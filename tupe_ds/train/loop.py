@@ -256,6 +256,10 @@ def train(run: RunConfig, launcher: str) -> None:
         model = build_model(run, objective)
         run = auto_micro_batch.settled(run, model, objective, device)  # the last run.json's
         model, engine, steps = build_engine(run, objective, device, model)
+    kept = run.optimizer_boundary == "foreach" and optimizer_boundary.unsupported(engine.optimizer)
+    if kept:
+        say(f"tupe-pretrain: the foreach optimizer boundary does not apply ({kept}): DeepSpeed's "
+            "own overflow check and norm", flush=True)
     if rank == 0:  # with the micro-batch chosen
         damage = run_description.damage(run.out)
         if damage:
@@ -316,7 +320,7 @@ def train(run: RunConfig, launcher: str) -> None:
     metrics, totals, failure, everywhere = {}, {}, None, True
     logged_from = batches.consumed  # the first global sample of the logging interval
     stop.listen_for_sigterm()
-    stopped_early = stop.any_rank(device)
+    stopped_early = stop.any_rank()
     if stopped_early:  # nothing trained since the checkpoint resumed: nothing to save
         say(f"stopping before step {step + 1} on {stopped_early}; run the same command to "
             "continue", flush=True)
@@ -357,7 +361,7 @@ def train(run: RunConfig, launcher: str) -> None:
                 for tag, encoder in objective.encoders(model).items():
                     scores = encoder.positional_scores(min(run.seq_len, 128))
                     monitor.positional_images(step, tag, scores)
-        stopping = stop.any_rank(device)
+        stopping = stop.any_rank()
         if step % run.intervals.save == 0 or step == run.steps or stopping:
             failure = run_lock.lost_on_rank_0(run.lock)
             if failure:

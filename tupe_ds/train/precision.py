@@ -6,7 +6,7 @@ bf16 has fp32's range: DeepSpeed scales no loss, so no step is skipped while the
 looks for its scale (from 2^16 at the start, and after each overflow). The overflow check at the
 optimizer boundary stays in bf16: DeepSpeed's `bf16.check_grad_overflow` is on by default and
 tupe_ds keeps it on (nonfinite.config_problem), so that a step with a NaN is skipped; it costs
-the same in both (counted below).
+the same in both (optimizer_boundary.py counts it).
 """
 
 from typing import Optional, Sequence
@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from tupe_ds.machine import doctor
-from tupe_ds.train.optimizer_boundary import FOREACH_OPERATORS, FOREACH_WAITS
 
 
 
@@ -44,10 +43,10 @@ def bf16_advice(machines: Sequence[doctor.Machine], dtype: str) -> Optional[str]
     if dtype != "fp16" or not machines or any(m.half_precision != "bf16" for m in machines):
         return None
     return ("tupe-pretrain: every GPU of this run has bf16: --bf16 trains this config in bf16, "
-            "with no loss scaling, so no step is skipped for an fp16 overflow (the scaler starts "
-            "at 2^16 and halves at each); the overflow check before each step stays, as cheap "
-            f"as in fp16 ({FOREACH_OPERATORS} operators, {FOREACH_WAITS} read that waits for "
-            "the device). Speed on these GPUs: not measured")
+            "with no loss scaling, so no step is skipped for an fp16 overflow (the fp16 scaler "
+            "starts at 2^16 and skips each step that overflows it while it lowers the scale); "
+            "the overflow check before each step stays, as in fp16. Speed on these GPUs: not "
+            "measured")
 
 
 def every_rank_machine() -> list:

@@ -18,6 +18,7 @@ class StopSignal:
 
     def __init__(self):
         self.received = 0  # the signal's number
+        self.group = None  # a gloo group for the flag, made at the first any_rank
         signal.signal(signal.SIGUSR1, self._handler)
 
     def listen_for_sigterm(self) -> None:
@@ -26,8 +27,16 @@ class StopSignal:
     def _handler(self, signum, frame):
         self.received = signum
 
-    def any_rank(self, device):
-        """Collective: the name of a signal some rank received (None: none did)."""
-        flag = torch.tensor([float(self.received)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())).name if flag.item() else None
+    def any_rank(self):
+        """Collective, every step: the name of a signal some rank received (None: none did).
+
+        The flag is a host value and goes through a gloo group in host memory: on GPUs, a flag
+        on the device would be copied there and read back every step, each a wait for the
+        device to finish what was queued before it."""
+        if self.group is None:
+            self.group = (dist.group.WORLD if dist.get_backend() == "gloo"
+                          else dist.new_group(backend="gloo"))
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        received = int(flag.item())
+        return signal.Signals(received).name if received else None
