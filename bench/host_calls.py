@@ -50,7 +50,7 @@ from bench.gpu.phases import count_calls, time_phases  # noqa: E402
 from bench.gpu.runners import (PADDINGS, HFRunner, OursRunner, ds_config,  # noqa: E402
                                fused_adamw_supported, make_batches)
 from tupe_ds.distributed.parallel import end_distributed  # noqa: E402
-from tupe_ds.model.config import COMPILE, DTYPES  # noqa: E402
+from tupe_ds.model.config import COMPILE, DTYPES, ENCODINGS  # noqa: E402
 from tupe_ds.tools.files import write_atomically  # noqa: E402
 
 HF = "hf"
@@ -88,11 +88,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the results here")
     settings = p.parse_args(argv)
     settings.rows = [row for row in settings.rows.split(",") if row]
+    if not settings.rows:
+        p.error(f"--rows: name at least one: {HF}, ENCODING/COMPILE")
     for row in settings.rows:
-        if row != HF and (row.count("/") != 1 or row.split("/")[1] not in COMPILE):
-            p.error(f"--rows: {row!r} is neither {HF} nor ENCODING/COMPILE")
+        encoding, _, compile_mode = row.partition("/")
+        if row != HF and (encoding not in ENCODINGS or compile_mode not in COMPILE):
+            p.error(f"--rows: {row!r} is neither {HF} nor ENCODING/COMPILE (ENCODING one of "
+                    f"{', '.join(ENCODINGS)}; COMPILE one of {', '.join(COMPILE)})")
     if settings.warmup < 1:
         p.error("--warmup: at least 1 (the first step compiles)")
+    if settings.steps < 1:
+        p.error("--steps: at least 1")
+    if settings.accumulation < 2 or settings.micro_batch < 1:
+        p.error("--accumulation: at least 2 (a micro-batch away from the optimizer step is the "
+                "figure), --micro-batch at least 1")
     # the fields bench/gpu/runners.py reads
     settings.seqs = [settings.seq]
     settings.global_batch = settings.micro_batch * settings.accumulation

@@ -42,6 +42,10 @@ def test_errors_name_what_to_change(data, tmp_path, monkeypatch):
     assert "invalid JSON at line 2" in fails(base(data, tmp_path, ds_config=str(broken)), monkeypatch)
     assert "ModelConfig.num_attention_heads" in fails(base(data, tmp_path, "--tp", "8"), monkeypatch,
                                                       world=8)
+    assert "--compile block with ZeRO stage 3" in fails(
+        base(data, tmp_path, "--compile", "block", "--zero-stage", "3"), monkeypatch)
+    assert "'block' at tensor_parallel_size=2" in fails(
+        base(data, tmp_path, "--compile", "block", "--tp", "2"), monkeypatch)
     assert not os.path.exists(tmp_path / "run")  # nothing was started or written
 
 

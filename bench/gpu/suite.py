@@ -165,6 +165,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     paths = parse_args(argv)
     if paths.report_only:
+        if not os.path.exists(paths.rows) or not os.path.getsize(paths.rows):
+            raise SystemExit(f"--report-only: no rows in {paths.rows}; give the rows file of a "
+                             "run with --rows (or its --json)")
         write_reports(paths)
         print(f"wrote {paths.json} and {paths.markdown} from {paths.rows}")
         return

@@ -136,6 +136,9 @@ def end_distributed() -> None:
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:  # a compiled encoder's graphs hold the groups they were traced with
         dynamo.reset()
+    rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    if rotary is not None:  # its forward's lru_cache holds the modules, and through them a group
+        rotary.RotaryEmbedding.forward.cache_clear()
     pipeline_p2p = sys.modules.get("deepspeed.runtime.pipe.p2p")
     if pipeline_p2p is not None:  # DeepSpeed's pipeline engine keeps its grid there (0.19)
         pipeline_p2p._grid, pipeline_p2p._groups, pipeline_p2p._async = None, None, []

@@ -4,6 +4,7 @@ Needs neither DeepSpeed nor transformers: tupe-finetune and tupe-compare's figur
 with it.
 """
 
+import dataclasses
 import json
 import os
 
@@ -59,10 +60,10 @@ def exported_config(directory: str) -> tuple:
 def load_exported(directory: str):
     """(model, config, kind) from a tupe-export folder of either format: a BertForMaskedLM on
     this process's device, its masked-LM head absent (left at its initial values) for ELECTRA
-    discriminators. Its layers are not compiled as one block: batches padded to their
-    longest text vary in shape (ModelConfig.without_block)."""
+    discriminators. Eager, whatever the run compiled: batches padded to their longest text vary
+    in shape, and each shape would compile again."""
     config, description = exported_config(directory)
-    config = config.without_block()
+    config = dataclasses.replace(config, compile="none")
     model = build_model(config)
     device = str(next(model.parameters()).device)
     state = load_file(os.path.join(directory, "model.safetensors"), device=device)

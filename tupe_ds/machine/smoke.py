@@ -20,6 +20,7 @@ from tqdm import tqdm
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.model import ENCODINGS, PRESETS, build_model
+from tupe_ds.model.config import COMPILE
 
 MASK_PROBABILITY = 0.15
 
@@ -38,6 +39,7 @@ def masked_batch(batch: int, seq: int, vocab: int, seed: int):
 def train(encoding: str, args) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args.preset, pos_encoding=encoding, seq_length=args.seq,
+                        compile=args.compile,
                         max_position_embeddings=max(args.seq, PRESETS[args.preset].get(
                             "max_position_embeddings", 512)))
     vocab = model.model_config.vocab_size
@@ -73,6 +75,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", choices=list(COMPILE), default="none",
+                        help="what torch.compile takes as one region (default none, eager: "
+                             "each encoding would compile its own; block checks the compiled "
+                             "encoder of each here)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.steps < 2:

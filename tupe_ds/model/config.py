@@ -175,10 +175,10 @@ class ModelConfig:
             require(self.tensor_parallel_size == 1, "compile",
                     f"'block' at tensor_parallel_size={self.tensor_parallel_size}: megatron-core's "
                     "collectives split a compiled block (11 graphs for the tiny model's 2 "
-                    "layers at tp 2); choose compile='elementwise'")
+                    "layers at tp 2); choose compile='none' (eager)")
             require(self.key_padding != "unpadded", "compile",
                     "'block' with key_padding='unpadded': nested tensors split a compiled block "
-                    "at every layer; choose compile='elementwise' or another key_padding")
+                    "at every layer; choose compile='none' (eager) or another key_padding")
         require(self.head_multiple is None
                 or (isinstance(self.head_multiple, int) and self.head_multiple > 0),
                 "head_multiple", f"must be None or a positive integer, got {self.head_multiple!r}")
@@ -230,9 +230,8 @@ class ModelConfig:
         return "block" if whole and accelerator_device().type == "cuda" else "none"
 
     def without_block(self) -> "ModelConfig":
-        """This config, eager where it would compile the whole block: for work whose shapes vary
-        (fine-tuning pads each batch to its longest text) or whose hooks split the block
-        (ZeRO-3's)."""
+        """This config, eager where it would compile the whole block (under ZeRO-3, whose hooks
+        the block cannot hold: train/config.py)."""
         if self.compile_mode == "block":
             return dataclasses.replace(self, compile="none")
         return self

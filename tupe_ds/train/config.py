@@ -242,10 +242,10 @@ def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
 
 def model_configs(args: argparse.Namespace, dtype: str, vocab_size: int,
                   zero_stage: int = 0) -> tuple:
-    """(ModelConfig,) for mlm; (discriminator, generator) for electra. Left to the device
-    (no --compile), ZeRO stage 3 runs eager where the device would compile the whole block:
-    ZeRO-3 gathers each module's parameters in hooks that split a compiled block (62 graph
-    breaks in the tiny model's 2 layers)."""
+    """(ModelConfig,) for mlm; (discriminator, generator) for electra. ZeRO stage 3 runs eager
+    where the device would compile the whole block, and refuses --compile block: it gathers each
+    module's parameters in hooks that split a compiled block (62 graph breaks in the tiny
+    model's 2 layers), and the TUPE terms traced in it read the empty placeholders it leaves."""
     presets = PAIRS[args.model] if args.objective == "electra" else (args.model,)
     positions = max(args.seq_len,
                     *(PRESETS[p].get("max_position_embeddings", 512) for p in presets))
@@ -258,7 +258,12 @@ def model_configs(args: argparse.Namespace, dtype: str, vocab_size: int,
             for preset in presets)
     except ValueError as error:
         fail(str(error))
-    if args.compile is None and zero_stage == 3:
+    if zero_stage == 3:
+        if args.compile == "block":
+            fail("--compile block with ZeRO stage 3: ZeRO-3 gathers each module's parameters in "
+                 "hooks that split a compiled encoder, whose TUPE terms then read the empty "
+                 "placeholders they leave; use --compile none (ZeRO-3's default) or "
+                 "--zero-stage 1 or 2")
         models = tuple(model.without_block() for model in models)
     if args.pp > models[0].num_layers:
         fail(f"--pp {args.pp}: --model {args.model} has {models[0].num_layers} layers, and every "
