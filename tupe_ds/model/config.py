@@ -223,7 +223,7 @@ class ModelConfig:
         """`compile`, or the device's choice: on CUDA the whole block where it is one region
         (see __post_init__), else eager; eager on a CPU, where compiling takes longer than it
         saves. Not the elementwise regions: their guards and wrappers doubled the Python calls
-        of a micro-batch (bench/README.md, "Compiled regions")."""
+        of a micro-batch (docs/performance.md, "What torch.compile takes as one region")."""
         if self.compile is not None:
             return self.compile
         whole = self.tensor_parallel_size == 1 and self.key_padding != "unpadded"

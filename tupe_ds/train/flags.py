@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=micro_batch, metavar="N | auto",
                    help="overrides train_micro_batch_size_per_gpu; auto: the largest divisor of "
                         "each rank's share of the global batch that fits in memory, probed at the "
-                        "first start and kept in OUT/run.json (train/auto_micro_batch.py)")
+                        "start and kept in OUT/run.json for the run's resumes on the same layout "
+                        "(train/auto_micro_batch.py)")
     p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
     p.add_argument("--warmup-steps", type=int, help="overrides the scheduler's warmup_num_steps")

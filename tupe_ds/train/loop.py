@@ -140,16 +140,13 @@ def build_engine(run: RunConfig, objective, device, model=None):
     normalization = LossNormalization(run.loss_normalization, objective, device)
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
     config, lr_scheduler = client_scheduler(run.ds_config)
-    if run.layout.pp > 1:
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
-            lr_scheduler=lr_scheduler)
-        optimizer_boundary.install(engine.optimizer, run.optimizer_boundary)
-        return model, engine, PipelineSteps(engine, model.loss_fn, normalization, device)
+    pipeline = run.layout.pp > 1  # the pipeline's grid is its mpu
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
-        lr_scheduler=lr_scheduler, mpu=MegatronMPU())
+        lr_scheduler=lr_scheduler, mpu=None if pipeline else MegatronMPU())
     optimizer_boundary.install(engine.optimizer, run.optimizer_boundary)
+    if pipeline:
+        return model, engine, PipelineSteps(engine, model.loss_fn, normalization, device)
     ramped = run.batch_split.ramp is not None
     return model, engine, EngineSteps(engine, objective, normalization, device, ramped)
 
@@ -233,7 +230,8 @@ def train(run: RunConfig, launcher: str) -> None:
     os.makedirs(run.out, exist_ok=True)
     say = print if rank == 0 else (lambda *a, **k: None)
     run_lock.confirm_on_every_rank(run.lock, run.out)
-    advice = precision.bf16_advice(precision.every_rank_machine(), doctor.precision(run.ds_config))
+    dtype = doctor.precision(run.ds_config)
+    advice = dtype == "fp16" and precision.bf16_advice(precision.every_rank_machine(), dtype)
     if advice:
         say(advice, flush=True)
     layout = run.layout
