@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 import socket
+import stat
 from typing import Optional, Union
 
 from tupe_ds.tools.lock import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, LinkLock
@@ -19,6 +20,36 @@ def file_digest(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+class NotRegularFile(ValueError):
+    """A path a run reads is no regular file (a FIFO, device, socket or folder would hang or
+    fail the read), or a symbolic link leading out of the folder it must stay in."""
+
+
+def regular_file(path: str, root: Optional[str] = None) -> str:
+    """`path`, once checked to be a regular file (links followed) and, with `root`, to resolve
+    inside `root`; NotRegularFile naming it otherwise. FileNotFoundError when it is not there."""
+    kind = os.stat(path).st_mode
+    if not stat.S_ISREG(kind):
+        raise NotRegularFile(f"{path}: not a regular file ({file_kind(kind)}); tupe_ds reads only "
+                             "regular files here: remove or replace it")
+    if root is not None:
+        inside = os.path.realpath(root)
+        if os.path.commonpath([inside, os.path.realpath(path)]) != inside:
+            raise NotRegularFile(f"{path}: a symbolic link leading out of {root} (to "
+                                 f"{os.path.realpath(path)}); tupe_ds reads only files inside it: "
+                                 "replace the link with the file itself")
+    return path
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def temporary_name(path: str, pid: Optional[int] = None) -> str:
