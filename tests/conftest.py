@@ -2,6 +2,10 @@ import os
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# a read that fails, or a file a manifest lists that is not there, is retried this long before
+# the run stops (or counts the file missing): 120 s by default, which every damaged-file test
+# (and every Hypothesis example of one) would wait out (tupe_ds/train/checkpoint/reads.py)
+os.environ.setdefault("TUPE_DS_READ_RETRY_SECONDS", "1")
 # the tests' helpers (runs, workers, the Slurm cluster), imported by name as the workers, which
 # run as scripts from there, import each other
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))

@@ -92,3 +92,23 @@ def test_configs_that_would_apply_a_step_that_is_not_finite_are_refused():
     assert nonfinite.config_problem({"bf16": {"enabled": True}}, "bf16") is None
     assert "check_grad_overflow" in nonfinite.config_problem(
         {"bf16": {"check_grad_overflow": False}}, "bf16")
+
+
+def test_folders_set_aside_are_never_resumed_from_or_deleted(tmp_path):
+    """Retention, the deletions it finishes and the removal of old conversions leave
+    CHECKPOINTS/set-aside/ as it is, whatever its folders are named; no step is found in it."""
+    from tupe_ds.train.checkpoint import reshard
+
+    for step in (2, 4, 6):
+        checkpoint(tmp_path, step)
+    folder.set_aside(str(tmp_path), [2], "in the way")
+    kept = next((tmp_path / folder.SET_ASIDE).iterdir())
+    for name in (".deleting-step1", "universal"):
+        (kept / name).mkdir()
+    (kept / "universal" / "step1").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / folder.SET_ASIDE).rglob("*"))
+    assert folder.retire(str(tmp_path), 6, "mine", keep=1) == [4]
+    reshard.remove_conversions_before(str(tmp_path), 6)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / folder.SET_ASIDE).rglob("*")) \
+        == before
+    assert folder.step_folders(str(tmp_path)) == [6] and folder.latest_step(str(tmp_path)) == 6

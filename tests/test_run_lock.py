@@ -6,12 +6,14 @@ import fcntl
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import time
 
 import pytest
 
+from tupe_ds.tools import lock as lock_module
 from tupe_ds.tools.lock import process_start
 from tupe_ds.train import run_lock
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
@@ -155,8 +157,14 @@ def test_odd_lock_files(tmp_path):
     assert "its process has ended" in lines[0] and not breaker.exists()
 
 
+MALFORMED = [{"pid": 0}, {"pid": -1}, {"pid": True}, {"pid": "12"}, {"pid": 2 ** 40},
+             {"host": 5}, {"token": 7}, {"pid_start": "1"}, {"boot_id": 3}, {"slurm_job_id": 41}]
+
+
 @pytest.mark.parametrize("content", [b"", b"\x00\xff garbage", b"[1, 2]", b'{"token": 5}',
-                                     b'{"token": "a", "host": "h", "pid": true}'])
+                                     b'{"token": "a", "host": "h", "pid": true}']
+                         + [json.dumps({**lock_module.this_holder(), **field}).encode()
+                            for field in MALFORMED])
 def test_a_damaged_lock_is_taken_over(tmp_path, content):
     (tmp_path / "run.lock").write_bytes(content)
     lines, say = said()
@@ -168,7 +176,7 @@ def test_a_lock_removed_under_a_run_is_taken_again(tmp_path, capsys):
     lock = RunLock.acquire(str(tmp_path))
     (tmp_path / "run.lock").unlink()
     assert lock.still_held() is None
-    assert "was removed while this run held it: taken again" in capsys.readouterr().out
+    assert "was removed while this process held it: taken again" in capsys.readouterr().out
     assert lock.check() is None
     lock.release()
     assert not (tmp_path / "run.lock").exists()
@@ -226,3 +234,45 @@ def test_jobs_racing_for_a_stale_lock_one_wins(tmp_path):
         assert len(held) == 1, outcomes
         assert all("in use by process" in o[1] for o in outcomes if o[0] == "refused")
         assert not (tmp_path / "run.lock.break").exists()
+
+
+def test_a_link_that_answers_eexist_but_was_made_holds(tmp_path, monkeypatch):
+    """Over NFS a retransmitted link() that was done answers EEXIST: the lock is this run's all
+    the same (its record's link count says so), not refused naming its own process."""
+    link = os.link
+
+    def linked_then_eexist(source, target):
+        link(source, target)
+        raise FileExistsError(17, "File exists", target)
+
+    monkeypatch.setattr(os, "link", linked_then_eexist)
+    lock = RunLock.acquire(str(tmp_path))
+    assert lock.still_held() is None
+    lock.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_fifo_at_run_lock_is_refused_without_waiting(tmp_path):
+    """A FIFO would hang whoever opens it: refused, named, left in place."""
+    os.mkfifo(tmp_path / "run.lock")
+    signal.alarm(20)  # a hang fails the test instead of the suite
+    try:
+        with pytest.raises(RunFolderBusy, match="run.lock is a FIFO, not a lock file tupe_ds "
+                                                "wrote: remove it"):
+            RunLock.acquire(str(tmp_path))
+        assert "is a FIFO, not a lock file" in run_lock.check(str(tmp_path))  # --check-only
+    finally:
+        signal.alarm(0)
+    assert sorted(os.listdir(tmp_path)) == ["run.lock"]
+
+
+def test_the_renewal_thread_finds_a_take_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    lock = RunLock.acquire(str(tmp_path))
+    plant(tmp_path, host="node-elsewhere", pid=4242)
+    deadline = time.time() + 10
+    while lock.lost is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert lock.lost == f"{tmp_path}/run.lock now names process 4242 on node-elsewhere, started " \
+                        "2026-11-26T00:00:00+00:00"
+    lock.release()

@@ -71,6 +71,30 @@ def test_sbatch_pretraining_leaves_a_checkpoint_and_tensorboard(cluster, data, t
     assert logged_steps(out) == list(range(1, 7))
 
 
+def test_resume_from_left_in_a_requeued_job_applies_once(cluster, data, tmp_path):
+    """--resume-from step2 in a job's command (pretrain.sbatch passes flags through): its first
+    attempt sets the run's step4 aside, resumes step2 and writes step4 and step6 anew; requeued
+    (`scontrol requeue`), the same command resumes step6, saying why, and sets nothing aside."""
+    out, flags = tmp_path / "run", ["--save-interval", "2", "--eval-interval", "100"]
+    first = cluster.wait_until_done(submit_pretraining(cluster, data, out, "--steps", "4", *flags))
+    assert first["JobState"] == "COMPLETED", (tmp_path / "run.log").read_text()[-3000:]
+    job_id = submit_pretraining(cluster, data, out, "--steps", "6", *flags, "--resume-from",
+                                "step2")
+    assert cluster.wait_until_done(job_id)["JobState"] == "COMPLETED"
+    cluster.run("scontrol", "requeue", job_id)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    job = cluster.wait(job_id, lambda job: job["Restarts"] == "1"
+                       and job["JobState"] == "COMPLETED")
+    output = (tmp_path / "run.log").read_text().split(f"job {job_id} (restart 1)")[-1]
+    assert job["JobState"] == "COMPLETED", output[-3000:]
+    assert "tupe-pretrain: --resume-from step2 was applied by an earlier attempt, which then " \
+           "wrote step4, step6: resuming from step6, the newest" in output
+    assert "resumed at step 6 of 6" in output and "moved to" not in output
+    set_aside = list((out / "checkpoints" / "set-aside").glob("*/*"))
+    assert [path.name for path in set_aside] == ["step4"]  # the first attempt's, once
+    assert logged_steps(out) == list(range(1, 7))
+
+
 def test_a_wrong_layout_fails_the_job_before_any_task_starts(cluster, data, tmp_path):
     job = cluster.wait_until_done(submit_pretraining(cluster, data, tmp_path / "run", "--steps",
                                                      "6", "--tp", "4"))

@@ -10,8 +10,9 @@
 Run again with the same --out (and a larger --steps to train on): it resumes from the newest
 complete checkpoint, verified, data position included (tupe_ds/train/checkpoint/). SIGTERM or
 SIGUSR1 saves a checkpoint and stops. Exit code 3: the run stopped itself (steps whose loss or
-gradient was not finite, a checkpoint it could not write, or its run folder taken over by another
-job), saying why. Exit code 2: refused (the command, or what --out holds), saying what to change.
+gradient was not finite, a checkpoint it could not write, a file of its run folder the filesystem
+did not give for TUPE_DS_READ_RETRY_SECONDS, or its run folder taken over by another job), saying
+why. Exit code 2: refused (the command, or what --out holds), saying what to change.
 One job per --out: a second one is refused before any work (tupe_ds/train/run_lock.py).
 """
 
@@ -23,10 +24,11 @@ import sys
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.machine import doctor
-from tupe_ds.train.checkpoint import safe_load
+from tupe_ds.train.checkpoint import resume, safe_load
+from tupe_ds.train.checkpoint.reads import Unreadable
 from tupe_ds.train.config import load
-from tupe_ds.train.flags import Refused
-from tupe_ds.train.loop import TrainingStopped, train
+from tupe_ds.train.flags import Refused, TrainingStopped
+from tupe_ds.train.loop import train
 
 
 def main(argv=None) -> int:
@@ -41,6 +43,9 @@ def main(argv=None) -> int:
             print(refused.code, file=sys.stderr, flush=True)
             return 2
         raise
+    except Unreadable as unreadable:  # every rank reads the run folder before the launch
+        print(f"tupe-pretrain: {unreadable}", file=sys.stderr, flush=True)
+        return 3
     try:
         return run_or_check(run, launcher)
     finally:
@@ -63,13 +68,15 @@ def run_or_check(run, launcher: str) -> int:
                 else "")
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
               f"{run.batch_split}{auto}")
+        for line in resume.what_is_where(run.out, run.resume_plan):
+            print(f"tupe-pretrain: {line}")
         return 0
     said, code = None, 0
     try:
         train(run, launcher)
     except Refused as refused:  # every rank alike, once the process group existed
         said, code = f"tupe-pretrain: error: {refused}", 2
-    except TrainingStopped as stopped:
+    except TrainingStopped as stopped:  # reads.Unreadable among them
         said, code = f"tupe-pretrain: {stopped}", 3
         if not stopped.everywhere:  # the other ranks wait in a collective: none to end with them
             print(said, file=sys.stderr, flush=True)

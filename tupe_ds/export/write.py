@@ -24,14 +24,14 @@ from tupe_ds.tools import startup  # first: the collector paused while libraries
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import dataclasses
-import glob
+import fnmatch
 import json
 import os
 import re
 import shutil
 import sys
 import tempfile
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -46,7 +46,7 @@ from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
 from tupe_ds.tools.files import file_digest, replacing_folder
 from tupe_ds.train import run_description
-from tupe_ds.train.checkpoint import manifest, safe_load
+from tupe_ds.train.checkpoint import manifest, reads, safe_load
 from tupe_ds.train.checkpoint.folder import latest_step, survey, tag_of
 from tupe_ds.train.checkpoint.reshard import saved_layout
 
@@ -72,10 +72,19 @@ def find_checkpoint(path: str) -> tuple:
         newest = max(ours) if ours else latest_step(path)
         if newest:
             path = os.path.join(path, tag_of(newest))
-    if not glob.glob(os.path.join(path, "*mp_rank_*_model_states.pt")):
+    if not files_named(path, "*mp_rank_*_model_states.pt"):
         raise ExportError(f"{path}: not a complete DeepSpeed checkpoint (no mp_rank_*_model_states.pt);"
                           " give RUN_DIR/checkpoints (its newest) or RUN_DIR/checkpoints/stepN")
     return os.path.dirname(os.path.dirname(path)), path
+
+
+def files_named(folder: str, pattern: str) -> List[str]:
+    """The paths of the files in `folder` whose names match the glob `pattern`, in name order;
+    the listing retried (reads.list_folder; reads.Unreadable after the window): glob answers
+    nothing for a folder it could not list, and a slice whose ZeRO shards went unseen would be
+    exported from the module's fp16 weights."""
+    return [os.path.join(folder, name)
+            for name in sorted(fnmatch.filter(reads.list_folder(folder), pattern))]
 
 
 def check_files(step_dir: str) -> None:
@@ -89,7 +98,7 @@ def check_files(step_dir: str) -> None:
             raise ExportError(str(error)) from None
         problems = manifest.check_files(step_dir, files) + manifest.unlisted(step_dir, files)
     else:
-        files = sorted(glob.glob(os.path.join(step_dir, "*.pt")))
+        files = files_named(step_dir, "*.pt")
         problems = [problem for problem in map(safe_load.scan, files) if problem]
     if problems:
         raise ExportError("; ".join(problems))
@@ -99,13 +108,13 @@ def slice_state(step_dir: str, rank: int, tp: int) -> Dict[str, Tensor]:
     """The fp32 parameters of model-parallel rank `rank` (stage * tp + tensor rank), named as in
     the engine's module."""
     mark = f"mp_rank_{rank:02d}"
-    if glob.glob(os.path.join(step_dir, f"*{mark}_optim_states.pt")):
+    if files_named(step_dir, f"*{mark}_optim_states.pt"):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # zero_to_fp32 reads one model-parallel rank: show it this one's files as rank 00.
         with tempfile.TemporaryDirectory() as tmp:
             os.makedirs(os.path.join(tmp, "slice"))
-            for path in glob.glob(os.path.join(step_dir, f"*{mark}_*states.pt")):
+            for path in files_named(step_dir, f"*{mark}_*states.pt"):
                 target = os.path.join(tmp, "slice", os.path.basename(path).replace(mark, "mp_rank_00"))
                 states = safe_load.load(path)
                 if "module" in states and states["module"] is None:  # pipeline: layers saved apart
@@ -125,7 +134,7 @@ def pipeline_layer_files(step_dir: str, tensor_rank: int, states: dict) -> Dict[
     module names them (its model states list those names)."""
     names = {name for group in states["param_shapes"] for name in group}
     state = {}
-    for path in glob.glob(os.path.join(step_dir, f"layer_*-model_{tensor_rank:02d}-model_states.pt")):
+    for path in files_named(step_dir, f"layer_*-model_{tensor_rank:02d}-model_states.pt"):
         index = int(re.match(r"layer_(\d+)", os.path.basename(path)).group(1))
         for key, tensor in safe_load.load(path).items():
             for name in (f"{index}.{key}", f"tied_modules.word_embeddings.{key}",
@@ -300,6 +309,9 @@ def main(argv=None) -> int:
     except ExportError as error:
         print(f"tupe-export: error: {error}", file=sys.stderr)
         return 2
+    except reads.Unreadable as error:  # the filesystem, not the checkpoint: nothing was written
+        print(f"tupe-export: {error}", file=sys.stderr)
+        return 3
     print(f"exported {step_dir} -> {args.out} ({', '.join(sorted(os.listdir(args.out)))})")
     end_distributed()
     return 0

@@ -10,7 +10,7 @@ import socket
 import stat
 from typing import Optional, Union
 
-from tupe_ds.tools.lock import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, LinkLock
+from tupe_ds.tools.lock import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, LinkLock, file_kind
 
 
 def file_digest(path: str) -> str:
@@ -41,15 +41,6 @@ def regular_file(path: str, root: Optional[str] = None) -> str:
                                  f"{os.path.realpath(path)}); tupe_ds reads only files inside it: "
                                  "replace the link with the file itself")
     return path
-
-
-def file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a file"
 
 
 def temporary_name(path: str, pid: Optional[int] = None) -> str:

@@ -8,7 +8,9 @@ as the run folder's lock OUT/run.lock is (tupe_ds/train/run_lock.py), from the s
 rules, which live here. The holder's record (host, boot, PID namespace, PID and its start time,
 Slurm job, step and restart count, when it started) is written as JSON to a file of its own and
 hard-linked to the lock's name, which fails when the name exists (`link` is atomic on local
-disks, NFSv3+ and Lustre, the classic NFS lock), so the lock appears whole or not at all. While
+disks, NFSv3+ and Lustre, the classic NFS lock), so the lock appears whole or not at all. Whether
+it was made is judged by the record file's link count, or else the lock's content, never by what
+link() answered: over NFS a retransmitted link() that was done answers EEXIST. While
 it is held, a thread renews the lease by touching the file every LEASE_SECONDS / 10; its age is
 measured against the filesystem's own clock (the mtime of a file just written there), not this
 host's. A holder is gone, and its lock taken over with a line saying so, when (gone_because):
@@ -18,7 +20,12 @@ host's. A holder is gone, and its lock taken over with a line saying so, when (g
 - it is this same Slurm job before a requeue (the same job id, a lower SLURM_RESTART_COUNT);
 - it ran elsewhere and its lease was not renewed for LEASE_SECONDS (600 s;
   TUPE_DS_LOCK_LEASE_SECONDS), the only sign a lost node gives;
-- the file is not a lock record (damaged, or a symbolic link).
+- the file is not a lock record (damaged, or a symbolic link): not JSON, a field of another type
+  than this module writes, or a PID that names no single process (0 or less: process groups).
+
+Anything else at a lock's name (a folder, a FIFO, a device, a socket) is refused, named, and
+left in place (NotALockFile): it may be someone's, and it is checked before it is opened, as
+opening a FIFO would wait for a writer forever.
 
 A live holder of this machine holds the lock however long it is stopped, as with `flock`. A
 take-over is itself exclusive (PATH.break, the taker's record, made the same way), so two
@@ -28,8 +35,22 @@ saying after WAIT_NOTICE_SECONDS whom it waits for and which file to remove if t
 gone. A filesystem without hard links either is an error naming the lock. `flock` and a LinkLock
 do not exclude each other: nodes that mount one filesystem with and without `flock` (Lustre's
 mount options are per client) lock apart.
+
+Why not filelock's SoftFileLease (4.3.1, which has a lease, a heartbeat thread, a compromise
+callback and takes a dead holder of this machine over at once, as here): measured, a contender
+takes a lease over only once it has itself watched the marker unchanged for the lease's whole
+duration on its own clock, so a requeued job would wait 600 s every time and a job finding a
+lock that its lost node left hours ago would wait 600 s too, where here the file's age on the
+filesystem's clock decides at once (and the Slurm requeue rule has nothing to go on: its marker,
+at most 1 KiB of fixed fields, records no Slurm job, restart count or start time, so no message
+could name the holder either); it creates the marker with O_EXCL, not a link judged afterwards;
+its heartbeat compares inode numbers only, so a take-over that rewrote the file in place went
+unseen, and it reports a changed owner only at the second renewal; every contender must pass
+the same lease duration or fail (LeaseSettingsMismatch). It would replace the renewal thread
+(about 15 lines) and nothing of the rules, records and messages that make up the rest.
 """
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -37,6 +58,7 @@ import json
 import math
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -109,36 +131,38 @@ def this_holder() -> dict:
     return holder
 
 
-def read_bytes(path: str) -> Optional[bytes]:
-    """The first 64 KiB of a file (a lock record is far smaller); None when there is none (or
-    no file to read there: a folder, a file this process may not read)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(1 << 16)
-    except OSError:
-        return None
+REQUIRED_FIELDS = {"token": str, "host": str, "pid": int}
+OPTIONAL_FIELDS = {"boot_id": str, "pid_namespace": str, "pid_start": int, "started": str,
+                   **{field: str for field in SLURM_FIELDS}}
+MAX_PID = 2 ** 22  # Linux's largest pid_max: 0 and negative PIDs would name process groups
 
 
 def parse_holder(data: bytes) -> Optional[dict]:
-    """The holder a lock file's bytes name; None when they are no lock record (damaged)."""
+    """The holder a lock file's bytes name; None when they are no lock record (damaged): not a
+    JSON object, a field of this module's records of another type (`pid` a bool or a string) or
+    a PID that names no single process (0 or less would ask the kernel about process groups,
+    and so always count as alive)."""
     try:
         record = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("token"), str) or \
-            not isinstance(record.get("host"), str) or type(record.get("pid")) is not int:
+    if not isinstance(record, dict):
         return None
-    return record
+    for field, kind in {**REQUIRED_FIELDS, **OPTIONAL_FIELDS}.items():
+        value = record.get(field)
+        if type(value) is not kind and not (value is None and field in OPTIONAL_FIELDS):
+            return None
+    return record if 0 < record["pid"] <= MAX_PID else None
 
 
 def describe(holder: dict) -> str:
     slurm = holder.get("slurm_job_id")
-    job = f", Slurm job {slurm}" if isinstance(slurm, str) else ""
+    job = f", Slurm job {slurm}" if slurm else ""
     step = holder.get("slurm_step_id")
-    if job and isinstance(step, str):
+    if job and step:
         job += f" step {step}"
     return (f"process {holder['pid']} on {holder['host']}{job}, started "
-            f"{holder.get('started', 'at an unknown time')}")
+            f"{holder.get('started') or 'at an unknown time'}")
 
 
 def same_machine(holder: dict) -> bool:
@@ -196,24 +220,62 @@ def write_record(path: str, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def link_exclusively(source: str, target: str) -> bool:
-    """Whether `target` was created as a hard link to `source` (False: it exists)."""
-    try:
-        os.link(source, target)
-        return True
-    except FileExistsError:
-        return False
+class NotALockFile(OSError):
+    """Something no lock of this module leaves is at a lock's name (a folder, a FIFO, a device,
+    a socket): never removed, as it may be someone's; the message says to remove it."""
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def lock_content(path: str) -> Optional[bytes]:
-    """What judges a lock: its bytes; for a symbolic link (no lock this module writes: damaged,
-    taken over by removing the link) where it points. None when there is none."""
+    """What judges a lock: the first 64 KiB of its bytes (a record is far smaller); for a
+    symbolic link (no lock this module writes: damaged, taken over by removing the link) where
+    it points. None when there is none; NotALockFile when no regular file is there, checked
+    before it is opened: opening a FIFO would wait for a writer forever."""
     try:
-        if os.path.islink(path):
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
             return b"a symbolic link to " + os.fsencode(os.readlink(path))
+        if stat.S_ISREG(mode):
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with open(descriptor, "rb") as f:
+                mode = os.fstat(descriptor).st_mode  # a FIFO put there since, opened not blocking
+                if stat.S_ISREG(mode):
+                    return f.read(1 << 16)
     except FileNotFoundError:
         return None
-    return read_bytes(path)
+    raise NotALockFile(f"{path} is {file_kind(mode)}, not a lock file tupe_ds wrote: remove it, "
+                       "then run the same command")
+
+
+def holds(path: str, token: str) -> bool:
+    """Whether the lock file `path` is the record with `token`."""
+    holder = parse_holder(lock_content(path) or b"")
+    return holder is not None and holder["token"] == token
+
+
+def link_exclusively(source: str, target: str, token: str) -> bool:
+    """Whether `target` is now a hard link to `source`, the record with `token`. Judged by
+    `source`'s link count, or else `target`'s content, whatever link() answered: over NFS a
+    retransmitted link() that was done answers EEXIST."""
+    links = os.stat(source).st_nlink
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        pass
+    if os.stat(source).st_nlink > links:
+        return True
+    try:
+        return holds(target, token)
+    except NotALockFile:
+        return False
 
 
 def renewed_ago(own: str, path: str) -> Optional[float]:
@@ -226,19 +288,19 @@ def renewed_ago(own: str, path: str) -> Optional[float]:
         return None
 
 
-def replace_lock(path: str, own: str, judged: bytes) -> bool:
+def replace_lock(path: str, own: str, token: str, judged: bytes) -> bool:
     """Replaces the lock `path`, found gone from its content `judged`, with a hard link to
-    `own`: True when done; False when another process is taking it over or the lock changed
-    meanwhile (judge it again)."""
+    `own` (the record with `token`): True when done; False when another process is taking it
+    over or the lock changed meanwhile (judge it again)."""
     breaker = path + BREAK_SUFFIX
-    if not link_exclusively(own, breaker):
+    if not link_exclusively(own, breaker, token):
         remove_stale_breaker(breaker, own)
         return False
     try:
         if lock_content(path) != judged:
             return False  # released or replaced while we looked
         os.remove(path)
-        return link_exclusively(own, path)
+        return link_exclusively(own, path, token)
     finally:
         os.remove(breaker)
 
@@ -248,7 +310,7 @@ def remove_stale_breaker(breaker: str, own: str) -> None:
     when the taker is gone by the lock's own rules, else once it is BREAK_STALE_SECONDS old."""
     try:
         age = os.stat(own).st_mtime - os.stat(breaker).st_mtime
-        taker = parse_holder(read_bytes(breaker) or b"")
+        taker = parse_holder(lock_content(breaker) or b"")
         if gone_because(taker, 0.0) or age > BREAK_STALE_SECONDS:
             os.remove(breaker)
     except FileNotFoundError:
@@ -289,58 +351,75 @@ def lock_support(folder: str) -> tuple:
 
 
 class LinkLock:
-    """PATH.holder, held by this process: the lock `locked` takes where `flock` fails."""
+    """The lock file `path`, held by this process: the lock `locked` takes where `flock` fails,
+    and the base of the run folder's (tupe_ds/train/run_lock.py). `lost`: why it is no longer
+    this process's, once found out (by the renewal thread, every LEASE_SECONDS / 10, or by
+    `lost_because`)."""
+
+    speaker = "tupe_ds"  # the lines it says start with this
 
     def __init__(self, path: str):
         self.path = path
         self.holder = this_holder()
+        self.lost = None
+        self._checking = threading.Lock()  # the renewal thread and the caller's checks
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew, name="tupe-lock-lease", daemon=True)
 
     @classmethod
     def acquire(cls, path: str, fix: str, say=say_line) -> "LinkLock":
-        """The lock `path`, taken (over) once free or its holder gone. A filesystem without hard
-        links either is an error that ends with `fix`."""
+        """The lock `path`, taken (over) once free or its holder gone, waiting meanwhile. A
+        filesystem without hard links is an error that ends with `fix`."""
         lock = cls(path)
-        own = f"{path}.{lock.holder['token']}"
-        write_record(own, lock.holder)
-        try:
+        with lock.own_record() as own:
             started, pause, noticed = time.monotonic(), 0.01, False
-            while not lock._link(own, fix) and not lock._take_over_if_gone(own, say):
+            while not lock.claim(own, fix, say):
                 if not noticed and time.monotonic() - started > WAIT_NOTICE_SECONDS:
                     noticed = lock._say_what_it_waits_for(own, say)
                 time.sleep(pause)
                 pause = min(2 * pause, 1.0)  # many ranks wait on a shared filesystem
-        finally:
-            os.remove(own)
         lock._renewer.start()
         return lock
 
-    def _link(self, own: str, fix: str) -> bool:
+    @contextlib.contextmanager
+    def own_record(self):
+        """This holder's record in a file of its own beside the lock, to be hard-linked."""
+        own = f"{self.path}.{self.holder['token']}"
+        write_record(own, self.holder)
         try:
-            return link_exclusively(own, self.path)
+            yield own
+        finally:
+            os.remove(own)
+
+    def claim(self, own: str, fix: str, say) -> bool:
+        """Takes the lock, or takes it over when its holder is gone, saying so: True when held;
+        False when its holder may be alive (`busy` was told) or it changed meanwhile."""
+        try:
+            if link_exclusively(own, self.path, self.holder["token"]):
+                return True
         except OSError as error:
             if error.errno in NO_HARD_LINKS:
                 raise OSError(f"{self.path}: this filesystem can lock files neither with flock "
                               f"nor with hard links ({error.strerror}); {fix}") from error
             raise
-
-    def _take_over_if_gone(self, own: str, say) -> bool:
-        """Replaces a lock whose holder is gone (True); False when it may be alive or changed
-        meanwhile (wait, then try again)."""
-        if os.path.isdir(self.path) and not os.path.islink(self.path):
-            raise OSError(f"{self.path} is a folder, not a lock file: remove it")
         judged = lock_content(self.path)
         age = renewed_ago(own, self.path)
         if judged is None or age is None:
             return False
         holder = parse_holder(judged)
         why = gone_because(holder, age)
-        if why is None or not replace_lock(self.path, own, judged):
+        if why is None:
+            self.busy(holder, age)
             return False
-        say(f"tupe_ds: took over {self.path} from "
+        if not replace_lock(self.path, own, self.holder["token"], judged):
+            return False
+        say(f"{self.speaker}: took over {self.path} from "
             f"{describe(holder) if holder else 'an unknown holder'}: {why}")
         return True
+
+    def busy(self, holder: dict, age: float) -> None:
+        """A holder that may be alive holds the lock `age` seconds after it renewed it: waited
+        for."""
 
     def _say_what_it_waits_for(self, own: str, say) -> bool:
         holder = parse_holder(lock_content(self.path) or b"")
@@ -350,28 +429,51 @@ class LinkLock:
         state = ("a live process of this machine" if same_machine(holder) else
                  f"its lease renewed {age:.0f} s ago, taken over once not renewed for "
                  f"{LEASE_SECONDS:.0f} s")
-        say(f"tupe_ds: waiting for {self.path}, held by {describe(holder)} ({state}); if that "
-            f"process is gone, remove {self.path}")
+        say(f"{self.speaker}: waiting for {self.path}, held by {describe(holder)} ({state}); if "
+            f"that process is gone, remove {self.path}")
         return True
 
     def _renew(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 10):
-            if self.is_held():
-                try:
-                    os.utime(self.path)
-                except OSError:
-                    pass  # tried again at the next renewal
+        while not self._stop.wait(LEASE_SECONDS / 10) and not self.lost_because():
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # tried again at the next renewal
 
-    def is_held(self) -> bool:
-        holder = parse_holder(read_bytes(self.path) or b"")
-        return holder is not None and holder["token"] == self.holder["token"]
+    def check(self) -> Optional[str]:
+        """None while the lock file is this process's; else what holds it now."""
+        try:
+            data = lock_content(self.path)
+        except NotALockFile as error:
+            return str(error)
+        if data is None:
+            return f"{self.path} was removed"
+        holder = parse_holder(data)
+        if holder is None or holder["token"] != self.holder["token"]:
+            whose = describe(holder) if holder else "something that is no lock record"
+            return f"{self.path} now names {whose}"
+        return None
+
+    def lost_because(self) -> Optional[str]:
+        """`lost`, checked now: a lock file someone removed is taken again (nobody else holds
+        it then), saying so."""
+        with self._checking:
+            if not self.lost:
+                self.lost = self.check()
+                if self.lost and not os.path.lexists(self.path):
+                    with self.own_record() as own:
+                        if link_exclusively(own, self.path, self.holder["token"]):
+                            say_line(f"{self.speaker}: {self.path} was removed while this "
+                                     "process held it: taken again")
+                    self.lost = self.check()
+            return self.lost
 
     def release(self) -> None:
         """Removes the lock, unless another process took it over meanwhile."""
         self._stop.set()
         if self._renewer.is_alive():
             self._renewer.join()
-        if self.is_held():
+        if self.check() is None:
             try:
                 os.remove(self.path)
             except FileNotFoundError:

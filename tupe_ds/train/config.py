@@ -149,7 +149,8 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
     zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     shape = (layout.world_size, layout.tp, layout.pp, zero_stage)
     try:
-        resume_plan = plan_resume(args.out, args.resume, args.resume_from, *shape)
+        resume_plan = plan_resume(args.out, args.resume, args.resume_from, *shape,
+                                  fresh_start=args.fresh_start)
     except ValueError as error:
         fail(f"--out {args.out}: {error}")
     if resume_plan is not None and resume_plan.candidates:

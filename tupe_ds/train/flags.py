@@ -121,7 +121,13 @@ def parser() -> argparse.ArgumentParser:
                         "--out holds checkpoints")
     p.add_argument("--resume-from", metavar="stepN",
                    help="resume from this checkpoint of --out: stepN, or its path (newer ones "
-                        "are set aside)")
+                        "are set aside); once: a later attempt of the same command (a requeued "
+                        "job) resumes the newest checkpoint the run wrote since")
+    p.add_argument("--fresh-start", action="store_true",
+                   help="when --out holds checkpoints of which none can be resumed (damaged, or "
+                        "failing verification), start from step 0 and set them aside in "
+                        "OUT/checkpoints/set-aside/, deleting nothing; without it such a run is "
+                        "refused. A checkpoint that can be resumed still is")
     p.add_argument("--allow-training-changes", action="store_true",
                    help="resume even though the optimizer or schedule settings (--lr, "
                         "--warmup-steps, the config's optimizer, scheduler, gradient clipping) "
@@ -210,6 +216,16 @@ class Refused(RuntimeError):
     what every rank sees): every rank raises it alike; tupe-pretrain says it once and exits 2."""
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on by itself (non-finite steps or weights, a checkpoint it could not
+    write, its run folder taken over); its message says why. `everywhere`: every rank stopped
+    alike (else only this one: the others wait in a collective, for the launcher to end them)."""
+
+    def __init__(self, message: str, everywhere: bool = True):
+        super().__init__(message)
+        self.everywhere = everywhere
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Counts are positive, flags that need another are given it, and the model fits the
     objective."""
@@ -219,6 +235,9 @@ def check_flags(args: argparse.Namespace) -> None:
             fail(f"--{name.replace('_', '-')} must be at least 1")
     if args.resume_from and args.resume == "never":
         fail("--resume-from with --resume never: choose one")
+    if args.resume_from and args.fresh_start:
+        fail("--resume-from with --fresh-start: choose one (--resume-from never starts from "
+             "step 0)")
     if args.init_optimizer and not args.init_from:
         fail("--init-optimizer needs --init-from CHECKPOINT")
     if args.branch and not args.init_from:

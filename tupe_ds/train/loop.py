@@ -4,6 +4,7 @@ checkpoints until --steps or a stop signal."""
 
 import dataclasses
 import os
+from typing import Optional
 
 import deepspeed
 import torch
@@ -25,10 +26,10 @@ from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
 from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_description, run_lock
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
-from tupe_ds.train.checkpoint import manifest, reshard, resume
-from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, save
+from tupe_ds.train.checkpoint import manifest, reshard, resume, safe_load
+from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, on_rank_0, save
 from tupe_ds.train.config import RunConfig
-from tupe_ds.train.flags import Refused
+from tupe_ds.train.flags import Refused, TrainingStopped
 from tupe_ds.train.monitor import Monitor, run_flops_per_step
 from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.normalization import LossNormalization
@@ -96,8 +97,9 @@ def evaluate(steps, valid: list, run: RunConfig, micro_batch: int, device) -> di
     return blended
 
 
-def write_run_description(run: RunConfig, lineage: str) -> None:
-    """OUT/run.json: the models, layout and lineage of the run (run_description.py)."""
+def write_run_description(run: RunConfig, lineage: str, plan) -> None:
+    """OUT/run.json: the models, layout and lineage of the run, the checkpoint it resumed (its
+    newest now) and the --resume-from it applied (run_description.py)."""
     batch = run.ds_config["train_batch_size"]
     description = {"objective": run.objective, "lineage": lineage,
                    "data": os.path.abspath(run.data),
@@ -113,8 +115,21 @@ def write_run_description(run: RunConfig, lineage: str) -> None:
                    "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
                    "micro_batch": {"size": run.batch_split.micro_batch,  # auto_micro_batch.py
                                    "auto": run.batch_split.auto},  # reads it at the next start
-                   "models": [dataclasses.asdict(config) for config in run.models]}
+                   "models": [dataclasses.asdict(config) for config in run.models],
+                   run_description.NEWEST_CHECKPOINT: plan.candidates[0] if plan else None,
+                   run_description.RESUME_FROM: resume_from_record(plan, run.out)}
     run_description.write(run.out, description)
+
+
+def resume_from_record(plan, out: str) -> Optional[dict]:
+    """What OUT/run.json is to record of --resume-from (run_description.resume_from_record):
+    anew when this start applies the flag, the last start's when it resumes otherwise (a
+    requeued attempt, the flag applied earlier), none for a run that starts anew."""
+    if plan is None:
+        return None
+    if plan.by_hand:
+        return {"step": plan.candidates[0], "written": []}
+    return run_description.resume_from_record(out)
 
 
 def build_model(run: RunConfig, objective):
@@ -254,6 +269,8 @@ def train(run: RunConfig, launcher: str) -> None:
         model = build_model(run, objective)
         run = auto_micro_batch.settled(run, model, objective, device)  # the last run.json's
         model, engine, steps = build_engine(run, objective, device, model)
+    if run.lock is not None and engine.monitor.enabled:
+        run.lock.guard(engine.monitor)
     kept = run.optimizer_boundary == "foreach" and optimizer_boundary.unsupported(engine.optimizer)
     if kept:
         say(f"tupe-pretrain: the foreach optimizer boundary does not apply ({kept}): DeepSpeed's "
@@ -262,7 +279,7 @@ def train(run: RunConfig, launcher: str) -> None:
         damage = run_description.damage(run.out)
         if damage:
             say(f"tupe-pretrain: {damage}: written anew", flush=True)
-        write_run_description(run, lineage)
+        write_run_description(run, lineage, plan)
     vocab = Vocabulary.from_data_dir(run.data)
     folders = ", ".join(source.folder for source in run.sources)
     with announced(f"the sample indexes of {folders} (seq-len {run.seq_len})", rank):
@@ -298,7 +315,9 @@ def train(run: RunConfig, launcher: str) -> None:
     layout = saved_layout(run, engine)
     record = {"lineage": lineage, "identity": run.identity,  # for the manifests
               "training": run.training, "resumed_from": plan.tag if plan else None,
-              "init_from": run.init_plan.step_dir if run.init_plan else None}
+              "resume_from_applied": resume.applied_tag(plan),
+              "init_from": run.init_plan.step_dir if run.init_plan else None,
+              "software": safe_load.software_versions()}  # what a resume can load: safe_load
     guard = NonFiniteGuard(engine, run.max_nonfinite_steps,
                            state.get("nonfinite") if state else None)
     last_checkpoint = plan.tag if plan else None
@@ -306,7 +325,7 @@ def train(run: RunConfig, launcher: str) -> None:
                       resumed_at=step, times=state.get("times") if state else None,
                       settings={"train/mask_rate": run.masking.probability,
                                 "train/mask_split/mask": run.masking.mask,
-                                "train/mask_split/random": run.masking.random})
+                                "train/mask_split/random": run.masking.random}, lock=run.lock)
     start = ("resumed at" if plan else f"branched from {run.init_plan.step_dir} at" if branched
              else "starting")
     say(f"{start} step {step} of {run.steps}: {run.objective} "
@@ -369,7 +388,10 @@ def train(run: RunConfig, launcher: str) -> None:
             try:
                 with monitor.timing("checkpoint"):
                     save(engine, checkpoints, step, client_state, run.keep_checkpoints, layout,
-                         record, device)
+                         record, device, lock=run.lock)
+                    on_rank_0(lambda: run_description.record_written(run.out, step),
+                              f"could not record checkpoint step{step} in {run.out}/run.json",
+                              rank, f"rank 0 to record checkpoint step{step} in run.json")
             except NonFiniteWeights as error:
                 failure = f"{error}; the last good checkpoint is {last_checkpoint or 'none'}"
                 break
@@ -402,13 +424,3 @@ def train(run: RunConfig, launcher: str) -> None:
         return
     say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
     say(f"tensorboard --logdir {os.path.join(run.out, 'tensorboard')}")
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on by itself (non-finite steps or weights, a checkpoint it could not
-    write, its run folder taken over); its message says why. `everywhere`: every rank stopped
-    alike (else only this one: the others wait in a collective, for the launcher to end them)."""
-
-    def __init__(self, message: str, everywhere: bool = True):
-        super().__init__(message)
-        self.everywhere = everywhere

@@ -11,7 +11,9 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from tupe_ds.model.config import ModelConfig
-from tupe_ds.tools.files import write_atomically
+from tupe_ds.tools.files import NotRegularFile, regular_file, write_atomically
+from tupe_ds.train.checkpoint import reads
+from tupe_ds.train.flags import TrainingStopped
 
 
 def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> float:
@@ -25,15 +27,45 @@ def run_flops_per_step(configs: tuple, global_batch: int, seq_len: int) -> float
     return sum(flops_per_step(c, global_batch, seq_len) for c in configs)
 
 
+def log_there(path: str) -> bool:
+    """Whether the log `path` of a run folder (OUT/train_log.jsonl) is there, checked before
+    rank 0 reads, appends to or replaces it: a regular file inside its folder (a FIFO would hang
+    the run, a link out would have it read and write elsewhere, a link to nothing would have the
+    append create its target), the check retried (reads.Unreadable after the window). Else
+    TrainingStopped naming it, with nothing written to it: rank 0 alone keeps the log, so it
+    stops alone (exit code 3, the others ended by the launcher)."""
+    try:
+        reads.retried(path, lambda: regular_file(path, os.path.dirname(path)))
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise TrainingStopped(f"the run's log {path}: a symbolic link to nothing (to "
+                                  f"{os.readlink(path)}); remove it", everywhere=False) from None
+        return False
+    except NotRegularFile as error:
+        raise TrainingStopped(f"the run's log {error}", everywhere=False) from None
+    return True
+
+
+def read_log(path: str) -> bytes:
+    """The bytes of the log `path` (b"" when it is not there yet), checked as `log_there` says
+    and retried."""
+    return reads.read_bytes(path, os.path.dirname(path)) if log_there(path) else b""
+
+
+def appended(path: str, text: bytes) -> None:
+    """`text` at the end of the log `path` (created when it is not there), checked first as
+    `log_there` says."""
+    log_there(path)
+    with open(path, "ab") as f:
+        f.write(text)
+
+
 def keep_log_until(path: str, step: int) -> int:
     """A run resumed at `step` (0: started anew) trains the steps after it again: their entries
     in train_log.jsonl, written before a kill or a fallback, move to train_log.redone.jsonl, so
     that the log holds each step once. Returns how many moved. A line that is not a log entry
     (a write cut short by a kill) moves too; lines are moved byte for byte."""
-    if not os.path.exists(path):
-        return 0
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_log(path)
     lines = [line + b"\n" for line in data.split(b"\n")]
     if data.endswith(b"\n") or not data:
         lines.pop()  # the empty piece after the last newline
@@ -42,8 +74,7 @@ def keep_log_until(path: str, step: int) -> int:
         entry = entry_step(line)
         (kept if entry is not None and entry <= step else redone).append(line)
     if redone:
-        with open(path[:-len(".jsonl")] + ".redone.jsonl", "ab") as f:
-            f.writelines(redone)
+        appended(path[:-len(".jsonl")] + ".redone.jsonl", b"".join(redone))
     if redone or not data.endswith(b"\n") and data:  # the next entry starts on a line of its own
         write_atomically(path, b"".join(kept))
     return len(redone)
@@ -65,17 +96,15 @@ def logged_times(path: str, resumed_at: int) -> dict:
     Monitor.TIMED). A log of an earlier tupe_ds has none: its training seconds are estimated
     (`estimated_training_seconds`) for the `resumed_at` steps it trained."""
     found, step_times = {}, {}
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            for line in f:
-                step = entry_step(line)
-                if step is None:
-                    continue
-                entry = json.loads(line)
-                found.update({name: entry[f"time/{name}_seconds"] for name in Monitor.TIMED
-                              if isinstance(entry.get(f"time/{name}_seconds"), float)})
-                if "throughput/seconds_per_step" in entry:
-                    step_times[step] = entry["throughput/seconds_per_step"]
+    for line in read_log(path).split(b"\n"):
+        step = entry_step(line)
+        if step is None:
+            continue
+        entry = json.loads(line)
+        found.update({name: entry[f"time/{name}_seconds"] for name in Monitor.TIMED
+                      if isinstance(entry.get(f"time/{name}_seconds"), float)})
+        if "throughput/seconds_per_step" in entry:
+            step_times[step] = entry["throughput/seconds_per_step"]
     if "training" not in found and step_times:
         found["training"] = estimated_training_seconds(step_times, resumed_at)
     return found
@@ -94,12 +123,16 @@ class Monitor:
     (`time/training_seconds`, what Figure 5's time axis and "time to the baseline's loss" use),
     of evaluation (with the positional images) and of checkpoint saves, carried over resumes in
     the checkpoints (`times`), and each start's seconds before its first step
-    (`time/startup_seconds`, on its first log line)."""
+    (`time/startup_seconds`, on its first log line). With `lock` (rank 0's OUT/run.lock), each
+    write checks first that the run still holds its folder (RunLock.stop_unless_held): a run
+    another job took over writes no log line or TensorBoard event after the new holder trimmed
+    the log to its own resume step."""
 
     TIMED = ("training", "evaluation", "checkpoint")
 
     def __init__(self, out: str, configs: tuple, seq_len: int, world_size: int, rank: int,
-                 resumed_at: int = 0, times: dict = None, settings: dict = None):
+                 resumed_at: int = 0, times: dict = None, settings: dict = None, lock=None):
+        self.lock = lock
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.writer = None
         self.seconds = {name: float((times or {}).get(name, 0.0)) for name in self.TIMED}
@@ -151,10 +184,10 @@ class Monitor:
         """To TensorBoard and to the run's train_log.jsonl (one JSON object per call)."""
         if self.writer is None:
             return
+        self.stop_unless_held()
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+        appended(self.log_path, (json.dumps({"step": step, **values}) + "\n").encode())
 
     def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale,
               nonfinite_steps: int, samples: int, global_batch: int) -> str:
@@ -197,12 +230,17 @@ class Monitor:
         """One grey image per head of the content-free logits [heads, n, n] (paper, Figure 6)."""
         if self.writer is None:
             return
+        self.stop_unless_held()
         scores = scores.detach().float().cpu()
         low = scores.amin(dim=(1, 2), keepdim=True)
         high = scores.amax(dim=(1, 2), keepdim=True)
         images = (scores - low) / (high - low).clamp(min=1e-12)
         for head, image in enumerate(images):
             self.writer.add_image(f"{tag}/head{head}", image[None], step)
+
+    def stop_unless_held(self) -> None:
+        if self.lock is not None:
+            self.lock.stop_unless_held()
 
     def close(self) -> None:
         if self.writer is not None:

@@ -2,158 +2,102 @@
 
 Two jobs on one --out (a resubmission while the first still runs, a requeue that starts before
 the old step has died) would set aside each other's saves in progress and log the same steps
-twice. The lock file names its holder (host, boot, PID and its start time, Slurm job, step and
-restart count, when it started) as JSON.
-
-The mechanism works on every filesystem a cluster puts run folders on, `flock` or not (Lustre
-mounted without `-o flock`, NFS with local locks): the holder's record is written to a file of
-its own and hard-linked to OUT/run.lock, which fails when the name exists (`link` is atomic on
-local disks, NFSv3+ and Lustre, the classic NFS lock), so the lock appears whole or not at all.
-While the run lives, a thread renews the lease by touching the file every LEASE_SECONDS / 10;
-its age is measured against the filesystem's own clock (the mtime of a file just written there),
-not this host's. A holder is gone, and its lock taken over with a line saying so, by the rule
-of tupe_ds/tools/lock.py (`gone_because`): its process ended here, it is this Slurm job before a
-requeue, its lease elsewhere ran out, or the file is no lock record.
-
-Otherwise the run is refused before any work, naming the holder and what to do (a live process
-of this machine holds it until it ends, however long it is stopped). A take-over is itself
-exclusive (OUT/run.lock.break, the taker's record, made the same way), so two jobs cannot both
-take over one stale lock; one cut short is removed when its taker is gone by these rules, or
-after BREAK_STALE_SECONDS. A holder that was taken over (its node frozen beyond the lease) finds
-out before its next save (`still_held`) and stops without writing. The records, these rules and
-the take-over live in tupe_ds/tools/lock.py, shared with the lock files that replace `flock`
-where a filesystem has none (the index cache's, tupe_ds/tools/files.py's `locked`).
+twice. OUT/run.lock is a lock file of tupe_ds/tools/lock.py (a hard link to its holder's JSON
+record, a lease its thread renews, the rules by which a holder is gone and taken over, saying
+so). What is the run's own: a holder that may be alive refuses the run before any work, naming
+it and what to do (a live process of this machine holds it until it ends, however long it is
+stopped); so does anything at OUT/run.lock that no lock of ours leaves (a folder, a FIFO, which
+would hang whoever opens it: never removed, it may be someone's; a symbolic link is taken over
+as damaged). And a run whose lock another job took over (its node frozen beyond the lease, then
+back) writes nothing more: its renewal thread finds out within LEASE_SECONDS / 10, and rank 0
+checks the lock before each write to the run folder (`stop_unless_held`: each log line and
+TensorBoard event, each step of a checkpoint's commit), as a frozen process resumes with that
+thread asleep; before each save every rank stops alike (`lost_on_rank_0`).
 """
 
 import os
 import socket
-import threading
 import time
 import uuid
 from typing import Optional
 
 import torch.distributed as dist
 
-from tupe_ds.tools.lock import (BREAK_SUFFIX, LEASE_SECONDS, describe, gone_because,
-                                link_exclusively, lock_content, parse_holder, read_bytes,
-                                renewed_ago, replace_lock, same_machine, this_holder,
-                                write_record)
-from tupe_ds.train.flags import Refused
+from tupe_ds.tools.lock import (LEASE_SECONDS, LinkLock, NotALockFile, describe, gone_because,
+                                lock_content, parse_holder, same_machine, write_record)
+from tupe_ds.tools.lock import this_holder  # noqa: F401  (the records tests plant)
+from tupe_ds.train.flags import Refused, TrainingStopped
 
 LOCK_FILE = "run.lock"
 
 
+class FolderTakenOver(TrainingStopped):
+    """Another job took this run's folder over: rank 0 stops alone, writing nothing more."""
+
+    def __init__(self, message: str):
+        super().__init__(message, everywhere=False)
+
+
 class RunFolderBusy(RuntimeError):
-    """Another live job holds the run folder; the message names it and what to do."""
+    """Another live job holds the run folder, or something no lock of ours leaves is at
+    OUT/run.lock; the message names it and what to do."""
 
 
-class RunLock:
+class RunLock(LinkLock):
     """The lock of one run folder, held by this process (the run's rank 0)."""
 
-    def __init__(self, out: str, holder: dict):
-        self.path = os.path.join(out, LOCK_FILE)
-        self.holder = holder
-        self.lost = None  # why the lock is no longer this run's, once found out
-        self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew, name="tupe-run-lock", daemon=True)
+    speaker = "tupe-pretrain"
 
     @classmethod
     def acquire(cls, out: str, say=print) -> "RunLock":
         """The lock of `out`, taken (over); RunFolderBusy when another live job holds it."""
         os.makedirs(out, exist_ok=True)
-        lock = cls(out, this_holder())
-        own = f"{lock.path}.{lock.holder['token']}"
-        write_record(own, lock.holder)
+        lock = cls(os.path.join(out, LOCK_FILE))
         try:
-            for _ in range(20):
-                if link_exclusively(own, lock.path):
-                    break
-                took_over = lock._take_over_if_gone(own, say)
-                if took_over:
-                    break
-                time.sleep(0.1)  # a take-over by another job in progress, or a lock released
-            else:
-                raise RunFolderBusy(f"{lock.path}: could not be taken in 20 tries: another job "
-                                    f"is taking it over ({lock.path}{BREAK_SUFFIX} is there); run "
-                                    f"the same command again in a minute")
-        finally:
-            os.remove(own)
+            with lock.own_record() as own:
+                for _ in range(20):
+                    if lock.claim(own, "put --out on another filesystem", say):
+                        break
+                    time.sleep(0.1)  # a take-over by another job in progress, or a lock released
+                else:
+                    raise RunFolderBusy(f"{lock.path}: could not be taken in 20 tries: another "
+                                        f"job is taking it over ({lock.path}.break is there); "
+                                        "run the same command again in a minute")
+        except NotALockFile as error:
+            raise RunFolderBusy(str(error)) from None
         lock._renewer.start()
         return lock
 
-    def _take_over_if_gone(self, own: str, say) -> bool:
-        """Replaces a lock whose holder is gone (True); RunFolderBusy when it may be alive;
-        False when the lock changed meanwhile (try again)."""
-        if os.path.isdir(self.path) and not os.path.islink(self.path):
-            raise RunFolderBusy(f"{self.path} is a folder, not a lock file tupe-pretrain wrote: "
-                                "remove it, then run the same command")
-        judged = lock_content(self.path)
-        age = renewed_ago(own, self.path)
-        if judged is None or age is None:
-            return False
-        holder = parse_holder(judged)
-        why = gone_because(holder, age)
-        if why is None:
-            raise RunFolderBusy(busy_message(self.path, holder, age))
-        if not replace_lock(self.path, own, judged):
-            return False  # released, replaced or being taken over: judge it again
-        whose = describe(holder) if holder else "an unknown holder"
-        say(f"tupe-pretrain: took over {self.path} from {whose}: {why}")
-        return True
-
-    def _renew(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 10):
-            self.lost = self.lost or self._hold()
-            if self.lost:
-                return
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass  # checked again at the next renewal, and before every save
-
-    def check(self) -> Optional[str]:
-        """None while OUT/run.lock is this run's; else what holds it now."""
-        if not os.path.lexists(self.path):
-            return f"{self.path} was removed"
-        holder = parse_holder(read_bytes(self.path) or b"")
-        if holder is None or holder["token"] != self.holder["token"]:
-            whose = describe(holder) if holder else "something that is no lock record"
-            return f"{self.path} now names {whose}"
-        return None
-
-    def _hold(self) -> Optional[str]:
-        """check(), taking the lock again where someone removed it (nobody else holds it then)."""
-        problem = self.check()
-        if problem and not os.path.lexists(self.path):
-            own = f"{self.path}.{self.holder['token']}"
-            write_record(own, self.holder)
-            try:
-                if link_exclusively(own, self.path):
-                    print(f"tupe-pretrain: {self.path} was removed while this run held it: "
-                          "taken again", flush=True)
-                    return None
-            finally:
-                os.remove(own)
-            problem = self.check()
-        return problem
+    def busy(self, holder: dict, age: float) -> None:
+        raise RunFolderBusy(busy_message(self.path, holder, age))
 
     def still_held(self) -> Optional[str]:
-        """Before a save: None while the lock is this run's; else why the run must stop."""
-        self.lost = self.lost or self._hold()
-        if self.lost:
-            return (f"this run no longer holds its run folder ({self.lost}): another job took "
-                    "it over (this one was presumed gone); stopping without saving")
+        """None while the lock is this run's; else why the run must stop."""
+        lost = self.lost_because()
+        if lost:
+            return (f"this run no longer holds its run folder ({lost}): another job took it "
+                    "over (this one was presumed gone); stopping without saving")
         return None
 
-    def release(self) -> None:
-        self._stop.set()
-        if self._renewer.is_alive():
-            self._renewer.join()
-        if self.check() is None:
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
+    def stop_unless_held(self) -> None:
+        """Before each write rank 0 makes to the run folder after its start: TrainingStopped
+        when another job took the folder over, so that this run writes nothing more. Rank 0
+        stops alone (the others wait in a collective, for the launcher to end them): a check
+        per write must cost no collective."""
+        lost = self.still_held()
+        if lost:
+            raise FolderTakenOver(lost)
+
+    def guard(self, deepspeed_monitor) -> None:
+        """DeepSpeed's own TensorBoard, CSV and W&B writes (its MonitorMaster, once per step on
+        rank 0) check the lock first too."""
+        write_events = deepspeed_monitor.write_events
+
+        def write_events_if_held(events):
+            self.stop_unless_held()
+            write_events(events)
+
+        deepspeed_monitor.write_events = write_events_if_held
 
 
 def busy_message(path: str, holder: dict, age: float) -> str:
@@ -173,10 +117,10 @@ def busy_message(path: str, holder: dict, age: float) -> str:
 def check(out: str) -> Optional[str]:
     """For --check-only: the refusal a run on `out` would meet now (None: it would start)."""
     path = os.path.join(out, LOCK_FILE)
-    if os.path.isdir(path) and not os.path.islink(path):
-        return (f"{path} is a folder, not a lock file tupe-pretrain wrote: remove it, then run "
-                "the same command")
-    data = read_bytes(path)
+    try:
+        data = lock_content(path)
+    except NotALockFile as error:
+        return str(error)
     if data is None:
         return None
     probe = f"{path}.probe-{uuid.uuid4().hex}"
@@ -189,7 +133,7 @@ def check(out: str) -> Optional[str]:
         if os.path.exists(probe):
             os.remove(probe)
     try:
-        age = now - os.stat(path).st_mtime
+        age = now - os.lstat(path).st_mtime
     except FileNotFoundError:
         return None
     holder = parse_holder(data)
@@ -201,8 +145,10 @@ def confirm_on_every_rank(lock: Optional[RunLock], out: str) -> None:
     so --out is one folder that every node shares; RuntimeError naming the ranks that do not."""
     token = [lock.holder["token"] if lock else None]
     dist.broadcast_object_list(token, src=0)
-    data = read_bytes(os.path.join(out, LOCK_FILE))
-    holder = parse_holder(data) if data is not None else None
+    try:
+        holder = parse_holder(lock_content(os.path.join(out, LOCK_FILE)) or b"")
+    except NotALockFile:
+        holder = None
     mine = None if token[0] is None or (holder and holder["token"] == token[0]) else (
         f"rank {dist.get_rank()} on {socket.gethostname()} finds "
         + (describe(holder) if holder else "no lock record"))
@@ -211,8 +157,8 @@ def confirm_on_every_rank(lock: Optional[RunLock], out: str) -> None:
     differing = [line for line in every_rank if line]
     if differing:
         raise Refused(f"{os.path.join(out, LOCK_FILE)}: rank 0 holds it, but "
-                           + "; ".join(differing) + ": --out must be one folder that every node "
-                           "shares (the same path on a shared filesystem)")
+                      + "; ".join(differing) + ": --out must be one folder that every node "
+                      "shares (the same path on a shared filesystem)")
 
 
 def lost_on_rank_0(lock: Optional[RunLock]) -> Optional[str]:

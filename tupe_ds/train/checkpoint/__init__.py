@@ -17,6 +17,10 @@ The rules, each kept by one file of this package:
    --resume-from stepN) is verified by all ranks (each checks a share of the files: size,
    checksum, and a `weights_only` read of every pickle, `safe_load.py`); one that fails is
    reported, file by file, and the run resumes from the previous complete one of its lineage.
+   Only damage falls back: a file the filesystem does not give is retried, then stops the run
+   with nothing moved (`reads.py`); a file of other software versions is a refusal; with no
+   checkpoint left the run is refused unless --fresh-start. --resume-from applies once (run.json
+   records the steps the resumed run wrote). Set-aside folders are never resumed or deleted.
 4. **The same run, or a refusal** (`identity.py`). The manifest records what defines the stream
    and the model; a resume with any of it changed is refused before any process starts, naming
    each difference. A deliberate change is a new run: --init-from CHECKPOINT.

@@ -4,7 +4,8 @@ set aside, and retention.
     CHECKPOINTS/stepN/                a checkpoint; complete when stepN/manifest.json exists
     CHECKPOINTS/latest                the tag of the newest checkpoint this run committed
                                       (DeepSpeed's and other tools' pointer; not the rule)
-    CHECKPOINTS/set-aside/UTC-TIME/   folders moved out of the way, never deleted by tupe_ds
+    CHECKPOINTS/set-aside/UTC-TIME/   folders moved out of the way, never resumed from and
+                                      never deleted by tupe_ds
     CHECKPOINTS/.deleting-stepN       retention's deletion in progress (finished by the next)
     CHECKPOINTS/universal/stepN       DeepSpeed universal conversions (reshard.py)
 """
@@ -15,8 +16,8 @@ import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
-from tupe_ds.tools.files import write_atomically
-from tupe_ds.train.checkpoint import manifest, reshard
+from tupe_ds.tools.files import NotRegularFile, write_atomically
+from tupe_ds.train.checkpoint import manifest, reads, reshard
 
 TAG = re.compile(r"^step(\d+)$")
 SET_ASIDE = "set-aside"
@@ -35,16 +36,16 @@ def step_of(tag: str) -> int:
 
 
 def step_folders(directory: str) -> List[int]:
-    """Steps of every stepN folder, complete or not, in ascending order."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(m.group(1)) for m in map(TAG.match, os.listdir(directory)) if m)
+    """Steps of every stepN folder, complete or not, in ascending order (the listing retried:
+    a folder EIO hides is no folder without checkpoints)."""
+    return sorted(int(m.group(1)) for m in map(TAG.match, reads.list_folder(directory)) if m)
 
 
 def survey(directory: str) -> Tuple[Dict[int, dict], Dict[int, str]]:
     """(complete, damaged): the manifest of each complete checkpoint, by step; and for each step
     folder whose manifest is there but does not read as one (manifest.read), the problem. A
-    damaged checkpoint is never resumed, retired or a fallback: it is kept."""
+    damaged checkpoint is never resumed, retired or a fallback: it is kept. A manifest the
+    filesystem does not give is neither: reads.Unreadable."""
     complete, damaged = {}, {}
     for step in step_folders(directory):
         step_dir = os.path.join(directory, tag_of(step))
@@ -58,6 +59,25 @@ def survey(directory: str) -> Tuple[Dict[int, dict], Dict[int, str]]:
     return complete, damaged
 
 
+def inventory(directory: str) -> List[str]:
+    """A line per step folder of `directory` (complete, with its lineage; damaged, and why;
+    incomplete) and per folder set aside: what is where, for tupe-pretrain --check-only."""
+    complete, damaged = survey(directory)
+    lines = []
+    for step in step_folders(directory):
+        path = os.path.join(directory, tag_of(step))
+        lines.append(f"{path}: complete (lineage {complete[step]['lineage']})" if step in complete
+                     else f"{path}: damaged ({damaged[step]})" if step in damaged
+                     else f"{path}: not a folder" if not os.path.isdir(path)
+                     else f"{path}: incomplete (no manifest.json: a save cut short)")
+    kept = os.path.join(directory, SET_ASIDE)
+    for when in sorted(reads.list_folder(kept)):
+        for name in sorted(reads.list_folder(os.path.join(kept, when))):
+            lines.append(f"{os.path.join(kept, when, name)}: set aside (never resumed from, "
+                         "never deleted by tupe_ds)")
+    return lines
+
+
 def complete_steps(directory: str) -> List[int]:
     """Steps of the folders whose manifest reads, in ascending order."""
     return sorted(survey(directory)[0])
@@ -69,10 +89,10 @@ def latest_tag(directory: str) -> Optional[str]:
     a manifest is found through it."""
     path = os.path.join(directory, "latest")
     try:
-        with open(path, "rb") as f:
-            tag = f.read(256).decode("utf-8", errors="replace").strip()
-    except (FileNotFoundError, IsADirectoryError):
+        tag = reads.read_bytes(path, root=directory)[:256].decode("utf-8", errors="replace")
+    except (FileNotFoundError, NotRegularFile):
         return None
+    tag = tag.strip()
     return tag if TAG.match(tag) else None
 
 

@@ -2,7 +2,11 @@
 
     {"format": 1, "tag": "step8", "step": 8, "lineage": "...", "identity": {...},
      "layout": {...}, "training": {...}, "files": {"NAME": {"size": BYTES, "xxh3_128": HEX}, ...},
+     "software": {"torch": VERSION, "deepspeed": ..., "megatron-core": ..., "tupe_ds": ...},
      "manifest_xxh3_128": HEX}
+
+The software that wrote it tells a file this software cannot load (a class renamed by an
+upgrade) from a damaged one (`check_files`).
 
 The manifest checksums its own content too, so that a flipped bit in it (the identity, a
 file's size) makes the checkpoint damaged, not another run's.
@@ -18,12 +22,12 @@ manifest: for files from elsewhere, `safe_load.py` is the guard.
 import hashlib
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import xxhash
 
-from tupe_ds.tools.files import write_atomically
-from tupe_ds.train.checkpoint import safe_load
+from tupe_ds.tools.files import NotRegularFile, regular_file, write_atomically
+from tupe_ds.train.checkpoint import reads, safe_load
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -49,17 +53,20 @@ def describe(folder: str, names: List[str]) -> Dict[str, dict]:
 
 
 def exists(folder: str) -> bool:
-    return os.path.exists(os.path.join(folder, MANIFEST))
+    """Whether the folder's manifest is there (an error other than its absence is retried, then
+    Unreadable: a manifest hidden by EIO would make its checkpoint look incomplete)."""
+    return reads.exists(os.path.join(folder, MANIFEST))
 
 
 def read(folder: str) -> dict:
     """The manifest of `folder`, checked field by field; ValueError naming the file and what is
-    wrong when it is not a manifest tupe-pretrain wrote for this folder."""
+    wrong when it is not a manifest tupe-pretrain wrote for this folder; reads.Unreadable when
+    the filesystem does not answer for the retry window."""
     path = os.path.join(folder, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            record = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        record = json.loads(reads.read_bytes(path, root=folder).decode("utf-8"))
+    except (FileNotFoundError, NotRegularFile, UnicodeDecodeError, ValueError,
+            RecursionError) as error:
         raise ValueError(f"{path}: not readable as a manifest ({error})") from None
     problem = record_problem(record, os.path.basename(os.path.normpath(folder)))
     if not problem and SELF in record and record[SELF] != content_checksum(record):
@@ -90,14 +97,17 @@ def record_problem(record, tag: str):
             return f"files[{name!r}] is not a file's size and checksum"
     if "training" in record and not isinstance(record["training"], dict):
         return "training is not an object"
+    software = record.get("software", {})
+    if not isinstance(software, dict) or not all(isinstance(v, str) for v in software.values()):
+        return "software is not a name and version per package"
     return None
 
 
 def digest(folder: str) -> str:
     """sha256 of the manifest's bytes: names this checkpoint's content (a conversion records
     the digest of the checkpoint it came from)."""
-    with open(os.path.join(folder, MANIFEST), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(reads.read_bytes(os.path.join(folder, MANIFEST), root=folder)
+                          ).hexdigest()
 
 
 def write(folder: str, record: dict) -> None:
@@ -118,33 +128,51 @@ def content_checksum(record: dict) -> str:
 NOT_PICKLED = (".json",)  # files of a checkpoint tupe_ds reads as text; every other is a pickle
 
 
-def check_files(folder: str, files: Dict[str, dict]) -> List[str]:
+def check_files(folder: str, files: Dict[str, dict],
+                software: Optional[Dict[str, str]] = None) -> List[str]:
     """What is wrong with `files` (manifest entries) in `folder`: one line per file that is
-    missing, of another size, of another checksum, or holding a pickle that is not only
-    tensors and the types tupe_ds's checkpoints hold."""
+    missing, no regular file, of another size, of another checksum, or holding a pickle that is
+    not only tensors and the types tupe_ds's checkpoints hold. Reads that fail are retried
+    (reads.Unreadable after the window), and so is a file not there before it counts as
+    missing; a pickle naming a type this software does not load, in a file the manifest agrees
+    with, written by other `software` (the manifest's) than the installed:
+    safe_load.OtherSoftware, since it is no damage."""
     problems = []
     for name, expected in sorted(files.items()):
         path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            problems.append(f"{path}: missing")
-            continue
-        size = os.path.getsize(path)
-        if size != expected["size"]:
-            problems.append(f"{path}: {size} bytes where the manifest says {expected['size']} "
-                            "(truncated or rewritten)")
-        elif checksum(path) != expected["xxh3_128"]:
-            problems.append(f"{path}: its checksum differs from the manifest's (the file "
-                            "changed after it was written)")
-        elif not name.endswith(NOT_PICKLED):
-            problem = safe_load.scan(path)
-            if problem:
-                problems.append(problem)
+        try:
+            problem = reads.retried(path, lambda: file_problem(path, name, expected, software),
+                                    expected=True)
+        except FileNotFoundError:
+            problem = f"{path}: missing"
+        except NotRegularFile as error:
+            problem = str(error)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def file_problem(path: str, name: str, expected: dict,
+                 software: Optional[Dict[str, str]]) -> Optional[str]:
+    """check_files for one file (None: it is as the manifest says)."""
+    size = os.path.getsize(regular_file(path, os.path.dirname(path)))
+    if size != expected["size"]:
+        return (f"{path}: {size} bytes where the manifest says {expected['size']} (truncated or "
+                "rewritten)")
+    if checksum(path) != expected["xxh3_128"]:
+        return (f"{path}: its checksum differs from the manifest's (the file changed after it "
+                "was written)")
+    if name.endswith(NOT_PICKLED):
+        return None
+    problem, named = safe_load.inspect(path)
+    if named and software and safe_load.other_versions(software):
+        raise safe_load.OtherSoftware(path, named, software)
+    return problem
 
 
 def unlisted(folder: str, files: Dict[str, dict]) -> List[str]:
     """One line per entry of `folder` its manifest does not list: a checkpoint holds exactly
     what its save wrote, so that nothing of unknown origin is ever loaded from it."""
-    extra = sorted(set(os.listdir(folder)) - set(files) - {MANIFEST})
+    extra = sorted(set(reads.list_folder(folder)) - set(files) - {MANIFEST})
     return [f"{os.path.join(folder, name)}: not listed in its manifest (not written by the "
             "checkpoint's save)" for name in extra]

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from tupe_ds.tools.files import write_atomically
-from tupe_ds.train.checkpoint import manifest, safe_load
+from tupe_ds.train.checkpoint import manifest, reads, safe_load
 
 LAYOUT_FILE = "layout.json"
 UNIVERSAL_FOLDER = "universal"  # CHECKPOINTS/universal/stepN: converted checkpoints
@@ -75,14 +75,16 @@ class Reshard:
 
 def layout_file(step_dir: str) -> Optional[SavedLayout]:
     """stepN/layout.json, for a checkpoint of an earlier version without a manifest; None
-    without one; ValueError naming the file when it is not a layout."""
+    without one; ValueError naming the file when it is not a layout (or no regular file inside
+    the checkpoint); reads.Unreadable when the filesystem does not give it for the retry
+    window."""
     path = os.path.join(step_dir, LAYOUT_FILE)
-    if not os.path.exists(path):
-        return None
     try:
-        with open(path, "rb") as f:
-            return SavedLayout.from_record(json.loads(f.read().decode("utf-8")))
-    except (OSError, ValueError, RecursionError) as error:
+        record = json.loads(reads.read_bytes(path, root=step_dir).decode("utf-8"))
+        return SavedLayout.from_record(record)
+    except FileNotFoundError:
+        return None
+    except (ValueError, RecursionError) as error:  # NotRegularFile is a ValueError
         raise ValueError(f"{path}: not a layout tupe-pretrain wrote ({error}); restore the file, "
                          "or resume from another checkpoint with --resume-from") from None
 
@@ -135,9 +137,10 @@ def plan(tag: str, saved: SavedLayout, world_size: int, tp: int, pp: int, zero_s
 
 def has_zero_shards(step_dir: str) -> bool:
     """Whether the checkpoint holds ZeRO's partitioned optimizer state (stage 1-2, or the bf16
-    optimizer), which DeepSpeed ties to the data-parallel size."""
+    optimizer), which DeepSpeed ties to the data-parallel size. The listing is retried
+    (reads.list_folder): one that failed would take a ZeRO checkpoint for a whole one."""
     return any(re.search(r"zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$", name)
-               for name in os.listdir(step_dir))
+               for name in reads.list_folder(step_dir))
 
 
 def universal_info(model) -> dict:

@@ -15,7 +15,8 @@ from megatron.core import parallel_state
 
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train import run_description
-from tupe_ds.train.checkpoint import identity, manifest, reshard
+from tupe_ds.tools.files import NotRegularFile, regular_file
+from tupe_ds.train.checkpoint import identity, manifest, reads, reshard, safe_load
 from tupe_ds.train.checkpoint.rng import derive_rng_state, file_name, load_rng_state
 from tupe_ds.train.flags import Refused
 from tupe_ds.train.waits import announced
@@ -31,6 +32,7 @@ class ResumePlan:
     verified: bool = True  # False: written by an earlier tupe_ds, without a manifest
     passed_over: tuple = ()  # lines: newer step folders that are not resumed, and why
     notes: tuple = ()  # lines to say: what the choice rests on where run.json could not tell
+    fresh_start: bool = False  # --fresh-start: from step 0 when no checkpoint can be resumed
 
     @property
     def tag(self) -> str:
@@ -53,13 +55,20 @@ def describe_steps(steps) -> str:
 
 
 def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: int, tp: int,
-                pp: int, zero_stage: int) -> Optional[ResumePlan]:
+                pp: int, zero_stage: int, fresh_start: bool = False) -> Optional[ResumePlan]:
     """What --out holds to resume (None: nothing, a fresh start); ValueError saying what to do
-    when it cannot be resumed on this layout, when --resume never meets checkpoints, or when a
-    newer checkpoint of another run is in the way. A checkpoint whose manifest does not read is
-    not complete: passed over (and set aside by `choose`) when newer, never a fallback."""
+    when it cannot be resumed on this layout, when --resume never meets checkpoints, when a
+    newer checkpoint of another run is in the way, or when it holds checkpoints of which none
+    reads and the run would start from step 0 without --fresh-start. A checkpoint whose
+    manifest does not read is not complete: passed over (and set aside by `choose`) when newer,
+    never a fallback. --resume-from applies once: a later attempt that finds the checkpoints
+    the run resumed from it wrote since resumes the newest of them (`applied_earlier`)."""
     directory = os.path.join(out, "checkpoints")
     complete, damaged = folders.survey(directory)
+    recorded = run_description.newest_checkpoint(out)
+    if recorded is not None and recorded not in complete and recorded not in damaged and \
+            manifest_appears(directory, recorded):
+        complete, damaged = folders.survey(directory)
     own = run_description.lineage(out)
     legacy = folders.legacy_step(directory) if own is None else None
     if resume == "never":
@@ -72,8 +81,16 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
                 f"--init-from {os.path.join(directory, folders.tag_of(held[-1]))}")
         return None
     verified, notes = legacy is None, ()
-    if resume_from is not None:
-        step = resume_from_step(directory, resume_from)
+    step = resume_from_step(directory, resume_from) if resume_from is not None else None
+    resumed_since = applied_earlier(out, step, complete, own) if step is not None else ()
+    if resumed_since:
+        candidates, by_hand = resumed_since, False
+        notes = (f"tupe-pretrain: --resume-from {folders.tag_of(step)} was applied by an earlier "
+                 f"attempt, which then wrote {describe_steps(s for s in resumed_since if s > step)}"
+                 f": resuming from {folders.tag_of(resumed_since[0])}, the newest (to go back to "
+                 f"{folders.tag_of(step)} once more, move the newer checkpoints out of "
+                 f"{directory} first)",)
+    elif step is not None:
         if step in damaged:
             raise ValueError(f"--resume-from {resume_from}: {damaged[step]}; choose another "
                              f"(complete ones: {describe_steps(complete) or 'none'})")
@@ -110,11 +127,98 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
     passed_over = tuple(f"{folders.tag_of(s)}: {problem}" for s, problem in sorted(damaged.items())
                         if s > newest)
     if not candidates:
-        if not passed_over:
+        if not passed_over and recorded is None:
             return None
-        return ResumePlan(directory, (), None, False, True, passed_over)
+        if not fresh_start:
+            found = [(folders.tag_of(step), damaged.get(step, "no manifest.json (not complete)"))
+                     for step in reversed(folders.step_folders(directory))]
+            raise ValueError(none_resumable(directory, found, "" if recorded is None else (
+                f", though {out}/run.json records {folders.tag_of(recorded)} as committed by "
+                "this run (were they moved?)")))
+        return ResumePlan(directory, (), None, False, True, passed_over, fresh_start=True)
     resharding = plan_layout(directory, candidates[0], world_size, tp, pp, zero_stage, verified)
-    return ResumePlan(directory, candidates, resharding, by_hand, verified, passed_over, notes)
+    return ResumePlan(directory, candidates, resharding, by_hand, verified, passed_over, notes,
+                      fresh_start)
+
+
+def none_resumable(directory: str, found, recorded: str = "") -> str:
+    """The refusal of a run that would start from step 0 though --out holds checkpoints
+    (`found`: (stepN, why it cannot be resumed) each) or OUT/run.json records one it committed
+    (`recorded`: the text that says so), and what to do."""
+    held = (f"{directory} holds checkpoints of which none can be resumed: "
+            + "; ".join(f"{tag}: {why}" for tag, why in found) if found else
+            f"{directory} holds no checkpoint")
+    return (held + recorded + ". Nothing was moved or deleted. Mend them (restore their files) "
+            "and run the same command; or, to start this run over from step 0, add --fresh-start "
+            f"(they are then set aside in {os.path.join(directory, folders.SET_ASIDE)}, not "
+            "deleted)")
+
+
+def manifest_appears(directory: str, step: int) -> bool:
+    """Whether the manifest of step folder `step`, which OUT/run.json records as committed,
+    shows within the retry window (an NFS client may answer ENOENT for a while); False at once
+    when the folder is not there."""
+    if step not in folders.step_folders(directory):
+        return False
+    path = os.path.join(directory, folders.tag_of(step), manifest.MANIFEST)
+    try:
+        reads.retried(path, lambda: os.stat(path), expected=True)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def applied_earlier(out: str, step: int, complete: dict, own: Optional[str]) -> tuple:
+    """When --resume-from `step` was applied by an earlier attempt, and the run resumed from it
+    then wrote checkpoints that are complete here: those and `step` (when it is still there),
+    newest first; else (). Applied means OUT/run.json records it; where run.json records no
+    --resume-from because it is damaged or gone, the manifests tell (`resume_from_applied`, each
+    checkpoint's). The checkpoints written since are those run.json lists and those whose
+    manifest records this --resume-from: a kill between a commit and run.json loses neither."""
+    record = run_description.resume_from_record(out)
+    if record is None and run_description.exists_whole(out) or \
+            record is not None and record["step"] != step:
+        return ()
+    tag = folders.tag_of(step)
+    lineage = own or (complete[step]["lineage"] if step in complete else None)
+    written = set(record["written"] if record else ()) | {
+        s for s, checkpoint in complete.items() if checkpoint.get("resume_from_applied") == tag}
+    since = [s for s in written if s > step and s in complete
+             and (lineage is None or complete[s]["lineage"] == lineage)]
+    if not since:
+        return ()
+    return tuple(sorted(since + ([step] if step in complete else []), reverse=True))
+
+
+def applied_tag(plan: Optional[ResumePlan]) -> Optional[str]:
+    """The --resume-from a run's checkpoints record (`applied_earlier` reads it back): this
+    start's, or the one the checkpoint it resumed records."""
+    if plan is None or not plan.verified:
+        return None
+    if plan.by_hand:
+        return plan.tag
+    return manifest.read(os.path.join(plan.directory, plan.tag)).get("resume_from_applied")
+
+
+def what_is_where(out: str, plan: Optional[ResumePlan]) -> List[str]:
+    """tupe-pretrain --check-only: each step folder of OUT/checkpoints and each folder set
+    aside (folders.inventory), then what a run would start from."""
+    directory = os.path.join(out, "checkpoints")
+    lines = folders.inventory(directory) or [f"{directory}: no checkpoint"]
+    if plan is not None and plan.candidates:
+        fallbacks = [] if plan.by_hand else [folders.tag_of(s) for s in plan.candidates[1:]]
+        last = ("step 0 (--fresh-start)" if plan.fresh_start and not plan.by_hand else
+                "a refusal, with nothing moved")
+        lines.append(f"a run would resume {plan.tag} once its files verify; else, in turn: "
+                     + ", ".join([*fallbacks, last]))
+        newer = [s for s in folders.step_folders(directory) if s > plan.candidates[0]]
+        if newer:
+            lines.append(f"resuming {plan.tag}, it would set aside {describe_steps(newer)} "
+                         f"(into {os.path.join(directory, folders.SET_ASIDE)}, not deleted)")
+    else:
+        lines.append("a run would start from step 0" + (
+            ", setting the damaged checkpoints aside (--fresh-start)" if plan else ""))
+    return lines
 
 
 def unknown_lineage_notes(out: str, directory: str, complete: dict, taken: str) -> tuple:
@@ -294,20 +398,33 @@ def model_list(models, tag: str) -> list:
 def verify(step_dir: str) -> List[str]:
     """Collective: the problems of the checkpoint's files (manifest.check_files, and on rank 0
     every file the manifest does not list), each rank checking a share of them; the same list
-    on every rank."""
+    on every rank. What is not damage stops every rank alike: a file the filesystem does not
+    give (reads.Unreadable, exit code 3), one the installed software cannot load that other
+    versions wrote (Refused)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        files = manifest.read(step_dir)["files"]
-        names = sorted(files)[rank::world]
-        problems = manifest.check_files(step_dir, {n: files[n] for n in names})
-        if rank == 0:
-            problems += manifest.unlisted(step_dir, files)
-    except Exception as error:  # on one rank, and the others wait in the gather below
-        problems = [f"{step_dir}: {type(error).__name__}: {error}"]
-    every_rank = [None] * world
-    with announced(f"every rank to verify its share of {step_dir}", rank):
-        dist.all_gather_object(every_rank, problems)
-    return sorted({p for problems in every_rank for p in problems})
+
+    def my_share():  # (problems, refusal)
+        try:
+            record = manifest.read(step_dir)
+            files = record["files"]
+            names = sorted(files)[rank::world]
+            problems = manifest.check_files(step_dir, {n: files[n] for n in names},
+                                            record.get("software"))
+            if rank == 0:
+                problems += manifest.unlisted(step_dir, files)
+            return problems, None
+        except safe_load.OtherSoftware as error:
+            return [], str(error)
+        except reads.Unreadable:
+            raise
+        except Exception as error:  # on one rank, and the others wait in the gather below
+            return [f"{step_dir}: {type(error).__name__}: {error}"], None
+
+    every_rank = reads.gathered(my_share, f"every rank to verify its share of {step_dir}")
+    refusal = next((refusal for _, refusal in every_rank if refusal), None)
+    if refusal:
+        raise Refused(refusal)
+    return sorted({p for problems, _ in every_rank for p in problems})
 
 
 def agree_with_rank_0(plan: Optional[ResumePlan]) -> Optional[ResumePlan]:
@@ -315,18 +432,22 @@ def agree_with_rank_0(plan: Optional[ResumePlan]) -> Optional[ResumePlan]:
     checkpoints it names as rank 0 sees them (the same manifests); Refused naming the ranks that
     do not (a filesystem that shows a node another folder, or the files late)."""
     rank = dist.get_rank()
-    shared = [plan, seen(plan)]
+    view_of_rank_0 = reads.gathered(lambda: seen(plan) if rank == 0 else None,
+                                    "rank 0 to read the manifests of the checkpoints it chose")[0]
+    shared = [plan]
     dist.broadcast_object_list(shared, src=0)
-    chosen, seen_by_rank_0 = shared
-    view = seen(chosen)
-    mine = None if view == seen_by_rank_0 else (
-        f"rank {rank} on {socket.gethostname()} sees "
-        + ", ".join(f"{folders.tag_of(step)} {'otherwise' if digest else 'not at all'}"
-                    for (step, digest), (_, theirs) in zip(view, seen_by_rank_0)
-                    if digest != theirs))
-    every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, mine)
-    differing = [line for line in every_rank if line]
+    chosen = shared[0]
+
+    def differences():
+        view = seen(chosen)
+        return None if view == view_of_rank_0 else (
+            f"rank {rank} on {socket.gethostname()} sees "
+            + ", ".join(f"{folders.tag_of(step)} {'otherwise' if digest else 'not at all'}"
+                        for (step, digest), (_, theirs) in zip(view, view_of_rank_0)
+                        if digest != theirs))
+
+    differing = [line for line in reads.gathered(differences,
+                                                   "every rank to read those manifests") if line]
     if differing:
         raise Refused(
             f"the ranks see different checkpoints in {chosen.directory}: rank 0 would resume "
@@ -338,7 +459,8 @@ def agree_with_rank_0(plan: Optional[ResumePlan]) -> Optional[ResumePlan]:
 
 def seen(plan: Optional[ResumePlan]) -> tuple:
     """(step, the digest of its manifest, or None where it is not seen) of the plan's
-    candidates: what this rank sees of them."""
+    candidates: what this rank sees of them (reads.Unreadable when the filesystem does not
+    say)."""
     if plan is None:
         return ()
     view = []
@@ -347,7 +469,7 @@ def seen(plan: Optional[ResumePlan]) -> tuple:
             view.append((step, manifest.digest(os.path.join(plan.directory, folders.tag_of(step)))
                          if plan.verified else os.path.isdir(
                              os.path.join(plan.directory, folders.tag_of(step)))))
-        except OSError:
+        except (FileNotFoundError, NotRegularFile):
             view.append((step, None))
     return tuple(view)
 
@@ -357,7 +479,9 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
     """Collective: the first of rank 0's plan's candidates whose files verify, as a plan of its
     own (None: a fresh start); what failed is said file by file, and every step folder newer
     than the one chosen (failed, damaged, incomplete, or beyond --resume-from) is set aside.
-    With none that verifies the run starts anew, saying so (Refused for --resume-from)."""
+    When none verifies: Refused, naming each, with nothing moved (for --resume-from, or without
+    --fresh-start); with --fresh-start, from step 0 with them set aside. A file the filesystem
+    does not give stops every rank before anything is moved (reads.Unreadable)."""
     plan = agree_with_rank_0(plan)
     if plan is None:
         return None
@@ -368,7 +492,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
     if not plan.verified:
         say(f"tupe-pretrain: checkpoint {plan.tag} was written by an earlier tupe_ds, without a "
             "manifest: resumed unverified; its next checkpoints have one")
-    failed, chosen = [], None
+    failed, chosen = {}, None
     for step in plan.candidates:
         step_dir = os.path.join(plan.directory, folders.tag_of(step))
         problems = verify(step_dir) if plan.verified else []
@@ -380,17 +504,25 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
             break
         say(f"tupe-pretrain: checkpoint {folders.tag_of(step)} failed verification: "
             + "; ".join(problems))
-        failed.append(step)
+        failed[step] = problems
         if plan.by_hand:
             raise Refused(f"--resume-from {folders.tag_of(step)}: the checkpoint does not "
-                               "verify (above); restore its files or choose another")
+                          "verify (above); restore its files or choose another")
+    if chosen is not None and plan.fresh_start:
+        say(f"tupe-pretrain: --fresh-start not taken: {chosen.tag} can be resumed (a fresh start "
+            "is only for a folder none of whose checkpoints can)")
     if chosen is not None and failed:
         say(f"tupe-pretrain: resuming from {chosen.tag}, the previous complete checkpoint")
-    elif chosen is None and plan.candidates:
-        say(f"tupe-pretrain: no checkpoint of {plan.directory} verifies "
-            f"({describe_steps(failed)}, above): starting anew from step 0; they are set aside, "
-            "not deleted")
-    if dist.get_rank() == 0:
+    elif chosen is None and plan.candidates and not plan.fresh_start:
+        raise Refused(none_resumable(plan.directory, [
+            (folders.tag_of(step), problems[0] + (f" (and {len(problems) - 1} more, above)"
+                                                  if len(problems) > 1 else ""))
+            for step, problems in sorted(failed.items(), reverse=True)]))
+    elif chosen is None:
+        say(f"tupe-pretrain: no checkpoint of {plan.directory} can be resumed (above): starting "
+            "anew from step 0 (--fresh-start); they are set aside, not deleted")
+
+    def set_aside_newer():
         keep_from = chosen.candidates[0] if chosen else -1
         # starting anew: another run's complete checkpoints stay where they are
         others = set() if chosen else set(folders.complete_steps(plan.directory)) - set(
@@ -399,12 +531,13 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
                  and s not in others]
         said = folders.set_aside(plan.directory, newer, (
             f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
-            "no checkpoint verified") + ": failed, damaged, incomplete or left by --resume-from")
+            "none could be resumed, --fresh-start") + ": failed, damaged, incomplete or left by "
+            "--resume-from")
         if said:
             print(said, flush=True)
-    with announced("rank 0 to set aside the folders newer than the checkpoint resumed",
-                   dist.get_rank()):
-        dist.barrier()
+
+    reads.gathered(set_aside_newer if dist.get_rank() == 0 else lambda: None,
+                   "rank 0 to set aside the folders newer than the checkpoint resumed")
     return chosen
 
 
@@ -453,16 +586,22 @@ def load(engine, plan: ResumePlan, seed: int) -> dict:
         elif rank == 0:
             print(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; its "
                   "optimizer state is not partitioned and loads as it is", flush=True)
-    path, client_state = engine.load_checkpoint(
-        load_dir, tag=tag,
-        load_lr_scheduler_states=not plan.verified or holds_schedule(os.path.join(directory, tag)))
+    schedule = not plan.verified or holds_schedule(os.path.join(directory, tag))
+    try:
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag,
+                                                    load_lr_scheduler_states=schedule)
+    except OSError as error:  # verified a moment ago: the filesystem's, not the checkpoint's
+        raise reads.Unreadable.reading(error.filename or os.path.join(load_dir, tag),
+                                       error) from None
     if path is None:
         raise RuntimeError(f"{load_dir}/{tag}: DeepSpeed could not load this checkpoint")
     confirm_loaded(tag, client_state["step"])
     if resharding is not None and resharding.convert:
         place_optimizer_state(engine)
     if resharding is None:
-        load_rng_state(os.path.join(directory, tag, file_name(rank)))
+        step_dir = os.path.join(directory, tag)
+        rng_path = os.path.join(step_dir, file_name(rank))
+        reads.retried(rng_path, lambda: load_rng_state(regular_file(rng_path, step_dir)))
     else:  # the old ranks' streams belong to the old layout
         derive_rng_state(seed, client_state["step"], parallel_state.get_data_parallel_rank(),
                          parallel_state.get_pipeline_model_parallel_rank(),

@@ -7,17 +7,24 @@ ds_to_universal) ask for weights_only=False; tupe-pretrain and tupe-export make 
 their process weights-only all the same (`weights_only_everywhere`), so that the very file
 DeepSpeed unpickles is read safely. Before that, verification reads each file of a checkpoint
 this way (`scan`: memory-mapped, so the tensors' bytes are not read), so that a file naming
-anything else fails the checkpoint, named, and the run falls back to an earlier one.
+anything else fails the checkpoint, named, and the run falls back to an earlier one; unless the
+manifest says other versions of the software wrote it (an upgrade may have renamed a class it
+holds): then the run is refused, naming both versions (`OtherSoftware`), since every checkpoint
+of the run would fail alike.
 """
 
 import contextlib
+import importlib.metadata
 import os
 import pickle
 import re
 import zipfile
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from tupe_ds.tools.files import regular_file
+from tupe_ds.train.checkpoint import reads
 
 
 def allowed_globals() -> list:
@@ -59,26 +66,70 @@ def weights_only_loads():
 
 def load(path: str, mmap: bool = False):
     """torch.load(path) on the CPU, with only tensors and ALLOWED types; memory-mapped when
-    `mmap` and the file is in torch's zip format (files of torch's older format are read)."""
+    `mmap` and the file is in torch's zip format (files of torch's older format are read).
+    `path` must be a regular file (NotRegularFile: a FIFO would hang the load); a read that
+    fails is retried (reads.retried), then reads.Unreadable: the filesystem's error is not the
+    file's damage."""
     # added for the process, not for this call: torch's safe_globals() context would take them
     # away again from the loads weights_only_everywhere makes safe
     torch.serialization.add_safe_globals(allowed_globals())
-    return torch.load(path, map_location="cpu", weights_only=True,
-                      mmap=mmap and zipfile.is_zipfile(path))
+    return reads.retried(path, lambda: torch.load(
+        regular_file(path), map_location="cpu", weights_only=True,
+        mmap=mmap and zipfile.is_zipfile(path)))
 
 
 def scan(path: str) -> Optional[str]:
-    """None when `path` reads with only allowed types; else the line that says why not."""
+    """None when `path` reads with only allowed types; else the line that says why not. A read
+    the filesystem does not give is not the file's damage: reads.Unreadable (FileNotFoundError
+    at once)."""
+    return inspect(path)[0]
+
+
+def inspect(path: str) -> Tuple[Optional[str], Optional[str]]:
+    """(scan's line, the global the file names that is not allowed, when that is why)."""
     try:
         load(path, mmap=True)
+    except (FileNotFoundError, reads.Unreadable):
+        raise
     except pickle.UnpicklingError as error:
         named = re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", str(error))
         reason = (f"it names {named.group(1)}" if named else
                   (str(error).split("WeightsUnpickler error:")[-1].strip().splitlines() or [""])[0])
         return (f"{path}: holds more than tensors and the types tupe_ds's checkpoints hold "
                 f"({reason}); it is not loaded, since unpickling it could run code. If you "
-                "trust its source, load it with torch.load(weights_only=False) yourself")
+                "trust its source, load it with torch.load(weights_only=False) yourself",
+                named.group(1) if named else None)
     except Exception as error:  # torch's unpickler meets a damaged file with any exception
         first_line = (str(error).splitlines() or [""])[0]
-        return f"{path}: unreadable ({type(error).__name__}: {first_line})"
-    return None
+        return f"{path}: unreadable ({type(error).__name__}: {first_line})", None
+    return None, None
+
+
+SOFTWARE = ("torch", "deepspeed", "megatron-core", "tupe_ds")  # what decides what loads
+
+
+def software_versions() -> Dict[str, str]:
+    """The installed versions of SOFTWARE (a checkpoint's manifest records its writer's)."""
+    return {name: importlib.metadata.version(name) for name in SOFTWARE}
+
+
+def other_versions(written_by: Dict[str, str]) -> List[str]:
+    """`written_by`'s packages whose version differs from the installed one."""
+    installed = software_versions()
+    return [name for name in SOFTWARE if name in written_by and written_by[name] != installed[name]]
+
+
+class OtherSoftware(Exception):
+    """A checkpoint file that reads whole (its checksum the manifest's) names a type the
+    installed software does not load, and other versions wrote it: not damage (a fallback would
+    find every checkpoint so), but a refusal naming both versions."""
+
+    def __init__(self, path: str, named: str, written_by: Dict[str, str]):
+        installed = software_versions()
+        differing = other_versions(written_by)
+        super().__init__(
+            f"{path} names {named}, which the installed software does not load; the checkpoint "
+            f"was written by " + ", ".join(f"{n} {written_by[n]}" for n in differing)
+            + " and this is " + ", ".join(f"{n} {installed[n]}" for n in differing)
+            + ". Resume it with the versions that wrote it; or, to resume an earlier checkpoint, "
+            f"move {os.path.dirname(path)} out of its folder. Nothing was moved or deleted")

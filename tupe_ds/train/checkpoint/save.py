@@ -4,7 +4,9 @@ The phases, in order (a kill in any of them leaves the previous complete checkpo
 one): a folder already at stepN is set aside; the weights are checked finite on every rank;
 DeepSpeed's files and each rank's random state are written; each rank checksums the files it
 wrote; rank 0 waits until every file is visible, writes the manifest, points `latest` at it and
-applies retention.
+applies retention. Before each of these three, rank 0 checks that the run still holds its folder
+(`lock`, RunLock.stop_unless_held): a run another job took over during its save stops there,
+leaving the new holder's manifests, `latest` and checkpoints as they are.
 """
 
 import contextlib
@@ -20,6 +22,7 @@ from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import manifest, reshard
 from tupe_ds.train.checkpoint.rng import file_name, rng_state
+from tupe_ds.train.run_lock import FolderTakenOver
 from tupe_ds.train.waits import announced
 
 VISIBLE_WITHIN_SECONDS = 120  # a shared filesystem shows another node's new files within this
@@ -89,11 +92,11 @@ class SaveFailed(RuntimeError):
 
 
 def save(engine, directory: str, step: int, client_state: dict, keep: int,
-         layout: reshard.SavedLayout, record: dict, device) -> None:
+         layout: reshard.SavedLayout, record: dict, device, lock=None) -> None:
     """Collective: every rank calls it. `record` (lineage, identity) and `layout` go into the
     manifest; NonFiniteWeights, with nothing written, when a weight is not finite; SaveFailed
     when a file cannot be written (rank 0's own steps, setting aside and committing, are agreed
-    by every rank: all raise it)."""
+    by every rank: all raise it). `lock`: rank 0's OUT/run.lock."""
     tag, rank = folders.tag_of(step), dist.get_rank()
     folder = os.path.join(directory, tag)
     with announced(f"every rank to check its weights before checkpoint {tag}", rank):
@@ -132,15 +135,22 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
     with announced(f"every rank to checksum its files of checkpoint {tag}", rank):
         dist.all_gather_object(every_rank, files)
 
+    def stop_unless_held():
+        if lock is not None:
+            lock.stop_unless_held()
+
     def commit():
         every_file = {name: entry for entries in every_rank for name, entry in entries.items()}
         wait_until_visible(folder, list(every_file))
         # a file written some other way than through DeepSpeed's checkpoint engine, by any rank
         every_file.update(manifest.describe(folder, sorted(set(os.listdir(folder)) -
                                                            set(every_file))))
+        stop_unless_held()
         manifest.write(folder, {"tag": tag, "step": step, "files": every_file,
                                 "layout": dataclasses.asdict(layout), **record})
+        stop_unless_held()
         folders.point_latest(directory, tag)
+        stop_unless_held()
         folders.retire(directory, step, record["lineage"], keep)
         reshard.remove_conversions_before(directory, step)
 
@@ -155,6 +165,8 @@ def on_rank_0(work, failure: str, rank: int, waiting_for: str) -> None:
     if rank == 0:
         try:
             work()
+        except FolderTakenOver:  # rank 0 stops alone, writing nothing more
+            raise
         except WRITE_ERRORS as error:
             problem = [f"{failure} (rank 0: {first_line(error)})"]
     with announced(waiting_for, rank):

@@ -1,0 +1,357 @@
+"""What a resume does with what is not damage, and with damage everywhere
+(tupe_ds/train/checkpoint/reads.py, resume.py): a read error is retried, then stops the run with
+nothing moved; a file the installed software cannot load is a refusal naming both versions; a
+folder of checkpoints none of which can be resumed is refused unless --fresh-start; --resume-from
+applies once. On made-up checkpoints in this process (a one-process group where a collective is
+needed); whole runs: test_run_integrity.py, test_slurm.py."""
+
+import builtins
+import errno
+import os
+
+import pytest
+import torch
+
+from one_process import deepspeed_group  # noqa: F401
+from test_checkpoint import LAYOUT
+from tupe_ds.train import run_description
+from tupe_ds.train.checkpoint import folder, manifest, reads, resume, safe_load
+from tupe_ds.train.flags import Refused
+
+
+def checkpoint(out, step, lineage="mine", software=None):
+    """OUT/checkpoints/stepN whose one file, a pickle of a tensor, its manifest lists."""
+    step_dir = out / "checkpoints" / f"step{step}"
+    step_dir.mkdir(parents=True)
+    torch.save({"step": torch.tensor(step)}, step_dir / "mp_rank_00_model_states.pt")
+    manifest.write(str(step_dir), {
+        "tag": f"step{step}", "step": step, "lineage": lineage, "identity": {}, "layout": LAYOUT,
+        "files": manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"]),
+        "software": software or safe_load.software_versions()})
+    return step_dir
+
+
+def plan(out, resume_from=None, fresh_start=False):
+    return resume.plan_resume(str(out), "auto", resume_from, 1, 1, 1, 2, fresh_start=fresh_start)
+
+
+def choose(out, **flags):
+    said = []
+    return resume.choose(plan(out, **flags), 1, 1, 1, 2, said.append), said
+
+
+def everything_in(out):
+    return sorted(os.path.relpath(os.path.join(root, name), out)
+                  for root, folders, files in os.walk(out) for name in folders + files)
+
+
+@pytest.fixture
+def read_errors(monkeypatch):
+    """read_errors(PATH_PART, times): the next `times` opens of files whose path holds PATH_PART
+    fail with EIO (None: every one)."""
+    opened = builtins.open
+
+    def fail(part, times=None):
+        left = [times]
+
+        def open_or_eio(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and part in os.fspath(file) and left[0] != 0:
+                left[0] = None if left[0] is None else left[0] - 1
+                raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(file))
+            return opened(file, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", open_or_eio)
+
+    monkeypatch.setenv(reads.RETRY_SECONDS, "1")
+    return fail
+
+
+def test_a_read_error_is_retried_and_said_once_then_stops_naming_the_file(tmp_path, read_errors,
+                                                                          capsys):
+    path = tmp_path / "manifest.json"
+    path.write_text("{}")
+    read_errors("manifest.json", times=3)
+    assert reads.read_bytes(str(path)) == b"{}"
+    assert capsys.readouterr().out == (f"tupe-pretrain: reading {path} failed ([Errno 5] "
+                                       "Input/output error); trying again for up to 1 s\n")
+    read_errors("manifest.json")
+    with pytest.raises(reads.Unreadable) as stopped:
+        reads.read_bytes(str(path))
+    assert str(stopped.value) == (f"could not read {path} ([Errno 5] Input/output error) for 1 s: "
+                                  "nothing was moved or deleted; run the same command once the "
+                                  "filesystem answers")
+    assert capsys.readouterr().out.count("trying again") == 1
+    with pytest.raises(FileNotFoundError):  # missing is the caller's to say, at once
+        reads.read_bytes(str(tmp_path / "missing"))
+
+
+def test_unreadable_manifests_stop_the_plan_not_make_it_start_over(tmp_path, read_errors,
+                                                                   monkeypatch, data, capsys):
+    """EIO on every manifest before any process starts: not "no checkpoint", not damage; and
+    tupe-pretrain exits 3 with the line, the folder as it was."""
+    from tupe_ds.pretrain import main
+    from runs import CPU_CONFIG
+
+    out = tmp_path / "run"
+    for step in (2, 4):
+        checkpoint(out, step)
+    before = everything_in(out)
+    read_errors("manifest.json")
+    with pytest.raises(reads.Unreadable, match="could not read .*/step2/manifest.json"):
+        plan(out)
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0")  # main sets it: undone after
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out),
+                 "--steps", "6", "--seq-len", "64"]) == 3
+    said = capsys.readouterr().err
+    assert said.startswith(f"tupe-pretrain: could not read {out}/checkpoints/step2/manifest.json "
+                           "([Errno 5] Input/output error) for 1 s: nothing was moved")
+    assert everything_in(out) == before
+
+
+def test_unreadable_files_stop_every_rank_with_nothing_set_aside(tmp_path, read_errors,
+                                                                 deepspeed_group):
+    out = tmp_path / "run"
+    for step in (2, 4):
+        checkpoint(out, step)
+    (out / "checkpoints" / "step6").mkdir()  # a save cut short: set aside only when resuming
+    before = everything_in(out)
+    read_errors("model_states.pt")
+    with pytest.raises(reads.Unreadable) as stopped:
+        choose(out)
+    assert stopped.value.everywhere
+    assert str(stopped.value).startswith(f"could not read {out}/checkpoints/step4/mp_rank_00_"
+                                         "model_states.pt ([Errno 5] Input/output error) for 1 s")
+    assert everything_in(out) == before
+
+
+def test_a_failed_deepspeed_load_stops_with_the_line_not_a_traceback(tmp_path, deepspeed_group):
+    out = tmp_path / "run"
+    checkpoint(out, 2)
+    chosen = plan(out)
+
+    class Engine:
+        def load_checkpoint(self, load_dir, **_):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE),
+                          os.path.join(load_dir, "step2", "mp_rank_00_model_states.pt"))
+
+    with pytest.raises(reads.Unreadable, match=f"could not read {out}/checkpoints/step2/mp_rank_00"
+                                               r"_model_states.pt \(\[Errno 116\] Stale file "
+                                               "handle\\): nothing was moved or deleted"):
+        resume.load(Engine(), chosen, seed=1)
+
+
+class Renamed:
+    """A class of the software that wrote a checkpoint, which this one does not load."""
+
+
+def test_a_file_of_other_software_is_refused_naming_both_versions_never_damage(
+        tmp_path, deepspeed_group):
+    """A pickle naming a class the installed software does not load, whose checksum the
+    manifest agrees with: refused with both versions when other versions wrote it (nothing
+    moved); damage, as a planted pickle, when these did."""
+    out = tmp_path / "run"
+    installed = safe_load.software_versions()
+    older = {**installed, "deepspeed": "0.9.0"}
+    for step, software in ((2, installed), (4, older)):
+        step_dir = checkpoint(out, step, software=software)
+        torch.save({"scaler": Renamed()}, step_dir / "mp_rank_00_model_states.pt")
+        record = manifest.read(step_dir)
+        record["files"] = manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"])
+        manifest.write(str(step_dir), record)
+    before = everything_in(out)
+    with pytest.raises(Refused) as refused:
+        choose(out)
+    assert str(refused.value).startswith(
+        f"{out}/checkpoints/step4/mp_rank_00_model_states.pt names test_resume_errors.Renamed, "
+        "which the installed software does not load; the checkpoint was written by deepspeed "
+        f"0.9.0 and this is deepspeed {installed['deepspeed']}. Resume it with the versions that "
+        "wrote it")
+    assert everything_in(out) == before
+    problems = manifest.check_files(str(out / "checkpoints" / "step2"),
+                                    manifest.read(out / "checkpoints" / "step2")["files"],
+                                    installed)
+    assert problems[0].endswith("holds more than tensors and the types tupe_ds's checkpoints "
+                                "hold (it names test_resume_errors.Renamed); it is not loaded, "
+                                "since unpickling it could run code. If you trust its source, "
+                                "load it with torch.load(weights_only=False) yourself")
+
+
+def test_checkpoints_none_of_which_verify_are_refused_unless_fresh_start(tmp_path,
+                                                                        deepspeed_group):
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    size = {}
+    for step in (2, 4):
+        (checkpoint(out, step) / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        size[step] = manifest.read(checkpoints / f"step{step}")["files"][
+            "mp_rank_00_model_states.pt"]["size"]
+    before = everything_in(out)
+    with pytest.raises(Refused) as refused:
+        choose(out)
+    assert str(refused.value) == (
+        f"{checkpoints} holds checkpoints of which none can be resumed: step4: {checkpoints}/step4/"
+        f"mp_rank_00_model_states.pt: 1 bytes where the manifest says {size[4]} (truncated or "
+        f"rewritten); step2: {checkpoints}/step2/mp_rank_00_model_states.pt: 1 bytes where the "
+        f"manifest says {size[2]} (truncated or rewritten). Nothing was moved or deleted. Mend "
+        "them (restore their files) and run the same command; or, to start this run over from "
+        f"step 0, add --fresh-start (they are then set aside in {checkpoints}/set-aside, not "
+        "deleted)")
+    assert everything_in(out) == before
+    chosen, said = choose(out, fresh_start=True)
+    assert chosen is None
+    assert said[-1] == (f"tupe-pretrain: no checkpoint of {checkpoints} can be resumed (above): "
+                        "starting anew from step 0 (--fresh-start); they are set aside, not "
+                        "deleted")
+    assert folder.step_folders(str(checkpoints)) == []
+    assert len(os.listdir(checkpoints / "set-aside")) == 1
+
+
+def test_damaged_manifests_alone_are_refused_before_any_process_starts(tmp_path):
+    out = tmp_path / "run"
+    (checkpoint(out, 2) / "manifest.json").write_text("[")
+    (out / "checkpoints" / "step4").mkdir()  # incomplete: not a checkpoint
+    with pytest.raises(ValueError, match=f"holds checkpoints of which none can be resumed: step4: "
+                                         f"no manifest.json \\(not complete\\); step2: "
+                                         f"{out}/checkpoints/step2/manifest.json: not readable"):
+        plan(out)
+    assert plan(out, fresh_start=True).candidates == ()
+    (out / "checkpoints" / "step2" / "manifest.json").unlink()
+    assert plan(out) is None  # only saves cut short, and run.json records no commit
+
+
+def describe_run(out, **record):
+    run_description.write(str(out), {"objective": "mlm", "data": "d", "tp": 1, "pp": 1,
+                                     "models": [], "lineage": "mine", **record})
+
+
+def test_a_run_that_committed_checkpoints_never_starts_over_when_they_are_gone(tmp_path,
+                                                                               read_errors):
+    """run.json records the newest checkpoint committed: a folder that then shows none (moved,
+    or a listing that failed) is refused unless --fresh-start; one whose manifest the filesystem
+    hides for a moment (ENOENT) is waited for."""
+    out = tmp_path / "run"
+    checkpoint(out, 2)
+    describe_run(out)
+    run_description.record_written(str(out), 2)
+    assert run_description.newest_checkpoint(str(out)) == 2
+    os.rename(out / "checkpoints", out / "moved")
+    with pytest.raises(ValueError) as refused:
+        plan(out)
+    assert str(refused.value).startswith(
+        f"{out}/checkpoints holds no checkpoint, though {out}/run.json records step2 as committed "
+        "by this run (were they moved?). Nothing was moved or deleted.")
+    assert plan(out, fresh_start=True).candidates == ()
+    os.rename(out / "moved", out / "checkpoints")
+    manifest_of_2 = str(out / "checkpoints" / "step2" / "manifest.json")
+    stat = os.stat
+
+    def enoent_twice(path, *args, **kwargs):
+        if os.fspath(path) == manifest_of_2 and hidden[0]:
+            hidden[0] -= 1
+            raise FileNotFoundError(2, "No such file or directory", manifest_of_2)
+        return stat(path, *args, **kwargs)
+
+    hidden = [2]
+    read_errors("nothing")  # TUPE_DS_READ_RETRY_SECONDS=1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "stat", enoent_twice)
+        assert plan(out).candidates == (2,)
+
+
+def test_resume_from_applied_is_told_by_the_manifests_when_run_json_is_gone(tmp_path):
+    """A kill between a commit and run.json, or a run.json damaged or removed between attempts:
+    the checkpoints the resumed run wrote record the --resume-from it applied."""
+    out = tmp_path / "run"
+    for step in (2, 4):
+        checkpoint(out, step)
+    assert plan(out, "step2").candidates == (2,)  # no run.json: applied the first time
+    record = manifest.read(str(checkpoint(out, 6)))
+    manifest.write(str(out / "checkpoints" / "step6"), {**record, "resume_from_applied": "step2"})
+    assert plan(out, "step2").candidates == (6, 2)
+    describe_run(out, resume_from={"step": 2, "written": []})  # killed before record_written
+    assert plan(out, "step2").candidates == (6, 2)
+    describe_run(out)  # a whole run.json without the flag's record: applied anew
+    assert plan(out, "step2").candidates == (2,)
+
+
+def test_check_only_lists_what_is_where_and_what_a_run_would_resume(tmp_path):
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    for step in (2, 4):
+        checkpoint(out, step)
+    (checkpoint(out, 6) / "manifest.json").write_text("[")
+    (checkpoints / "step8").mkdir()
+    folder.set_aside(str(checkpoints), [8], "in the way")
+    kept = next((checkpoints / "set-aside").iterdir()) / "step8"
+    assert resume.what_is_where(str(out), plan(out)) == [
+        f"{checkpoints}/step2: complete (lineage mine)",
+        f"{checkpoints}/step4: complete (lineage mine)",
+        f"{checkpoints}/step6: damaged ({checkpoints}/step6/manifest.json: not readable as a "
+        "manifest (Expecting value: line 1 column 2 (char 1)))",
+        f"{kept}: set aside (never resumed from, never deleted by tupe_ds)",
+        "a run would resume step4 once its files verify; else, in turn: step2, a refusal, with "
+        "nothing moved",
+        f"resuming step4, it would set aside step6 (into {checkpoints}/set-aside, not deleted)"]
+    assert resume.what_is_where(str(tmp_path / "new"), None) == [
+        f"{tmp_path}/new/checkpoints: no checkpoint", "a run would start from step 0"]
+
+
+def test_resume_from_applies_once(tmp_path):
+    """run.json records --resume-from step2 and the steps written since: the same flag again
+    resumes the newest of them, saying why; another --resume-from applies."""
+    out = tmp_path / "run"
+    for step in (2, 4, 6):
+        checkpoint(out, step)
+    describe_run(out, resume_from={"step": 2, "written": []})
+    assert plan(out, "step2").candidates == (2,)  # nothing written since
+    run_description.record_written(str(out), 4)
+    run_description.record_written(str(out), 6)
+    again = plan(out, "step2")
+    assert again.candidates == (6, 4, 2) and not again.by_hand
+    assert again.notes == (
+        f"tupe-pretrain: --resume-from step2 was applied by an earlier attempt, which then wrote "
+        f"step4, step6: resuming from step6, the newest (to go back to step2 once more, move the "
+        f"newer checkpoints out of {out}/checkpoints first)",)
+    assert plan(out, "step4").candidates == (4,)
+
+
+def test_fresh_start_and_resume_from_are_refused_together():
+    from tupe_ds.train.flags import check_flags, parser
+
+    args = parser().parse_args(["--data", "d", "--ds-config", "c", "--out", "o", "--steps", "1",
+                                "--resume-from", "step2", "--fresh-start"])
+    with pytest.raises(SystemExit, match="--resume-from with --fresh-start: choose one"):
+        check_flags(args)
+
+
+def test_export_of_an_unreadable_checkpoint_stops_with_the_line_not_a_traceback(
+        tmp_path, read_errors, capsys):
+    from tupe_ds.export.write import main as export_main
+    step_dir = checkpoint(tmp_path, 2)
+    (tmp_path / "run.json").write_text("{}")
+    read_errors("run.json")
+    assert export_main([str(step_dir), "--out", str(tmp_path / "exported")]) == 3
+    said = capsys.readouterr().err
+    assert said.startswith(f"tupe-export: could not read {tmp_path}/run.json ([Errno 5]")
+    assert not (tmp_path / "exported").exists()
+
+
+def test_a_listed_file_the_filesystem_hides_for_a_moment_is_waited_for_not_missing(
+        tmp_path, read_errors, monkeypatch):
+    step_dir = checkpoint(tmp_path, 2)
+    files = manifest.read(str(step_dir))["files"]
+    read_errors("nothing")  # TUPE_DS_READ_RETRY_SECONDS=1
+    stat, hidden = os.stat, [2]
+
+    def enoent_twice(path, *args, **kwargs):
+        if os.fspath(path).endswith(".pt") and hidden[0]:
+            hidden[0] -= 1
+            raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", enoent_twice)
+    assert manifest.check_files(str(step_dir), files) == []
+    hidden[0] = 1000
+    assert manifest.check_files(str(step_dir), files) == [
+        f"{step_dir}/mp_rank_00_model_states.pt: missing"]
