@@ -1,32 +1,44 @@
 """Chaos: one tiny fp32 training run driven to its end through a seeded random schedule of
 faults, then compared with the same run left alone.
 
-The run is tupe-pretrain under torchrun (2 CPU ranks, ZeRO-2, dropout 0), through
+The run is tupe-pretrain under torchrun (2 CPU ranks, ZeRO-2), through
 tests/support/fault_worker.py, which injects the faults a process can suffer. Each attempt starts the
 same command (a resume, after the first); what goes wrong in it, and to the run folder between
 attempts, is drawn from the seed:
 
 - in an attempt (tests/support/fault_worker.py): SIGKILL of every rank and the launcher mid-step, after
   a checkpoint file (mid-save), between the manifest and `latest`, after `latest`, during
-  retention's deletion; SIGUSR1 to one rank (preemption: save and stop); a full disk (every
-  checkpoint file of one save fails with ENOSPC); a second job started on the same folder while
-  the first trains; the next attempt on another data-parallel size or micro-batch split;
-- between attempts, in the newest complete checkpoint or the run folder: a file truncated, a
-  byte flipped, a file deleted, a file added that the manifest does not list, a pickle that
-  would run code (listed with a rewritten manifest, unlisted, or under another file's name), a
-  damaged manifest.json, layout.json, `latest`, run.json or run.lock, a lock left by a process
-  that died;
+  retention's deletion (drawn where retention has a checkpoint to delete); SIGUSR1 to one rank
+  (preemption: save and stop); a full disk (every checkpoint file of one save fails with
+  ENOSPC); reads of checkpoint files failing with EIO for less than the retry window
+  (TUPE_DS_READ_RETRY_SECONDS) or for the whole attempt; another job taking the run folder over
+  while the run trains (its record put in run.lock, as a taker does; removed after the attempt,
+  that job being gone); a second job started on the same folder while the first trains; the
+  next attempt on another data-parallel size or micro-batch split;
+- between attempts, in the newest complete checkpoint (when an older one is there to fall back
+  to) or the run folder: a file truncated, a byte flipped, a file deleted, a file added that the
+  manifest does not list, a pickle that would run code (listed with a rewritten manifest,
+  unlisted, or under another file's name), a damaged manifest.json, layout.json, `latest`,
+  run.json or run.lock, a lock left by a process that died;
 - in every attempt and in the uninterrupted run alike: NaN in rank 0's loss at NAN_STEP (a step
   the run must skip, on every rank, each time it trains it).
 
-At the end: the weights, the optimizer state and the logged losses equal the uninterrupted
-run's (bit for bit when every attempt had the same split, else within 1e-6); train_log.jsonl
-holds each step once; every fault the run can see is reported in an attempt's output; nothing
-that was complete was lost (every complete checkpoint seen is still in checkpoints/ or
-set-aside/, or retention removed it: --keep-checkpoints newer ones are there); no pickle's code
-ever ran.
+Every fault must fire (the worker prints "fault fired: ..." as it injects one) and be reported
+by a line only its reaction prints, in the attempt where the reaction shows (a kill: the next
+attempt's take-over of the killed process's run.lock, or the setting aside of the step folder
+it cut short). At the end: the weights, the optimizer state and the logged losses equal the
+uninterrupted run's, and so do the random generators of every rank (rng_rankR.pt), bit for bit
+when every attempt had the same split; train_log.jsonl holds each step once; no complete
+checkpoint was lost (one that vanished from checkpoints/ and set-aside/ in an attempt left
+--keep-checkpoints newer complete ones among the live step folders: retention removed it); no
+pickle's code ever ran.
 
-    python bench/chaos.py --attempts 120 --seed 1 --out build/chaos   # a few hundred faults
+Dropout (hidden and attention) is DROPOUT where the split never changes. Where it may, dropout
+is 0 and the end is compared within a tolerance, random state aside: a resume on another layout
+derives each rank's generators anew from (seed, step, rank) (tupe_ds/train/checkpoint/rng.py),
+so with dropout the run would draw other masks than the uninterrupted one from then on.
+
+    python bench/chaos.py --attempts 120 --seeds 1 --out build/chaos   # a few hundred faults
     (tests/test_chaos.py runs two short schedules of it)
 """
 
@@ -53,6 +65,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench import chaos_table  # noqa: E402
 from tupe_ds.distributed import launchers  # noqa: E402
 from tupe_ds.train import run_lock  # noqa: E402
 from tupe_ds.train.checkpoint import folder as folders  # noqa: E402
@@ -64,19 +77,31 @@ NAN_STEP = 7
 NAN_RANK = 0  # every split has it
 REFERENCE_SPLIT = (2, 8)  # processes, micro-batch: global batch 16 = 8 x 1 x dp 2
 SPLITS = [(2, 8), (2, 4), (1, 8), (1, 4)]
+DROPOUT = 0.1
+READ_RETRY_SECONDS = 2  # TUPE_DS_READ_RETRY_SECONDS of every attempt
+SHORT_EIO_SECONDS = 0.5  # within it
 PROCESS_FAULTS = ["kill-mid-step", "kill-after-file", "kill-after-manifest", "kill-after-latest",
-                  "kill-during-deletion", "usr1", "disk-full", "second-job", "another-split"]
+                  "kill-during-deletion", "usr1", "disk-full", "eio-short", "eio-long",
+                  "taken-over", "second-job", "another-split"]
+SAVE_FAULTS = ("kill-after-file", "kill-after-manifest", "kill-after-latest",
+               "kill-during-deletion", "disk-full")
+STOPPING_FAULTS = ("disk-full", "eio-long", "taken-over")  # end their attempt with exit code 3
 FILE_FAULTS = ["truncated", "flipped", "missing", "unlisted", "pickle-listed", "pickle-unlisted",
                "pickle-renamed", "manifest", "layout", "latest", "run.json", "run.lock",
                "dead-holder"]
+FOLDER_TARGETS = {"latest": "latest", "run.json": "run.json", "run.lock": "run.lock",
+                  "dead-holder": "run.lock"}  # what the other file faults hit: the checkpoint
 
 
 @dataclass
 class Fault:
     kind: str
-    attempt: int
+    attempt: int  # the attempt it is injected in, or before (a fault in the folder)
     detail: str = ""
-    expect: Optional[str] = None  # a text some later output must hold (None: nothing to say)
+    expect: Optional[str] = None  # a text only its reaction prints (None: it says nothing)
+    text: Optional[str] = None  # its TUPE_DS_FAULT text (a fault in the attempt)
+    shows_in: Optional[int] = None  # the attempt whose output shows the reaction (None: attempt)
+    step: int = 0  # the step it is set for (a take-over: the step it comes in)
     triggered: bool = True
     reported: Optional[bool] = None
 
@@ -95,23 +120,17 @@ class Report:
     faults: List[Fault] = field(default_factory=list)
     seconds: float = 0.0
     split_changed: bool = False
+    finished: bool = False  # the run reached its last step
+    identical: bool = False  # its end equals the uninterrupted run's bit for bit
+    lost: dict = field(default_factory=dict)  # attempt -> the checkpoints lost in it
     problems: List[str] = field(default_factory=list)
     differences: dict = field(default_factory=dict)  # the largest, of state and losses
 
     def summary(self) -> dict:
-        kinds = {}
-        for fault in self.faults:
-            row = kinds.setdefault(fault.kind, {"injected": 0, "triggered": 0, "reported": 0,
-                                                "silent by design": 0})
-            row["injected"] += 1
-            row["triggered"] += fault.triggered
-            if fault.triggered and fault.expect is None:
-                row["silent by design"] += 1
-            row["reported"] += bool(fault.triggered and fault.reported)
         return {"seed": self.seed, "attempts": self.attempts,
-                "faults": sum(f.triggered for f in self.faults), "by_kind": kinds,
-                "split_changed": self.split_changed, "seconds": round(self.seconds, 1),
-                "largest_differences": self.differences,
+                "faults": sum(f.triggered for f in self.faults),
+                "by_kind": chaos_table.by_kind(self), "split_changed": self.split_changed,
+                "seconds": round(self.seconds, 1), "largest_differences": self.differences,
                 "problems": self.problems}
 
 
@@ -122,6 +141,7 @@ def free_port() -> str:
 def environment(fault: str) -> dict:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
             "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TUPE_DS_FAULT": fault,
+            "TUPE_DS_READ_RETRY_SECONDS": str(READ_RETRY_SECONDS),
             "TORCH_EXTENSIONS_DIR": os.environ.get(
                 "TORCH_EXTENSIONS_DIR", os.path.join(ROOT, "build", "torch_extensions"))}
 
@@ -129,21 +149,30 @@ def environment(fault: str) -> dict:
 class Chaos:
     def __init__(self, data: str, root: str, seed: int, steps: int = 16, keep: int = 2,
                  split_changes: bool = True, cover: bool = False, timeout: float = 300,
-                 tolerance: float = 1e-6):
+                 tolerance: float = 1e-6, kinds: Optional[list] = None):
         """`cover`: the kinds of faults in a shuffled cycle, each attempt one file fault and one
         process fault, so that a short schedule holds every kind (tests/test_chaos.py); else
-        drawn independently (0-2 file faults an attempt)."""
+        drawn independently (0-2 file faults an attempt). `kinds`: the kinds drawn (default:
+        all; another-split only with `split_changes`)."""
         self.data, self.root, self.steps, self.keep = data, root, steps, keep
         self.random = random.Random(seed)
         self.cover, self.tolerance = cover, tolerance
         self.cycles = {}
         self.split_changes, self.timeout = split_changes, timeout
+        self.dropout = 0.0 if split_changes else DROPOUT
+        drawn = set(kinds or PROCESS_FAULTS + FILE_FAULTS)
+        self.process_kinds = [k for k in PROCESS_FAULTS if k in drawn and (
+            split_changes or k != "another-split")]
+        self.file_kinds = [k for k in FILE_FAULTS if k in drawn]
         self.out = os.path.join(root, "run")
         self.checkpoints = os.path.join(self.out, "checkpoints")
+        self.lock_path = os.path.join(self.out, run_lock.LOCK_FILE)
         self.canary = os.path.join(root, "canary-code-ran")
         self.report = Report(seed)
         self.outputs: List[str] = []
         self.seen = {}  # manifest digest -> step of every complete checkpoint seen
+        self.killed_holder = None  # the PID in run.lock after an attempt was killed
+        self.read_stopped = set()  # attempts that stopped on a read error, before any resume
 
     def command(self, split, *extra) -> list:
         processes, micro = split
@@ -152,8 +181,8 @@ class Chaos:
                 "--data", self.data, "--model", "tiny", "--ds-config", CPU_CONFIG,
                 "--seq-len", "64", "--log-interval", "1", "--eval-samples", "32",
                 "--steps", str(self.steps), "--save-interval", "2",
-                "--eval-interval", str(self.steps), "--dropout", "0", "--lr", "2e-3",
-                "--warmup-steps", "2", "--keep-checkpoints", str(self.keep),
+                "--eval-interval", str(self.steps), "--dropout", str(self.dropout),
+                "--lr", "2e-3", "--warmup-steps", "2", "--keep-checkpoints", str(self.keep),
                 "--micro-batch", str(micro), *extra]
 
     def launch(self, out: str, split, fault: str, log: str) -> subprocess.Popen:
@@ -175,9 +204,9 @@ class Chaos:
             return Outcome(code, f.read(), time.monotonic() - start)
 
     def reference(self, out: Optional[str] = None, split=REFERENCE_SPLIT) -> str:
-        """The uninterrupted run (with the same NaN step), in `out` (default ROOT/reference):
-        run when that folder does not hold it yet."""
-        out = out or os.path.join(self.root, "reference")
+        """The uninterrupted run (with the same NaN step and dropout), in `out` (default
+        ROOT/reference-dropoutP): run when that folder does not hold it yet."""
+        out = out or os.path.join(self.root, f"reference-dropout{self.dropout:g}")
         if not os.path.exists(os.path.join(out, "checkpoints", f"step{self.steps}")):
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(out)
@@ -204,13 +233,19 @@ class Chaos:
             except OSError:
                 pass
 
-    def draw(self, kinds: list) -> str:
+    def draw(self, kinds: list, usable=lambda kind: True) -> Optional[str]:
+        """A kind of `kinds` that is `usable` now (None: none is); in `cover` mode the next of
+        the cycle that is, the others staying in it for the next draws."""
         if not self.cover:
-            return self.random.choice(kinds)
+            choices = [kind for kind in kinds if usable(kind)]
+            return self.random.choice(choices) if choices else None
         cycle = self.cycles.setdefault(tuple(kinds), [])
         if not cycle:
             cycle.extend(self.random.sample(kinds, len(kinds)))
-        return cycle.pop()
+        kind = next((kind for kind in reversed(cycle) if usable(kind)), None)
+        if kind is not None:
+            cycle.remove(kind)
+        return kind
 
     def forget(self, step_dir: str) -> None:
         """A checkpoint whose manifest the schedule itself rewrites is no longer the one seen."""
@@ -218,83 +253,114 @@ class Chaos:
 
     # -- faults in an attempt
 
-    def process_fault(self, attempt: int, split) -> tuple:
-        """(TUPE_DS_FAULT text, Fault or None, split of the attempt, second job?). An attempt on
-        another split than the uninterrupted run's also stops (SIGUSR1) before the last step,
-        so that the last checkpoint is written on the uninterrupted run's layout."""
-        text, fault, split, second = self.drawn_process_fault(attempt, split)
-        if self.position() < self.steps - 1:  # every attempt of the schedule ends early
+    def process_faults(self, attempt: int, split) -> tuple:
+        """(TUPE_DS_FAULT text, the attempt's faults, its split). Every attempt of the schedule
+        also stops (SIGUSR1) a few steps on, a fault of its own where the drawn one does not end
+        the attempt first; an attempt on another split than the uninterrupted run's stops before
+        the last step, so that the last checkpoint is written on the uninterrupted run's
+        layout."""
+        fault, split = self.drawn_process_fault(attempt, split)
+        faults, texts = ([fault], [fault.text]) if fault else ([], [])
+        if self.position() < self.steps - 1:
             stop = min(self.steps - 1, self.position() + 4)
-            text = ";".join(filter(None, [text, f"usr1:0:{stop}"]))
-        return text, fault, split, second
+            texts.append(f"usr1:0:{stop}")
+            if fault is None or fault.kind in ("eio-short", "second-job"):
+                faults.append(Fault("usr1", attempt, f"the schedule's stop at step {stop}",
+                                    f"stopping at step {stop} on SIGUSR1", texts[-1]))
+        return ";".join(texts), faults, split
 
     def drawn_process_fault(self, attempt: int, split) -> tuple:
+        """(Fault or None, split of the attempt)."""
         at = self.position()
         if at >= self.steps - 1:
-            return "", None, REFERENCE_SPLIT, False
-        kind = self.draw(PROCESS_FAULTS if self.split_changes else
-                         [k for k in PROCESS_FAULTS if k != "another-split"])
-        ahead = self.random.randint(1, min(3, self.steps - 1 - at))
-        step = at + ahead
-        save_step = min(self.steps - 1, step + step % 2) if (step + step % 2) < self.steps \
-            else None
-        if kind == "another-split" and self.split_changes:
+            return None, REFERENCE_SPLIT
+        saves = [s for s in range(at + 1, min(at + 4, self.steps - 1) + 1) if s % 2 == 0]
+
+        def usable(kind: str) -> bool:
+            if kind == "kill-during-deletion":  # the second save deletes what the first kept
+                return len(saves) == 2 and at > 0
+            return (kind not in SAVE_FAULTS or saves) and (not kind.startswith("eio") or at > 0)
+
+        kind = self.draw(self.process_kinds, usable)
+        if kind is None:
+            return None, split
+        step = at + self.random.randint(1, min(3, self.steps - 1 - at))
+        save_step = saves[-1] if kind == "kill-during-deletion" else \
+            self.random.choice(saves) if saves else None
+        fault = Fault(kind, attempt, f"step {step}", step=step)
+        if kind == "another-split":
             split = self.random.choice([s for s in SPLITS if s != split])
-            # stopped before the end, so that the last attempt writes the reference's layout
             processes, micro = split
             said = (f"micro-batch {micro} x accumulation {16 // (micro * processes)} x dp "
                     f"{processes}")
-            return f"usr1:0:{step}", Fault("another-split", attempt, f"{said} until step {step}",
-                                           expect=said), split, False
-        if kind == "another-split":
-            kind = "kill-mid-step"
-        if kind in ("kill-after-file", "kill-after-manifest", "kill-after-latest",
-                    "kill-during-deletion", "disk-full") and save_step is None:
-            kind = "kill-mid-step"
-        if kind == "kill-mid-step":
-            return f"kill-mid-step:{step}", Fault(kind, attempt, f"step {step}",
-                                                  expect="resumed at step|starting step 0"), \
-                split, False
-        if kind == "kill-after-file":
-            pattern = self.random.choice(["mp_rank_00_model_states.pt", "zero_pp_rank_1_*",
-                                          "zero_pp_rank_0_*"])
-            if split[0] == 1 and pattern == "zero_pp_rank_1_*":
-                pattern = "zero_pp_rank_0_*"
-            return f"kill-after-file:{pattern}:{save_step}", Fault(
-                kind, attempt, f"{pattern} of step{save_step}",
-                expect=f"step{save_step} \\(.*moved to"), split, False
-        if kind in ("kill-after-manifest", "kill-after-latest", "kill-during-deletion"):
-            return f"{kind}:{save_step}", Fault(kind, attempt, f"save of step{save_step}",
-                                                expect="resumed at step"), split, False
-        if kind == "usr1":
+            # stopped before the end, so that the last attempt writes the reference's layout
+            fault.text, fault.detail = f"usr1:0:{step}", f"{said} until step {step}"
+            fault.expect = f"(resumed at|starting) step \\d+ of \\d+: .*{said}"
+        elif kind.startswith("kill"):
+            fault.shows_in = attempt + 1  # expect: once the kill names the process (judge)
+            fault.text, fault.detail = f"{kind}:{save_step}", f"save of step{save_step}"
+            if kind == "kill-mid-step":
+                fault.text, fault.detail = f"{kind}:{step}", f"step {step}"
+            elif kind == "kill-after-file":
+                pattern = self.random.choice(["mp_rank_00_model_states.pt", "zero_pp_rank_1_*",
+                                              "zero_pp_rank_0_*"])
+                if split[0] == 1 and pattern == "zero_pp_rank_1_*":
+                    pattern = "zero_pp_rank_0_*"
+                fault.text, fault.detail = f"{kind}:{pattern}:{save_step}", \
+                    f"{pattern} of step{save_step}"
+                fault.expect = (f"tupe-pretrain: (step\\d+, )*step{save_step}(, step\\d+)* "
+                                "\\(.*moved to")
+        elif kind == "usr1":
             rank = self.random.randrange(split[0])
-            return f"usr1:{rank}:{step}", Fault(kind, attempt, f"rank {rank} at step {step}",
-                                                expect=f"stopping at step {step} on SIGUSR1"), \
-                split, False
-        if kind == "disk-full":
-            return f"disk-full:{save_step}", Fault(
-                kind, attempt, f"save of step{save_step}",
-                expect=f"could not write checkpoint step{save_step} .*No space left"), split, False
-        hold = os.path.join(self.root, f"attempt{attempt:03d}.hold")
-        return f"hold:{step}:{hold}", Fault("second-job", attempt, f"while step {step} trains",
-                                            expect="this run folder is in use by"), split, True
+            fault.text, fault.detail = f"usr1:{rank}:{step}", f"rank {rank} at step {step}"
+            fault.expect = f"stopping at step {step} on SIGUSR1"
+        elif kind == "disk-full":
+            fault.text, fault.detail = f"disk-full:{save_step}", f"save of step{save_step}"
+            fault.expect = f"could not write checkpoint step{save_step} .*No space left"
+        elif kind.startswith("eio"):
+            seconds = SHORT_EIO_SECONDS if kind == "eio-short" else math.inf
+            fault.text, fault.detail = f"eio:{seconds}", f"reads of checkpoints for {seconds} s"
+            fault.expect = (f"tupe-pretrain: reading {re.escape(self.checkpoints)}/\\S+ failed "
+                            f"\\(\\[Errno 5\\] Input/output error\\); trying again" if
+                            kind == "eio-short" else
+                            f"could not read {re.escape(self.checkpoints)}/\\S+ \\(\\[Errno 5\\] "
+                            "Input/output error\\).*: nothing was moved or deleted")
+        else:  # another job takes the folder over, or a second one is refused, during `step`
+            fault.text, fault.detail = f"hold:{step}:{self.hold(attempt)}", \
+                f"while step {step} trains"
+            fault.expect = ("this run no longer holds its run folder" if kind == "taken-over"
+                            else "this run folder is in use by")
+        return fault, split
+
+    def hold(self, attempt: int) -> str:
+        return os.path.join(self.root, f"attempt{attempt:03d}.hold")
 
     # -- faults between attempts
 
     def file_fault(self, attempt: int, hit: set) -> Optional[Fault]:
         """One fault between attempts; `hit`: what the attempt's faults damaged so far (the
-        newest checkpoint, the lock, ...): one fault a target, so that none hides another."""
-        kind = self.draw(FILE_FAULTS)
-        target = {"dead-holder": "run.lock"}.get(kind, kind) if kind in (
-            "run.json", "run.lock", "dead-holder", "latest") else "checkpoint"
-        if target in hit:
-            return None
-        hit.add(target)
+        newest checkpoint, the lock, ...): one fault a target, so that none hides another. The
+        newest checkpoint only where an older one is there to fall back to (with none the run
+        refuses to start over from step 0); the lock not where a killed attempt left its own,
+        which the next attempt must take over."""
         complete = self.complete()
-        if target != "checkpoint":
-            return self.folder_fault(kind, attempt)
-        if not complete:
+
+        def usable(kind: str) -> bool:
+            target = FOLDER_TARGETS.get(kind, "checkpoint")
+            if target in hit:
+                return False
+            if target == "checkpoint":
+                return len(complete) >= 2
+            return {"latest": os.path.isdir(self.checkpoints),
+                    "run.json": os.path.exists(os.path.join(self.out, "run.json")),
+                    "run.lock": self.killed_holder is None}[target]
+
+        kind = self.draw(self.file_kinds, usable)
+        if kind is None:
             return None
+        hit.add(FOLDER_TARGETS.get(kind, "checkpoint"))
+        if kind in FOLDER_TARGETS:
+            return self.folder_fault(kind, attempt)
         step = max(complete)
         tag = folders.tag_of(step)
         step_dir = os.path.join(self.checkpoints, tag)
@@ -363,26 +429,21 @@ class Chaos:
 
     def folder_fault(self, kind: str, attempt: int) -> Fault:
         if kind == "latest":
-            if os.path.isdir(self.checkpoints):
-                with open(os.path.join(self.checkpoints, "latest"), "wb") as f:
-                    f.write(os.urandom(12))
+            with open(os.path.join(self.checkpoints, "latest"), "wb") as f:
+                f.write(os.urandom(12))
             return Fault(kind, attempt, "checkpoints/latest (informative only)")
         if kind == "run.json":
-            path = os.path.join(self.out, "run.json")
-            if os.path.exists(path):
-                with open(path, "w") as f:
-                    f.write('{"objective": ')
-                return Fault(kind, attempt, "run.json", expect="run.json: not readable")
-            return Fault(kind, attempt, "run.json (none yet)", triggered=False)
-        path = os.path.join(self.out, "run.lock")
+            with open(os.path.join(self.out, "run.json"), "w") as f:
+                f.write('{"objective": ')
+            return Fault(kind, attempt, "run.json", expect="run.json: not readable")
         os.makedirs(self.out, exist_ok=True)
         if kind == "run.lock":
-            with open(path, "wb") as f:
+            with open(self.lock_path, "wb") as f:
                 f.write(b"\x00\x01 not a lock")
             return Fault(kind, attempt, "run.lock", expect="took over .*run.lock .*damaged")
         gone = subprocess.Popen(["true"])
         gone.wait()
-        with open(path, "w") as f:
+        with open(self.lock_path, "w") as f:
             json.dump({**run_lock.this_holder(), "pid": gone.pid, "pid_start": 1,
                        "started": "earlier"}, f)
         return Fault(kind, attempt, f"run.lock of process {gone.pid}, ended",
@@ -390,79 +451,97 @@ class Chaos:
 
     # -- one attempt
 
-    def attempt(self, number: int, split, fault_text: str, second_job: bool) -> Outcome:
+    def attempt(self, number: int, split, fault_text: str, faults: List[Fault]) -> Outcome:
         log = os.path.join(self.root, f"attempt{number:03d}.log")
+        held = next((f for f in faults if f.kind in ("second-job", "taken-over")), None)
         for _ in range(3):
+            for path in (self.hold(number), self.hold(number) + ".waiting"):
+                if os.path.exists(path):  # a try cut short before it held
+                    os.remove(path)
             start = time.monotonic()
             process = self.launch(self.out, split, fault_text, log)
-            if second_job:
-                self.second_job(number, process, log)
+            if held:
+                held.triggered = self.while_held(number, process, (
+                    self.second_job if held.kind == "second-job" else self.take_over))
             outcome = self.finish(process, log, start)
             if not port_taken(outcome):
                 return outcome
         return outcome
 
-    def second_job(self, number: int, first: subprocess.Popen, log: str) -> None:
-        """While the first trains (held in a step by its `hold` fault), the same command again
-        on the same folder: refused."""
-        hold = os.path.join(self.root, f"attempt{number:03d}.hold")
+    def while_held(self, number: int, first: subprocess.Popen, action) -> bool:
+        """Once the attempt's `hold` fault holds rank 0 in its step: action(number), then the
+        attempt goes on. False when it ended before (action not taken)."""
+        hold = self.hold(number)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline and first.poll() is None and \
                 not os.path.exists(hold + ".waiting"):
             time.sleep(0.2)
-        if first.poll() is not None or not os.path.exists(hold + ".waiting"):
-            self.report.faults[-1].triggered = False
-            open(hold, "w").close()
-            return
+        held = first.poll() is None and os.path.exists(hold + ".waiting")
+        try:
+            if held:
+                action(number)
+        finally:
+            open(hold, "w").close()  # the first goes on
+        return held
+
+    def second_job(self, number: int) -> None:
+        """The same command again on the same folder: refused."""
         second_log = os.path.join(self.root, f"attempt{number:03d}-second.log")
         for _ in range(3):
             outcome = self.finish(self.launch(self.out, (1, 8), "", second_log), second_log,
                                   time.monotonic())
             if not port_taken(outcome):
                 break
-        open(hold, "w").close()  # the first goes on
         if outcome.returncode == 0:
             self.report.problems.append(f"attempt {number}: a second job on the same folder "
                                         "was not refused")
+
+    def take_over(self, number: int) -> None:
+        """Another job's record in run.lock, put there as a taker does (a file of its own
+        renamed over the lock): a holder on another node, its lease just renewed."""
+        self.taker = {**run_lock.this_holder(), "host": "another-node", "boot_id": "another",
+                      "pid": 4242, "started": f"by the chaos test in attempt {number}"}
+        with open(self.lock_path + ".taker", "w") as f:
+            json.dump(self.taker, f)
+        os.replace(self.lock_path + ".taker", self.lock_path)
 
     def run(self, attempts: int) -> Report:
         start = time.monotonic()
         split, number = REFERENCE_SPLIT, 0
         while True:
             number += 1
-            fault_attempt = number <= attempts
-            if fault_attempt:
+            faults = []
+            if number <= attempts:
                 files = (number > 1) if self.cover else self.random.choice([0, 0, 1, 1, 2])
                 hit = set()
                 for _ in range(files):
-                    fault = self.file_fault(number, hit)
-                    if fault:
-                        self.report.faults.append(fault)
-                text, fault, split, second = self.process_fault(number, split)
-                if fault:
-                    self.report.faults.append(fault)
+                    faults.append(self.file_fault(number, hit))
+                text, process_faults, split = self.process_faults(number, split)
+                faults = [f for f in faults if f] + process_faults
             else:
-                text, fault, split, second = "", None, REFERENCE_SPLIT, False
+                text, split = "", REFERENCE_SPLIT
+            self.report.faults.extend(faults)
             self.report.split_changed |= split != REFERENCE_SPLIT
-            outcome = self.attempt(number, split, text, second)
+            listed = self.listing()
+            outcome = self.attempt(number, split, text, faults)
             self.outputs.append(outcome.output)
-            self.count_stops(number, fault, outcome.output)
-            if fault and fault.kind in ("usr1", "disk-full", "another-split") and \
-                    "stopping at step" not in outcome.output and \
-                    "could not write checkpoint" not in outcome.output:
-                fault.triggered = False
-            if fault and fault.kind.startswith("kill") and outcome.returncode != -9:
-                fault.triggered = False
+            if "could not read" in outcome.output:
+                self.read_stopped.add(number)
+            stopped = False
+            for fault in faults:
+                stopped |= self.judge(fault, outcome, listed)
+            self.killed_holder = self.holder_pid() if outcome.returncode == -9 else None
+            self.note_lost(number)
             self.remember_complete()
             if os.path.exists(self.canary):
                 self.report.problems.append(f"attempt {number}: a planted pickle's code ran")
-            if outcome.returncode not in (0, -9) and not (
-                    fault and fault.kind == "disk-full" and fault.triggered):
+            if outcome.returncode not in (0, -9) and not stopped:
                 self.report.problems.append(f"attempt {number} ended with exit code "
                                             f"{outcome.returncode}:\n{outcome.output[-3000:]}")
                 break
-            done = outcome.returncode == 0 and "final valid loss" in outcome.output
-            if done and not fault_attempt:
+            self.report.finished = outcome.returncode == 0 and \
+                "final valid loss" in outcome.output and self.position() == self.steps
+            if self.report.finished:
                 break
             if number > attempts + 20:
                 self.report.problems.append("the run did not reach its end")
@@ -471,65 +550,129 @@ class Chaos:
         self.report.seconds = time.monotonic() - start
         return self.report
 
-    # -- the checks at the end
+    def judge(self, fault: Fault, outcome: Outcome, listed: list) -> bool:
+        """Right after its attempt: whether a fault in the attempt fired (the worker said so),
+        what a kill's next attempt must say (the take-over of the killed process's lock), what
+        a fault must have left untouched; True when it stopped the attempt as it should."""
+        if fault.text is None:
+            return False
+        fault.triggered = fault.triggered and f"fault fired: {fault.text}" in outcome.output
+        problems = self.report.problems
+        where = f"{fault.kind} ({fault.detail}, attempt {fault.attempt})"
+        if fault.kind.startswith("kill"):
+            fault.triggered &= outcome.returncode == -9
+            if fault.triggered and fault.expect is None:
+                pid = self.holder_pid()
+                fault.expect = (f"took over {re.escape(self.lock_path)} from process {pid} "
+                                if pid else None)
+                if not pid:
+                    problems.append(f"{where}: the killed run left no lock naming its process")
+        elif fault.kind == "eio-long" and fault.triggered and self.listing() != listed:
+            problems.append(f"{where}: the checkpoints folder changed in an attempt that could "
+                            f"not read it:\n{listed}\nthen\n{self.listing()}")
+        elif fault.kind == "eio-short" and "could not read" in outcome.output:
+            problems.append(f"{where}: a read error shorter than the retry window stopped the "
+                            "run")
+        elif fault.kind == "taken-over" and fault.triggered:
+            problems.extend(f"{where}: {line}" for line in self.written_after(fault.step))
+            if os.path.exists(self.lock_path):
+                os.remove(self.lock_path)  # its holder is gone
+        return fault.triggered and fault.kind in STOPPING_FAULTS
+
+    def written_after(self, step: int) -> List[str]:
+        """What a run taken over in `step` wrote after: run.lock changed from the taker's
+        record, log entries or step folders of `step` and after."""
+        lines = []
+        if self.holder_pid() != self.taker["pid"]:
+            lines.append("run.lock no longer names the job that took the folder over")
+        logged = [e["step"] for e in (read_log(self.out) if os.path.exists(
+            os.path.join(self.out, "train_log.jsonl")) else []) if e.get("step", 0) >= step]
+        if logged:
+            lines.append(f"train_log.jsonl has entries of steps {logged}")
+        saved = [s for s in folders.step_folders(self.checkpoints) if s >= step]
+        if saved:
+            lines.append(", ".join(map(folders.tag_of, saved)) + " written")
+        return lines
+
+    def holder_pid(self) -> Optional[int]:
+        """The PID run.lock names (None: no lock, or not a record)."""
+        try:
+            with open(self.lock_path) as f:
+                return json.load(f).get("pid")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def listing(self) -> List[str]:
+        """Every path under checkpoints/, with its size: what an attempt moved or deleted."""
+        return sorted(f"{os.path.relpath(os.path.join(folder, name), self.checkpoints)} "
+                      f"{os.path.getsize(os.path.join(folder, name))}"
+                      for folder, _, names in os.walk(self.checkpoints) for name in names)
+
+    # -- the checks
+
+    def note_lost(self, number: int) -> None:
+        """After each attempt: a checkpoint seen complete that is gone from checkpoints/ and
+        set-aside/ was retired, which leaves --keep-checkpoints newer complete checkpoints
+        among the live step folders; else it was lost, in this attempt. Newer folders set aside
+        or converted (universal/) do not count: a loss would hide behind them."""
+        present = set()
+        for step_dir in [os.path.join(self.checkpoints, folders.tag_of(s))
+                         for s in folders.step_folders(self.checkpoints)] + glob.glob(
+                os.path.join(self.checkpoints, folders.SET_ASIDE, "*", "step*")):
+            try:
+                present.add(manifest.digest(step_dir))
+            except OSError:
+                pass
+        live = folders.complete_steps(self.checkpoints)
+        for digest, step in list(self.seen.items()):
+            if digest in present:
+                continue
+            del self.seen[digest]
+            newer = sum(s > step for s in live)
+            if newer < self.keep:
+                self.report.lost.setdefault(number, []).append(
+                    f"step{step} (manifest {digest[:12]}) was complete and is gone after attempt "
+                    f"{number}, with only {newer} newer complete checkpoints in "
+                    f"{self.checkpoints}")
 
     def check(self, reference: str) -> Report:
         problems = self.report.problems
-        everything = "\n".join(self.outputs)
         for fault in self.report.faults:
-            if fault.triggered and fault.expect:
-                later = "\n".join(self.outputs_from(fault.attempt))
-                fault.reported = re.search(fault.expect, later) is not None
+            where = f"{fault.kind} ({fault.detail}, attempt {fault.attempt})"
+            if not fault.triggered:
+                problems.append(f"{where} did not fire")
+            elif fault.expect:
+                fault.reported = re.search(fault.expect, self.output_showing(fault)) is not None
                 if not fault.reported:
-                    problems.append(f"{fault.kind} ({fault.detail}, attempt {fault.attempt}) "
-                                    f"not reported: no line matches {fault.expect!r}")
-        if f"step {NAN_STEP}: loss or gradient not finite" not in everything:
+                    problems.append(f"{where} not reported: no line of attempt "
+                                    f"{fault.shows_in or fault.attempt} matches {fault.expect!r}")
+        if f"step {NAN_STEP}: loss or gradient not finite" not in "\n".join(self.outputs):
             problems.append(f"the NaN at step {NAN_STEP} was never reported")
-        tolerance = self.tolerance if self.report.split_changed else None
-        problems.extend(compare_runs(self.out, reference, self.steps, tolerance,
-                                     self.report.differences))
-        problems.extend(self.lost_checkpoints())
+        bit_for_bit = not self.report.split_changed
+        differences = compare_runs(self.out, reference, self.steps,
+                                   None if bit_for_bit else self.tolerance,
+                                   self.report.differences, random_state=bit_for_bit)
+        self.report.identical = bit_for_bit and not differences
+        problems.extend(differences)
+        problems.extend(line for lines in self.report.lost.values() for line in lines)
         if os.path.exists(self.canary):
             problems.append("a planted pickle's code ran")
         return self.report
 
-    def count_stops(self, number: int, fault: Optional[Fault], output: str) -> None:
-        """The SIGUSR1 every attempt of the schedule gets (a preemption) counts as a fault of
-        its own when it stopped the attempt."""
-        match = re.search(r"stopping at step (\d+) on SIGUSR1", output)
-        if match and not (fault and fault.kind in ("usr1", "another-split")):
-            self.report.faults.append(Fault("usr1", number, f"step {match.group(1)}",
-                                            expect=re.escape(match.group(0))))
-
-    def outputs_from(self, attempt: int) -> List[str]:
-        """Every output of attempt `attempt` and after (its second job's included)."""
-        logs = sorted(glob.glob(os.path.join(self.root, "attempt*.log")))
-        texts = []
-        for log in logs:
-            number = int(os.path.basename(log)[7:10])
-            if number >= attempt:
-                with open(log, errors="replace") as f:
+    def output_showing(self, fault: Fault) -> str:
+        """The output of the attempt where the fault's reaction shows (with its second job's),
+        and of the next ones while they stopped on a read error, before they saw the folder."""
+        texts, number = [], fault.shows_in or fault.attempt
+        while number <= len(self.outputs):
+            texts.append(self.outputs[number - 1])
+            second = os.path.join(self.root, f"attempt{number:03d}-second.log")
+            if os.path.exists(second):
+                with open(second, errors="replace") as f:
                     texts.append(f.read())
-        return texts
-
-    def lost_checkpoints(self) -> List[str]:
-        present = {}
-        for path in glob.glob(os.path.join(self.checkpoints, "**", "manifest.json"),
-                              recursive=True):
-            try:
-                present[manifest.digest(os.path.dirname(path))] = True
-            except OSError:
-                pass
-        steps_present = [folders.step_of(os.path.basename(p)) for p in glob.glob(
-            os.path.join(self.checkpoints, "**", "step*"), recursive=True)
-            if os.path.isdir(p) and folders.TAG.match(os.path.basename(p))]
-        lost = []
-        for digest, step in self.seen.items():
-            newer = sum(s > step for s in steps_present)
-            if digest not in present and newer < self.keep:
-                lost.append(f"step{step} (manifest {digest[:12]}) was complete and is gone, "
-                            f"with only {newer} newer checkpoints left")
-        return lost
+            if number not in self.read_stopped:
+                break
+            number += 1
+        return "\n".join(texts)
 
 
 def port_taken(outcome: Outcome) -> bool:
@@ -539,10 +682,12 @@ def port_taken(outcome: Outcome) -> bool:
         "exit worker" not in outcome.output and "tupe-pretrain" not in outcome.output
 
 
-def final_files(run: str, steps: int) -> dict:
+def final_files(run: str, steps: int, random_state: bool) -> dict:
+    """The final checkpoint's states, with each rank's random generators (`random_state`)."""
     step_dir = os.path.join(run, "checkpoints", f"step{steps}")
-    return {os.path.basename(p): safe_load.load(p) for p in sorted(
-        glob.glob(os.path.join(step_dir, "*_states.pt")))}
+    patterns = ["*_states.pt"] + (["rng_rank*.pt"] if random_state else [])
+    return {os.path.basename(p): safe_load.load(p) for pattern in patterns
+            for p in sorted(glob.glob(os.path.join(step_dir, pattern)))}
 
 
 def tensors(value, prefix=""):
@@ -557,13 +702,15 @@ def tensors(value, prefix=""):
 
 
 def compare_runs(run: str, reference: str, steps: int, tolerance: Optional[float],
-                 measured: dict, weights_only: bool = False) -> List[str]:
+                 measured: dict, weights_only: bool = False,
+                 random_state: bool = False) -> List[str]:
     """The final checkpoint's weights and optimizer state (`weights_only`: the weights, for runs
-    on other layouts), and the logged losses, against the uninterrupted run's: equal bit for bit
-    (`tolerance` None), else within `tolerance` (absolute for tensors, relative for losses).
-    `measured` gets the largest differences found."""
+    on other layouts), with `random_state` each rank's random generators, and the logged
+    losses, against the uninterrupted run's: equal bit for bit (`tolerance` None), else within
+    `tolerance` (absolute for tensors, relative for losses). `measured` gets the largest
+    differences found."""
     problems = []
-    mine, theirs = final_files(run, steps), final_files(reference, steps)
+    mine, theirs = (final_files(folder, steps, random_state) for folder in (run, reference))
     if weights_only:
         mine, theirs = ({name: files[name] for name in files if name.startswith("mp_rank_")}
                         for files in (mine, theirs))
@@ -635,7 +782,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="1", help="comma-separated seeds, one schedule each")
     p.add_argument("--steps", type=int, help="the run's steps (default: 2 per attempt)")
     p.add_argument("--same-split", action="store_true",
-                   help="never change the split: the end must equal the reference bit for bit")
+                   help=f"never change the split: dropout {DROPOUT}, and the end (random state "
+                        "included) must equal the reference bit for bit")
+    p.add_argument("--kinds", help="comma-separated kinds of faults to draw (default: all): "
+                                   + ", ".join(PROCESS_FAULTS + FILE_FAULTS))
     p.add_argument("--out", default=os.path.join(ROOT, "build", "chaos"))
     p.add_argument("--data", help="a tupe-prep folder (default: one novel of data/sample, "
                                   "prepared into OUT/prep)")
@@ -648,6 +798,9 @@ def main(argv=None) -> int:
                         "does, in fp32)")
     p.add_argument("--json", help="write the reports here")
     args = p.parse_args(argv)
+    kinds = args.kinds.split(",") if args.kinds else None
+    if set(kinds or ()) - set(PROCESS_FAULTS + FILE_FAULTS):
+        p.error(f"--kinds: no such kind: {set(kinds) - set(PROCESS_FAULTS + FILE_FAULTS)}")
     data = args.data or prepared_sample(args.out)
     reports = []
     for seed in map(int, args.seeds.split(",")):
@@ -657,7 +810,8 @@ def main(argv=None) -> int:
             os.remove(log)
         os.makedirs(root, exist_ok=True)
         chaos = Chaos(data, root, seed, steps=args.steps or 2 * args.attempts,
-                      split_changes=not args.same_split, tolerance=args.tolerance)
+                      split_changes=not args.same_split, tolerance=args.tolerance,
+                      kinds=kinds)
         reference = chaos.reference()
         chaos.run(args.attempts)
         summary = chaos.check(reference).summary()
@@ -667,6 +821,7 @@ def main(argv=None) -> int:
             summary["control_differences"] = measured
         reports.append(summary)
         print(json.dumps(summary, indent=1), flush=True)
+    print(chaos_table.markdown(chaos_table.added(r["by_kind"] for r in reports)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)

@@ -26,14 +26,21 @@
     TUPE_DS_FAULT="nan-weight:1:4"   one weight of rank 1 made NaN just before the save of step 4
     TUPE_DS_FAULT="node-local-locks"   file locks (the index cache's) are no-ops, as a lock that
         holds on one node only (NFS local_lock, BeeGFS, Lustre localflock) is across nodes
+    TUPE_DS_FAULT="eio:0.5"   every open for reading of a file under OUT/checkpoints fails with
+        EIO for 0.5 s from the first ("eio:inf": for the whole attempt), as a Lustre or NFS client
+        answers for a while after a server hiccup
 
-Several faults are separated by ';'.
+Several faults are separated by ';'. A kill, SIGUSR1, hold, full disk or EIO prints
+"fault fired: FAULT" (its TUPE_DS_FAULT text) as it happens, so that a test tells a fault that
+fired and went unreported from one that never fired.
 """
 
 import command_start  # noqa: F401  (first: starts as a tupe_ds command)
+import builtins
 import errno
 import fnmatch
 import glob
+import io
 import os
 import signal
 import sys
@@ -72,6 +79,10 @@ def kill_everything():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fired(fault: str) -> None:
+    print(f"fault fired: {fault}", flush=True)
+
+
 def hold_until(path: str, seconds: float = 300) -> None:
     if os.path.exists(path):
         return
@@ -87,12 +98,13 @@ def step_in_progress() -> int:
     return ENGINE["engine"]().global_steps + (0 if ENGINE.get("saving") else 1)
 
 
-def after(module, name, condition):
+def after(fault, module, name, condition):
     original = getattr(module, name)
 
     def wrapped(*args, **kwargs):
         result = original(*args, **kwargs)
         if condition(*args):
+            fired(fault)
             kill_everything()
         return result
 
@@ -105,19 +117,20 @@ def install(fault: str) -> None:
         pattern, step = rest[0], int(rest[1])
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import \
             TorchCheckpointEngine
-        after(TorchCheckpointEngine, "save", lambda self, state, path, *a: fnmatch.fnmatch(
+        after(fault, TorchCheckpointEngine, "save", lambda self, state, path, *a: fnmatch.fnmatch(
             os.path.basename(path), pattern)
             and os.path.basename(os.path.dirname(path)) == f"step{step}")
     elif kind == "kill-after-manifest":
-        after(manifest, "write", lambda path, record: record["step"] == int(rest[0]))
+        after(fault, manifest, "write", lambda path, record: record["step"] == int(rest[0]))
     elif kind == "kill-after-latest":
-        after(folder, "point_latest", lambda directory, tag: tag == f"step{rest[0]}")
+        after(fault, folder, "point_latest", lambda directory, tag: tag == f"step{rest[0]}")
     elif kind == "kill-during-deletion":
         original = folder.remove_tree
 
         def remove_part_then_die(path):
             if ENGINE["engine"]().global_steps == int(rest[0]):
                 os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+                fired(fault)
                 kill_everything()
             original(path)
 
@@ -131,6 +144,7 @@ def install(fault: str) -> None:
         def forward_then_fault(self, *args, **kwargs):
             result = forward(self, *args, **kwargs)
             if self.engine.training and step_in_progress() == step:
+                fired(fault)
                 if kind == "usr1":
                     os.kill(os.getpid(), signal.SIGUSR1)
                 elif kind == "hold":
@@ -184,6 +198,7 @@ def install(fault: str) -> None:
         step, which = int(rest[0]), rest[1] if len(rest) > 1 else "every rank"
 
         def full(path):
+            fired(fault)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
         if which == "manifest":
@@ -232,8 +247,31 @@ def install(fault: str) -> None:
             EngineSteps._forward = nan_loss
         else:
             ENGINE["nan_grad_steps"] = steps
+    elif kind == "eio":
+        fail_reads(fault, float(rest[0]))
     else:
         raise SystemExit(f"unknown fault {fault!r}")
+
+
+def fail_reads(fault: str, seconds: float) -> None:
+    """Every open for reading of a file under OUT/checkpoints raises EIO, from the first such
+    open for `seconds`. builtins.open and io.open are the one function every read of a checkpoint
+    starts with (manifest, checksum, torch.load's, zipfile's), so that both are replaced."""
+    out = sys.argv[sys.argv.index("--out") + 1]
+    checkpoints = os.path.join(os.path.abspath(out), "checkpoints") + os.sep
+    original, failing_until = builtins.open, []
+
+    def open_or_fail(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)) and not set(mode) & set("wax+") and \
+                os.path.abspath(os.fsdecode(file)).startswith(checkpoints):
+            if not failing_until:
+                failing_until.append(time.monotonic() + seconds)
+                fired(fault)
+            if time.monotonic() < failing_until[0]:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), os.fsdecode(file))
+        return original(file, mode, *args, **kwargs)
+
+    builtins.open = io.open = open_or_fail
 
 
 def capture_engine():
