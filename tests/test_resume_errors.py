@@ -8,6 +8,8 @@ needed); whole runs: test_run_integrity.py, test_slurm.py."""
 import builtins
 import errno
 import os
+import shutil
+import time
 
 import pytest
 import torch
@@ -355,3 +357,46 @@ def test_a_listed_file_the_filesystem_hides_for_a_moment_is_waited_for_not_missi
     hidden[0] = 1000
     assert manifest.check_files(str(step_dir), files) == [
         f"{step_dir}/mp_rank_00_model_states.pt: missing"]
+
+
+def test_the_newest_checkpoint_run_json_records_gone_is_refused_not_an_older_one_resumed(
+        tmp_path):
+    """A run never goes back quietly: run.json's newest checkpoint missing while older ones are
+    there is refused, naming --resume-from as the deliberate way back; set aside by tupe_ds, it
+    is accounted for. --resume never refuses over a folder whose run.json records a commit."""
+    out = tmp_path / "run"
+    for step in (2, 4):
+        checkpoint(out, step)
+    describe_run(out, newest_checkpoint=4)
+    os.rename(out / "checkpoints" / "step4", tmp_path / "step4")
+    with pytest.raises(ValueError) as refused:
+        plan(out)
+    assert str(refused.value) == (
+        f"{out}/run.json records step4 as committed by this run, but {out}/checkpoints does not "
+        "hold it, nor its set-aside folder (was it moved?); its newest is step2. Nothing was "
+        "moved or deleted. Put it back and run the same command; or go on from step2 "
+        "deliberately: --resume-from step2")
+    assert plan(out, "step2").candidates == (2,)
+    (out / "checkpoints" / "set-aside" / "20261127T000000Z").mkdir(parents=True)
+    os.rename(tmp_path / "step4", out / "checkpoints" / "set-aside" / "20261127T000000Z" / "step4")
+    assert plan(out).candidates == (2,)
+    with pytest.raises(ValueError, match="--resume never, and it holds checkpoints"):
+        resume.plan_resume(str(out), "never", None, 1, 1, 1, 2)
+    shutil.rmtree(out / "checkpoints")
+    with pytest.raises(ValueError, match=f"--resume never, and {out}/run.json records step4"):
+        resume.plan_resume(str(out), "never", None, 1, 1, 1, 2)
+
+
+def test_files_gone_from_a_checkpoint_are_waited_for_once_not_once_each(tmp_path, monkeypatch):
+    step_dir = checkpoint(tmp_path, 2)
+    for name in ("rng_rank0.pt", "rng_rank1.pt"):
+        torch.save({}, step_dir / name)
+    record = manifest.read(str(step_dir))
+    record["files"].update(manifest.describe(str(step_dir), ["rng_rank0.pt", "rng_rank1.pt"]))
+    manifest.write(str(step_dir), record)
+    for path in step_dir.glob("*.pt"):
+        path.unlink()
+    monkeypatch.setenv(reads.RETRY_SECONDS, "1")
+    started = time.monotonic()
+    assert len(manifest.check_files(str(step_dir), record["files"])) == 3
+    assert time.monotonic() - started < 2  # 3 s with a window per file

@@ -25,6 +25,8 @@ def cut_back_to(run, copy, step):
         if name.startswith("step") and int(name[4:]) > step:
             shutil.rmtree(checkpoints / name)
     (checkpoints / "latest").write_text(f"step{step}")
+    description = json.loads((copy / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps({**description, "newest_checkpoint": step}))
     with open(copy / "train_log.jsonl") as f:
         kept = [line for line in f if json.loads(line)["step"] <= step]
     (copy / "train_log.jsonl").write_text("".join(kept))

@@ -276,3 +276,36 @@ def test_the_renewal_thread_finds_a_take_over(tmp_path, monkeypatch):
     assert lock.lost == f"{tmp_path}/run.lock now names process 4242 on node-elsewhere, started " \
                         "2026-11-26T00:00:00+00:00"
     lock.release()
+
+
+def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_its_renewal(
+        tmp_path, monkeypatch):
+    """EIO on run.lock (an NFS or Lustre hiccup): the checks before each write retry it, and the
+    renewal thread tries again at its next period; only a lock unreadable for the whole retry
+    window stops the run (reads.Unreadable, exit 3)."""
+    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    monkeypatch.setenv("TUPE_DS_READ_RETRY_SECONDS", "1")
+    lock = RunLock.acquire(str(tmp_path))
+    content, failures = lock_module.lock_content, [0]
+
+    def eio_first(path):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(5, "Input/output error", path)
+        return content(path)
+
+    monkeypatch.setattr(lock_module, "lock_content", eio_first)
+    failures[0] = 3
+    assert lock.still_held() is None
+    failures[0] = 3
+    renewed = os.stat(lock.path).st_mtime_ns
+    deadline = time.time() + 10
+    while (failures[0] or os.stat(lock.path).st_mtime_ns == renewed) and time.time() < deadline:
+        time.sleep(0.05)
+    assert failures[0] == 0 and os.stat(lock.path).st_mtime_ns != renewed  # renewed after EIO
+    assert lock._renewer.is_alive() and lock.lost is None
+    failures[0] = 10 ** 6
+    with pytest.raises(run_lock.reads.Unreadable, match="could not read .*run.lock"):
+        lock.stop_unless_held()
+    failures[0] = 0
+    lock.release()

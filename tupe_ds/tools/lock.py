@@ -434,11 +434,13 @@ class LinkLock:
         return True
 
     def _renew(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 10) and not self.lost_because():
+        while not self._stop.wait(LEASE_SECONDS / 10):
             try:
+                if self.lost_because():
+                    return
                 os.utime(self.path)
             except OSError:
-                pass  # tried again at the next renewal
+                pass  # a filesystem that failed for a moment: tried again at the next renewal
 
     def check(self) -> Optional[str]:
         """None while the lock file is this process's; else what holds it now."""
@@ -473,7 +475,11 @@ class LinkLock:
         self._stop.set()
         if self._renewer.is_alive():
             self._renewer.join()
-        if self.check() is None:
+        try:
+            held = self.check() is None
+        except OSError:  # unreadable now: left to its lease, or to this machine's PID rule
+            held = False
+        if held:
             try:
                 os.remove(self.path)
             except FileNotFoundError:

@@ -97,9 +97,10 @@ def evaluate(steps, valid: list, run: RunConfig, micro_batch: int, device) -> di
     return blended
 
 
-def write_run_description(run: RunConfig, lineage: str, plan) -> None:
+def write_run_description(run: RunConfig, lineage: str, plan=None) -> None:
     """OUT/run.json: the models, layout and lineage of the run, the checkpoint it resumed (its
-    newest now) and the --resume-from it applied (run_description.py)."""
+    newest now; `plan` None: a start from step 0) and the --resume-from it applied
+    (run_description.py)."""
     batch = run.ds_config["train_batch_size"]
     description = {"objective": run.objective, "lineage": lineage,
                    "data": os.path.abspath(run.data),

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tupe_ds.tools.lock import (LEASE_SECONDS, LinkLock, NotALockFile, describe, gone_because,
                                 lock_content, parse_holder, same_machine, write_record)
 from tupe_ds.tools.lock import this_holder  # noqa: F401  (the records tests plant)
+from tupe_ds.train.checkpoint import reads
 from tupe_ds.train.flags import Refused, TrainingStopped
 
 LOCK_FILE = "run.lock"
@@ -72,8 +73,9 @@ class RunLock(LinkLock):
         raise RunFolderBusy(busy_message(self.path, holder, age))
 
     def still_held(self) -> Optional[str]:
-        """None while the lock is this run's; else why the run must stop."""
-        lost = self.lost_because()
+        """None while the lock is this run's; else why the run must stop (reads.Unreadable when
+        the lock file does not read for the retry window)."""
+        lost = reads.retried(self.path, self.lost_because)
         if lost:
             return (f"this run no longer holds its run folder ({lost}): another job took it "
                     "over (this one was presumed gone); stopping without saving")

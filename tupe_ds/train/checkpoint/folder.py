@@ -78,6 +78,13 @@ def inventory(directory: str) -> List[str]:
     return lines
 
 
+def set_aside_steps(directory: str) -> List[int]:
+    """Steps of the stepN folders in CHECKPOINTS/set-aside/*/, in ascending order."""
+    kept = os.path.join(directory, SET_ASIDE)
+    return sorted({int(m.group(1)) for when in reads.list_folder(kept)
+                   for m in map(TAG.match, reads.list_folder(os.path.join(kept, when))) if m})
+
+
 def complete_steps(directory: str) -> List[int]:
     """Steps of the folders whose manifest reads, in ascending order."""
     return sorted(survey(directory)[0])

@@ -137,14 +137,14 @@ def check_files(folder: str, files: Dict[str, dict],
     missing; a pickle naming a type this software does not load, in a file the manifest agrees
     with, written by other `software` (the manifest's) than the installed:
     safe_load.OtherSoftware, since it is no damage."""
-    problems = []
+    problems, waited = [], False
     for name, expected in sorted(files.items()):
         path = os.path.join(folder, name)
-        try:
+        try:  # one window per check: a folder whose files are gone is not waited for per file
             problem = reads.retried(path, lambda: file_problem(path, name, expected, software),
-                                    expected=True)
+                                    expected=not waited)
         except FileNotFoundError:
-            problem = f"{path}: missing"
+            problem, waited = f"{path}: missing", True
         except NotRegularFile as error:
             problem = str(error)
         if problem:

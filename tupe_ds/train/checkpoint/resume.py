@@ -79,6 +79,11 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
                 f"nothing is overwritten. To continue that run leave out --resume never; to "
                 f"start over give another --out; to start a new run from its weights, --out NEW "
                 f"--init-from {os.path.join(directory, folders.tag_of(held[-1]))}")
+        if recorded is not None:
+            raise ValueError(
+                f"--resume never, and {out}/run.json records {folders.tag_of(recorded)} as "
+                f"committed by a run in this folder, though {directory} holds none (were they "
+                "moved?): nothing is overwritten. Start over in another --out")
         return None
     verified, notes = legacy is None, ()
     step = resume_from_step(directory, resume_from) if resume_from is not None else None
@@ -124,6 +129,15 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
     else:
         candidates, by_hand = (), False
     newest = candidates[0] if candidates else -1
+    if candidates and not by_hand and recorded is not None and recorded > newest and \
+            recorded not in damaged and recorded not in folders.step_folders(directory) and \
+            recorded not in folders.set_aside_steps(directory):
+        raise ValueError(
+            f"{out}/run.json records {folders.tag_of(recorded)} as committed by this run, but "
+            f"{directory} does not hold it, nor its {folders.SET_ASIDE} folder (was it moved?); "
+            f"its newest is {folders.tag_of(newest)}. Nothing was moved or deleted. Put it back "
+            f"and run the same command; or go on from {folders.tag_of(newest)} deliberately: "
+            f"--resume-from {folders.tag_of(newest)}")
     passed_over = tuple(f"{folders.tag_of(s)}: {problem}" for s, problem in sorted(damaged.items())
                         if s > newest)
     if not candidates:
@@ -145,24 +159,32 @@ def none_resumable(directory: str, found, recorded: str = "") -> str:
     """The refusal of a run that would start from step 0 though --out holds checkpoints
     (`found`: (stepN, why it cannot be resumed) each) or OUT/run.json records one it committed
     (`recorded`: the text that says so), and what to do."""
-    held = (f"{directory} holds checkpoints of which none can be resumed: "
-            + "; ".join(f"{tag}: {why}" for tag, why in found) if found else
-            f"{directory} holds no checkpoint")
-    return (held + recorded + ". Nothing was moved or deleted. Mend them (restore their files) "
-            "and run the same command; or, to start this run over from step 0, add --fresh-start "
-            f"(they are then set aside in {os.path.join(directory, folders.SET_ASIDE)}, not "
-            "deleted)")
+    if not found:
+        return (f"{directory} holds no checkpoint{recorded}. Nothing was moved or deleted. Put "
+                "them back and run the same command; or, to start this run over from step 0, "
+                "add --fresh-start")
+    return (f"{directory} holds checkpoints of which none can be resumed: "
+            + "; ".join(f"{tag}: {why}" for tag, why in found) + recorded
+            + ". Nothing was moved or deleted. Mend them (restore their files) and run the same "
+            "command; or, to start this run over from step 0, add --fresh-start (they are then "
+            f"set aside in {os.path.join(directory, folders.SET_ASIDE)}, not deleted)")
 
 
 def manifest_appears(directory: str, step: int) -> bool:
-    """Whether the manifest of step folder `step`, which OUT/run.json records as committed,
-    shows within the retry window (an NFS client may answer ENOENT for a while); False at once
-    when the folder is not there."""
-    if step not in folders.step_folders(directory):
+    """Whether step folder `step`, which OUT/run.json records as committed, shows with its
+    manifest within the retry window (a stale NFS listing, or ENOENT for a while after a server
+    hiccup); False at once when tupe_ds set it aside."""
+    if step in folders.set_aside_steps(directory):
         return False
     path = os.path.join(directory, folders.tag_of(step), manifest.MANIFEST)
+
+    def there():
+        if step not in folders.step_folders(directory):
+            raise FileNotFoundError(2, os.strerror(2), os.path.dirname(path))
+        return os.stat(path)
+
     try:
-        reads.retried(path, lambda: os.stat(path), expected=True)
+        reads.retried(path, there, expected=True)
     except FileNotFoundError:
         return False
     return True
