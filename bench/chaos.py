@@ -67,6 +67,7 @@ sys.path.insert(0, ROOT)
 
 from bench import chaos_table  # noqa: E402
 from tupe_ds.distributed import launchers  # noqa: E402
+from tupe_ds.tools.lock import this_holder  # noqa: E402
 from tupe_ds.train import run_lock  # noqa: E402
 from tupe_ds.train.checkpoint import folder as folders  # noqa: E402
 from tupe_ds.train.checkpoint import manifest, safe_load  # noqa: E402
@@ -444,7 +445,7 @@ class Chaos:
         gone = subprocess.Popen(["true"])
         gone.wait()
         with open(self.lock_path, "w") as f:
-            json.dump({**run_lock.this_holder(), "pid": gone.pid, "pid_start": 1,
+            json.dump({**this_holder(), "pid": gone.pid, "pid_start": 1,
                        "started": "earlier"}, f)
         return Fault(kind, attempt, f"run.lock of process {gone.pid}, ended",
                      expect=f"took over .*run.lock from process {gone.pid} .*ended")
@@ -499,7 +500,7 @@ class Chaos:
     def take_over(self, number: int) -> None:
         """Another job's record in run.lock, put there as a taker does (a file of its own
         renamed over the lock): a holder on another node, its lease just renewed."""
-        self.taker = {**run_lock.this_holder(), "host": "another-node", "boot_id": "another",
+        self.taker = {**this_holder(), "host": "another-node", "boot_id": "another",
                       "pid": 4242, "started": f"by the chaos test in attempt {number}"}
         with open(self.lock_path + ".taker", "w") as f:
             json.dump(self.taker, f)

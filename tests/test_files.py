@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tupe_ds.tools import lock
+from tupe_ds.tools import lock, settings
 from tupe_ds.tools.files import replacing_folder, write_atomically
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,8 +123,13 @@ def test_a_holder_whose_process_proc_hides_counts_as_alive(monkeypatch):
     assert not lock.alive_here({**here, "pid": int(dead.stdout)})
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "nan", "abc", "1"])
-def test_a_lease_that_is_no_number_of_seconds_is_named_and_the_default_used(value, capsys):
-    assert lock.lease_seconds(value) == 600.0
-    assert f"TUPE_DS_LOCK_LEASE_SECONDS={value!r}" in capsys.readouterr().err
-    assert lock.lease_seconds("45") == 45.0
+@pytest.mark.parametrize("name, least, default", [("TUPE_DS_LOCK_LEASE_SECONDS", 10, 600.0),
+                                                  ("TUPE_DS_READ_RETRY_SECONDS", 0, 120.0)])
+@pytest.mark.parametrize("value", ["-5", "nan", "abc", "inf"])
+def test_a_setting_that_is_no_number_of_seconds_is_named_and_the_default_used(
+        name, least, default, value, capsys, monkeypatch):
+    monkeypatch.setenv(name, value)
+    assert settings.seconds(name, default, least) == default
+    assert f"{name}={value!r}" in capsys.readouterr().err
+    monkeypatch.setenv(name, "45")
+    assert settings.seconds(name, default, least) == 45.0

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
+from tupe_ds.tools.lock import this_holder
 from tupe_ds.train import monitor, run_description, run_lock
 from tupe_ds.train.checkpoint import folder, identity, manifest, reshard, resume
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
@@ -479,7 +480,7 @@ def dead_pid() -> int:
     return process.pid
 
 
-LIVE_HOLDER = {**run_lock.this_holder(), "token": "f" * 32,
+LIVE_HOLDER = {**this_holder(), "token": "f" * 32,
                "started": "2026-11-26T00:00:00+00:00", "slurm_job_id": "41", "slurm_step_id": "0"}
 DEAD_HOLDER = {**LIVE_HOLDER, "pid": dead_pid()}
 OTHER_HOST = {**LIVE_HOLDER, "host": "node-that-is-not-this-one"}

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tupe_ds.tools import lock as lock_module
-from tupe_ds.tools.lock import process_start
+from tupe_ds.tools.lock import process_start, this_holder
 from tupe_ds.train import run_lock
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
@@ -31,7 +31,7 @@ def dead_pid() -> int:
 
 
 def plant(out, **holder):
-    record = {**run_lock.this_holder(), "token": "f" * 32,
+    record = {**this_holder(), "token": "f" * 32,
               "started": "2026-11-26T00:00:00+00:00", **holder}
     (out / run_lock.LOCK_FILE).write_text(json.dumps(record))
     return record
@@ -151,7 +151,7 @@ def test_odd_lock_files(tmp_path):
     assert target.read_text() == "someone's file"
     plant(tmp_path, pid=dead_pid())
     breaker = tmp_path / "run.lock.break"
-    breaker.write_text(json.dumps({**run_lock.this_holder(), "pid": dead_pid()}))
+    breaker.write_text(json.dumps({**this_holder(), "pid": dead_pid()}))
     lines, say = said()
     RunLock.acquire(str(tmp_path), say=say).release()
     assert "its process has ended" in lines[0] and not breaker.exists()
@@ -163,7 +163,7 @@ MALFORMED = [{"pid": 0}, {"pid": -1}, {"pid": True}, {"pid": "12"}, {"pid": 2 **
 
 @pytest.mark.parametrize("content", [b"", b"\x00\xff garbage", b"[1, 2]", b'{"token": 5}',
                                      b'{"token": "a", "host": "h", "pid": true}']
-                         + [json.dumps({**lock_module.this_holder(), **field}).encode()
+                         + [json.dumps({**this_holder(), **field}).encode()
                             for field in MALFORMED])
 def test_a_damaged_lock_is_taken_over(tmp_path, content):
     (tmp_path / "run.lock").write_bytes(content)

@@ -55,15 +55,15 @@ import datetime
 import errno
 import fcntl
 import json
-import math
 import os
 import socket
 import stat
-import sys
 import threading
 import time
 import uuid
 from typing import Optional
+
+from tupe_ds.tools import settings
 
 FLOCK_UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
 NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
@@ -71,22 +71,7 @@ HOLDER_SUFFIX = ".holder"
 BREAK_SUFFIX = ".break"
 
 
-def lease_seconds(value: str) -> float:
-    """TUPE_DS_LOCK_LEASE_SECONDS: seconds, 10 or more (its holder renews it every tenth);
-    another value is named in one line and the default, 600, used, so that no command fails at
-    import for it."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not (math.isfinite(seconds) and seconds >= 10):
-        print(f"TUPE_DS_LOCK_LEASE_SECONDS={value!r}: not a number of seconds of 10 or more; "
-              "600 used", file=sys.stderr)
-        return 600.0
-    return seconds
-
-
-LEASE_SECONDS = lease_seconds(os.environ.get("TUPE_DS_LOCK_LEASE_SECONDS", "600"))
+LEASE_SECONDS = settings.seconds("TUPE_DS_LOCK_LEASE_SECONDS", 600.0, least=10)  # renewed every tenth
 BREAK_STALE_SECONDS = 30  # a take-over holds PATH.break for milliseconds
 WAIT_NOTICE_SECONDS = 30.0
 SLURM_FIELDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",

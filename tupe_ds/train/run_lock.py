@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from tupe_ds.tools.lock import (LEASE_SECONDS, LinkLock, NotALockFile, describe, gone_because,
                                 lock_content, parse_holder, same_machine, write_record)
-from tupe_ds.tools.lock import this_holder  # noqa: F401  (the records tests plant)
 from tupe_ds.train.checkpoint import reads
 from tupe_ds.train.flags import Refused, TrainingStopped
 

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, TypeVar
 
 import torch.distributed as dist
 
+from tupe_ds.tools import settings
 from tupe_ds.tools.files import regular_file
 from tupe_ds.train.flags import TrainingStopped
 from tupe_ds.train.waits import announced
@@ -55,7 +56,7 @@ def error_text(error: OSError) -> str:
 
 
 def retry_seconds() -> float:
-    return float(os.environ.get(RETRY_SECONDS, DEFAULT_RETRY_SECONDS))
+    return settings.seconds(RETRY_SECONDS, DEFAULT_RETRY_SECONDS, least=0)
 
 
 def retried(path: str, read: Callable[[], Result], expected: bool = False) -> Result:

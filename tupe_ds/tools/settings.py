@@ -1,0 +1,27 @@
+"""Settings read from the environment (TUPE_DS_*): a value that is no setting is named in one
+line and the default used, so that no command fails for it at import or in the middle of a run."""
+
+import math
+import os
+import sys
+
+_named = set()  # (name, value) already said: a setting read at every use is said once
+
+
+def seconds(name: str, default: float, least: float) -> float:
+    """The environment variable `name` as seconds, `least` or more; `default` when it is unset
+    or no such number (said once)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if math.isfinite(number) and number >= least:
+        return number
+    if (name, value) not in _named:
+        _named.add((name, value))
+        print(f"{name}={value!r}: not a number of seconds of {least:g} or more; {default:g} used",
+              file=sys.stderr)
+    return default
