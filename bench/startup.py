@@ -22,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tupe_ds.distributed.launchers import free_port  # noqa: E402
+from tupe_ds.distributed import launchers  # noqa: E402
 
 SETTINGS = {"paused (default)": "", "on (TUPE_DS_GC=on)": "on"}
 
@@ -73,12 +73,11 @@ def main() -> int:
 
         def run(round_):
             out = os.path.join(scratch, f"run{round_}-{time.monotonic_ns()}")
-            return [python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "--master_port", str(free_port()), "-m", "tupe_ds.pretrain",
+            return launchers.launcher_command("torchrun", 2, "tupe_ds.pretrain", [
                     "--data", args.data, "--model", "tiny", "--out", out,
                     "--ds-config", os.path.join(ROOT, "ds_configs", "cpu_zero2.json"),
                     "--seq-len", "64", "--steps", "3", "--global-batch", "8",
-                    "--micro-batch", "4", "--eval-samples", "32"]
+                    "--micro-batch", "4", "--eval-samples", "32"])
 
         try:
             measure("torchrun, 2 ranks, tiny model, 3 steps, a save and a validation", run,

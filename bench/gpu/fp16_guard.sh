@@ -28,7 +28,7 @@ run() {  # NAME CONFIG ZERO FAULT FLAGS...
   name=$1 config=$2 zero=$3 fault=$4; shift 4
   echo "=== $name (config $config, ZeRO $zero, fault '$fault', $*)"
   TUPE_DS_FAULT=$fault timeout 240 python3 -m torch.distributed.run --nproc_per_node 1 \
-    --master_port $((20000 + RANDOM % 10000)) tests/support/fault_worker.py pretrain --data $D \
+    --master_port ${MASTER_PORT:-$((20000 + RANDOM % 10000))} tests/support/fault_worker.py pretrain --data $D \
     --model tiny --seq-len 64 --log-interval 1 --eval-samples 32 --dropout 0 --lr 2e-3 \
     --warmup-steps 2 --save-interval 10 --eval-interval 100 --ds-config $work/$config.json \
     --zero-stage $zero --out $work/runs/$name "$@" > $work/$name.log 2>&1

@@ -10,7 +10,8 @@
 - mpirun (OpenMPI's OMPI_COMM_WORLD_*, or PMI_* of MPICH and Intel MPI): the master is rank 0,
   its address sent to every rank through mpi4py: 127.0.0.1 when all ranks share one host, else
   the address of the interface named by GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME, else the first
-  of `hostname -I` (DeepSpeed's choice), unless MASTER_ADDR is set; port MASTER_PORT or 29500;
+  of `hostname -I` (DeepSpeed's choice), unless MASTER_ADDR is set; port MASTER_PORT or 29500,
+  which rank 0 checks free first (check_default_port);
 - none of them: one process, whose group needs no address (parallel.start_distributed).
 
 Written here because DeepSpeed's own discovery knows mpirun but not srun, and under mpirun takes
@@ -48,7 +49,10 @@ def discover(environ: MutableMapping[str, str] = os.environ) -> str:
                            LOCAL_RANK=environ.get(local, "0"))
             if "MASTER_ADDR" not in environ:
                 environ["MASTER_ADDR"] = mpi_master_address(environ)
-            environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
+            if "MASTER_PORT" not in environ:
+                if environ["RANK"] == "0":
+                    check_default_port(DEFAULT_PORT)
+                environ["MASTER_PORT"] = str(DEFAULT_PORT)
             return "mpirun"
     return "single process"
 
@@ -62,6 +66,31 @@ def processes_on_this_node(environ: MutableMapping[str, str] = os.environ) -> in
     if "SLURM_NTASKS_PER_NODE" in environ:  # "8", or "8(x2)" for 2 nodes of 8
         return int(environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
     return 1
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a rendezvous server could listen on `port` now: torch's TCPStore sets
+    SO_REUSEADDR, so a port left in TIME_WAIT by a run that ended is free to it (and to us)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def check_default_port(port: int) -> None:
+    """Under mpirun without MASTER_PORT, on rank 0, whose rendezvous listens on `port`: a clear
+    error when another process holds it, where torch's would not say that the port is a default.
+    No other port is chosen instead: every rank must dial the same one, and where MASTER_ADDR is
+    set the ranks exchange nothing before the rendezvous."""
+    if not port_is_free(port):
+        raise RuntimeError(
+            f"port {port}, the rendezvous port under mpirun when MASTER_PORT is unset, is in use "
+            "on this machine (rank 0's, where the rendezvous listens): another run or program "
+            "holds it. Set MASTER_PORT to a free port for every rank: `export MASTER_PORT=PORT` "
+            "before mpirun (OpenMPI on several nodes: `mpirun -x MASTER_PORT ...`)")
 
 
 def srun_port(job_id: int) -> int:

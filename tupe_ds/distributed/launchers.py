@@ -1,16 +1,19 @@
 """Starting a module's processes on this machine as a user would by hand, under the deepspeed
-launcher or torchrun: on a port checked free, the deepspeed launcher without its INFO lines
-unless verbose (tupe_ds/tools/third_party_warnings.py)."""
+launcher or torchrun: on the user's MASTER_PORT (under torchrun MASTER_ADDR too) when set, else
+on a port checked free, chosen again when another process takes it first (launch); the deepspeed
+launcher without its INFO lines unless verbose, nor DeepSpeed's CPU fallback warning where
+tupe_ds filters it (tupe_ds/tools/third_party_warnings.py)."""
 
 import os
 import random
-import socket
 import sys
+from typing import Callable
 
-from tupe_ds.distributed.launch import SRUN_PORTS, srun_port
-from tupe_ds.tools.third_party_warnings import verbose
+from tupe_ds.distributed.launch import SRUN_PORTS, port_is_free, srun_port
+from tupe_ds.tools.third_party_warnings import launcher_accelerator, verbose
 
 LAUNCHERS = ("deepspeed", "torchrun")
+PORT_ATTEMPTS = 3
 FIRST_PORT = SRUN_PORTS[0]  # below the ephemeral range, as srun's
 PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
@@ -24,18 +27,6 @@ def ephemeral_ports(path: str = PORT_RANGE_FILE) -> tuple:
         return first, last
     except (OSError, ValueError):
         return 32768, 60999
-
-
-def port_is_free(port: int) -> bool:
-    """Whether a rendezvous server could listen on `port` now: torch's TCPStore sets
-    SO_REUSEADDR, so a port left in TIME_WAIT by a run that ended is free to it (and to us)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_port(first: int = None, say=print) -> int:
@@ -55,18 +46,47 @@ def free_port(first: int = None, say=print) -> int:
     raise RuntimeError(f"no free port from {low} to {end - 1} on this machine")
 
 
-def launcher_command(launcher: str, processes: int, module: str, argv: list) -> list:
-    """`python -m MODULE ARGV` in `processes` processes of this machine, as started by hand."""
-    port = str(free_port())
+def launcher_command(launcher: str, processes: int, module: str, argv: list,
+                     port: int = None) -> list:
+    """`python -m MODULE ARGV` in `processes` processes of this machine, as started by hand: on
+    `port`, else the user's MASTER_PORT, else a free one (launch chooses again when it is taken)."""
+    port = str(port or os.environ.get("MASTER_PORT") or free_port())
     if launcher == "deepspeed":
-        # its only warning is that no hostfile exists, which a run on this machine needs not
+        # its only warning is that no hostfile exists, which a run on this machine needs not.
+        # No --master_addr: on one machine it gives its ranks 127.0.0.1 whatever it is told.
         quiet = [] if verbose() else ["--log_level", "error"]
-        prefix = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus",
+        accelerator = launcher_accelerator()
+        environment = ["env", f"DS_ACCELERATOR={accelerator}"] if accelerator else []
+        prefix = [*environment, sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus",
                   str(processes), "--master_port", port, *quiet, "--module"]
     else:
+        address = os.environ.get("MASTER_ADDR")
+        address = ["--master_addr", address] if address else []
         prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                  str(processes), "--master_port", port, "-m"]
+                  str(processes), *address, "--master_port", port, "-m"]
     return [*prefix, module, *argv]
+
+
+def launch(launcher: str, processes: int, module: str, argv: list, run: Callable[[list], int],
+           say=print) -> int:
+    """Runs launcher_command with `run`, which returns its exit code: on the user's MASTER_PORT
+    as it is, else on a port chosen here, and again on another (PORT_ATTEMPTS in all) when the
+    launch failed while another process holds the chosen one.
+
+    A chosen port cannot be held for the launcher from the check to its use: the deepspeed
+    launcher's rank 0 and torchrun's agent open the rendezvous store themselves, on a socket of
+    their own (torch's TCPStore takes none handed to it), so another process may take the port
+    in between. Then the store fails to listen ("DistNetworkError: The server socket has failed
+    to listen on any local network address. port: P, ... EADDRINUSE") before any rank has
+    trained a step: a failed launch whose port another process holds afterwards failed so."""
+    chosen = "MASTER_PORT" not in os.environ
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port() if chosen else int(os.environ["MASTER_PORT"])
+        exit_code = run(launcher_command(launcher, processes, module, argv, port))
+        if exit_code == 0 or not chosen or port_is_free(port) or attempt == PORT_ATTEMPTS:
+            return exit_code
+        say(f"tupe_ds: port {port} was taken by another process as the launch started: "
+            "launching again on another port", flush=True)
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 VERBOSE = "TUPE_DS_VERBOSE"
 
@@ -30,6 +30,11 @@ class Quieted:
     applies: Callable[[], bool] = lambda: True  # where it says nothing; elsewhere it shows
 
 
+CPU_FALLBACK = Quieted(
+    r"Setting accelerator to CPU", "DeepSpeed",
+    "said on a machine without NVIDIA GPUs (no nvidia-smi, no /dev/nvidia*), where the CPU is the "
+    "only choice; where GPUs exist but CUDA was not found it still shows",
+    logger=True, applies=lambda: not nvidia_gpus_present())
 QUIETED = (
     Quieted(r"(Transformer Engine and )?Apex (is|are) not installed", r"megatron\.core",
             "megatron-core falls back to torch's kernels, the ones tupe_ds builds its layers on "
@@ -47,10 +52,7 @@ QUIETED = (
     Quieted(r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed",
             "DeepSpeed's ZeRO calls all_gather_single by the name it had before torch 2.13: the "
             "same collective"),
-    Quieted(r"Setting accelerator to CPU", "DeepSpeed",
-            "said on a machine without NVIDIA GPUs (no nvidia-smi, no /dev/nvidia*), where the "
-            "CPU is the only choice; where GPUs exist but CUDA was not found it still shows",
-            logger=True, applies=lambda: not nvidia_gpus_present()),
+    CPU_FALLBACK,
     Quieted(r"The PyTorch API of nested tensors is in prototype stage", r"torch\.",
             "tupe_ds's unpadded attention layout uses nested tensors on purpose and tests them "
             "against the dense layout (tests/test_attention.py)"),
@@ -59,6 +61,20 @@ QUIETED = (
 
 def nvidia_gpus_present() -> bool:
     return shutil.which("nvidia-smi") is not None or bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def launcher_accelerator() -> Optional[str]:
+    """DS_ACCELERATOR for the deepspeed launcher's own processes (its runner and launch.py), which
+    are DeepSpeed's and import none of these filters: "cpu" where DeepSpeed, left to choose, falls
+    back to the CPU and tupe_ds filters what it says then (CPU_FALLBACK), so that they make the
+    same choice without saying it. None where the user set DS_ACCELERATOR, asked for --verbose,
+    where DeepSpeed finds an accelerator (CUDA, XPU, NPU...), or where NVIDIA GPUs are there
+    but CUDA is not: that warning is for the user."""
+    if "DS_ACCELERATOR" in os.environ or verbose() or not CPU_FALLBACK.applies():
+        return None
+    from deepspeed.accelerator import get_accelerator  # its fallback warning filtered: quiet()
+
+    return "cpu" if get_accelerator().device_name() == "cpu" else None
 
 
 def verbose() -> bool:

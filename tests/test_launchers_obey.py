@@ -1,0 +1,143 @@
+"""The launches tupe_ds starts itself (tupe_ds/distributed/launchers.py, for tupe-compare and make
+demo) on the user's MASTER_ADDR and MASTER_PORT; a port they choose, taken by another process
+before the run listens on it, chosen again; mpirun's default port checked on rank 0; DeepSpeed's
+CPU fallback warning kept out of the deepspeed launcher's own output without DS_ACCELERATOR.
+
+The launches start tests/support/rendezvous_probe.py, whose 2 ranks meet over gloo and print the
+MASTER_ADDR and MASTER_PORT they met at."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from runs import ROOT, assert_quiet, environment
+from tupe_ds.distributed import launch, launchers
+from tupe_ds.tools import third_party_warnings
+
+SUPPORT = os.path.join(ROOT, "tests", "support")
+
+
+def probe_environment() -> dict:
+    """The launcher's environment as a user's shell would give it: no MASTER_ADDR, MASTER_PORT
+    or DS_ACCELERATOR unless a test sets them."""
+    env = {name: value for name, value in environment().items()
+           if name not in ("MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")}
+    return {**env, "PYTHONPATH": f"{ROOT}:{SUPPORT}", "SLURMD_NODENAME": "none"}
+
+
+def met_at(output: str) -> set:
+    """{(address, port)} the probe's ranks met at; both ranks must have printed theirs (one JSON
+    object each, at times on one line)."""
+    lines = [json.loads(found) for found in re.findall(r'\{"launcher"[^{}]*\}', output)]
+    assert sorted(line["rank"] for line in lines) == [0, 1], output[-3000:]
+    return {tuple(line["master"]) for line in lines}
+
+
+def test_a_users_master_address_and_port_are_the_launchers(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "23456")
+    deepspeed = launchers.launcher_command("deepspeed", 2, "m", [])
+    torchrun = launchers.launcher_command("torchrun", 2, "m", [])
+    assert deepspeed[deepspeed.index("--master_port") + 1] == "23456"
+    assert torchrun[torchrun.index("--master_port") + 1] == "23456"
+    assert torchrun[torchrun.index("--master_addr") + 1] == "10.1.2.3"
+    with socket.socket() as held:  # the user's port, taken: the launch fails on it, as asked
+        held.bind(("", launchers.free_port()))
+        held.listen()
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+        commands = []
+        assert launchers.launch("torchrun", 2, "m", [], lambda c: commands.append(c) or 1,
+                                say=pytest.fail) == 1
+        assert len(commands) == 1
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    torchrun = launchers.launcher_command("torchrun", 2, "m", [])
+    assert "--master_addr" not in torchrun
+    chosen = int(torchrun[torchrun.index("--master_port") + 1])
+    assert launchers.FIRST_PORT <= chosen < launchers.ephemeral_ports()[0]
+
+
+def test_a_real_launch_meets_on_the_users_master_port_and_says_nothing(monkeypatch):
+    """The deepspeed launcher as tupe-compare starts it, where the user set MASTER_PORT and no
+    DS_ACCELERATOR: its ranks meet on that port, and neither it nor DeepSpeed warns."""
+    port = launchers.free_port()
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    env = {**probe_environment(), "MASTER_PORT": str(port)}
+    result = subprocess.run(launchers.launcher_command("deepspeed", 2, "rendezvous_probe", []),
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert met_at(result.stdout) == {("127.0.0.1", port)}
+    assert_quiet(result.stdout + result.stderr)
+
+
+def test_a_chosen_port_taken_before_the_run_listens_is_chosen_again(monkeypatch):
+    """The port chosen for torchrun taken by another process as it starts: its store fails to
+    listen, and the launch is made again on another port."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    outputs, said = [], []
+    with socket.socket() as taker:
+
+        def run(command):
+            if not outputs:  # the first launch's port, taken between the check and the launch
+                taker.bind(("", int(command[command.index("--master_port") + 1])))
+                taker.listen()
+            result = subprocess.run(command, env=probe_environment(), capture_output=True,
+                                    text=True, timeout=300)
+            outputs.append(result.stdout + result.stderr)
+            return result.returncode
+
+        exit_code = launchers.launch("torchrun", 2, "rendezvous_probe", [], run,
+                                     say=lambda line, **_: said.append(line))
+        taken = taker.getsockname()[1]
+    assert exit_code == 0, outputs[-1][-3000:]
+    assert len(outputs) == 2 and "EADDRINUSE" in outputs[0] and f"port: {taken}" in outputs[0]
+    assert said == [f"tupe_ds: port {taken} was taken by another process as the launch "
+                    "started: launching again on another port"]
+    (address, port), = met_at(outputs[1])
+    assert address == "127.0.0.1" and port != taken
+
+
+def test_the_deepspeed_launcher_is_told_the_cpu_only_where_deepspeed_would_choose_it_silently(
+        monkeypatch):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.delenv(third_party_warnings.VERBOSE, raising=False)
+    monkeypatch.setattr(third_party_warnings, "nvidia_gpus_present", lambda: True)
+    assert third_party_warnings.launcher_accelerator() is None  # GPUs CUDA missed: it says so
+    monkeypatch.setattr(third_party_warnings, "nvidia_gpus_present", lambda: False)
+    from deepspeed.accelerator import get_accelerator
+
+    chosen = get_accelerator().device_name()
+    assert third_party_warnings.launcher_accelerator() == ("cpu" if chosen == "cpu" else None)
+    monkeypatch.setenv(third_party_warnings.VERBOSE, "1")
+    assert third_party_warnings.launcher_accelerator() is None
+    monkeypatch.setenv(third_party_warnings.VERBOSE, "")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")  # the user's: the launcher reads it itself
+    assert third_party_warnings.launcher_accelerator() is None
+    assert launchers.launcher_command("deepspeed", 2, "m", [])[0] == sys.executable
+
+
+def test_mpiruns_default_port_taken_on_rank_0_is_a_clear_error(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("", launchers.free_port()))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setattr(launch, "DEFAULT_PORT", port)
+        mpirun = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                  "MASTER_ADDR": "127.0.0.1"}
+        with pytest.raises(RuntimeError, match=rf"^port {port}, the rendezvous port under mpirun "
+                           r"when MASTER_PORT is unset, is in use .* Set MASTER_PORT to a free"):
+            launch.discover({**mpirun, "OMPI_COMM_WORLD_RANK": "0"})
+        other_rank = {**mpirun, "OMPI_COMM_WORLD_RANK": "1"}  # it dials the port, not holds it
+        assert launch.discover(other_rank) == "mpirun" and other_rank["MASTER_PORT"] == str(port)
+        users = {**mpirun, "OMPI_COMM_WORLD_RANK": "0", "MASTER_PORT": str(port)}
+        assert launch.discover(users) == "mpirun"  # the user's own port, as it is
+    free = {**mpirun, "OMPI_COMM_WORLD_RANK": "0"}
+    assert launch.discover(free) == "mpirun" and free["MASTER_PORT"] == str(port)
