@@ -151,6 +151,7 @@ def test_the_screen_drops_the_trainings_accuracy_and_tensorboard_command():
     assert on_screen("step 250 valid/accuracy 0.2247 valid/loss 5.1234\n") == \
         "step 250 valid/loss 5.1234\n"
     assert on_screen("tensorboard --logdir build/demo-run/tensorboard\n") is None
-    for line in ("step 300 loss 4.9 lr 0.003 546.6 samples/s 25.79 GFLOP/s per rank\n",
+    for line in ("step  300/2500 | loss 4.9000 | lr 3.000e-03 | grad norm 0.812 | 546.6 samples/s "
+                 "| 34982 tokens/s | elapsed 0:01:02 | ETA 0:07:40 | skipped 0\n",
                  "final valid loss 5.1234 at step 2500\n"):
         assert on_screen(line) == line

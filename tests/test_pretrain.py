@@ -5,6 +5,7 @@
 import glob
 import os
 import pickletools
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +38,33 @@ def pickled_classes(folder) -> set:
     return found
 
 
+def assert_progress_lines(stdout: str, out, steps: int) -> None:
+    """A progress line every step (--log-interval 1), the CPU's fields only (no TFLOPS, MFU or
+    memory), and the summary of a run that trained all its steps in one start."""
+    progress = [line for line in stdout.splitlines() if line.startswith("step ") and " | " in line]
+    number = r"[0-9]+(\.[0-9]+)?"
+    clock = "[0-9]+:[0-9]{2}:[0-9]{2}"
+    pattern = (rf"step +([0-9]+)/{steps} \| loss {number} \| lr [0-9.]+e[-+][0-9]{{2}} \| "
+               rf"grad norm {number} \| {number} samples/s \| [0-9]+ tokens/s \| elapsed {clock} "
+               rf"\| ETA {clock} \| skipped 0")
+    matches = [re.fullmatch(pattern, line) for line in progress]
+    assert all(matches), progress
+    assert [int(match.group(1)) for match in matches] == list(range(1, steps + 1))
+    # the step right-aligned: the fields stack
+    assert {line.index(" | ") for line in progress} == {len(f"step {steps}/{steps}")}
+    assert progress[-1].endswith(" | ETA 0:00:00 | skipped 0")
+    entries = log(out)
+    best = min((e["valid/loss"], step) for step, e in entries.items() if "valid/loss" in e)
+    summary = stdout[stdout.index(f"final valid loss {entries[steps]['valid/loss']:.4f} at step "
+                                  f"{steps}\n"):].splitlines()
+    assert re.fullmatch(rf"this start trained steps 1-{steps} of {steps} in {clock} \(wall time "
+                        rf"since its process started\); the run's training time {clock}",
+                        summary[1]), summary
+    assert summary[2:6] == [f"best valid loss {best[0]:.4f} at step {best[1]}",
+                            f"newest checkpoint {out}/checkpoints/step{steps}",
+                            f"log {out}/train_log.jsonl", f"tensorboard --logdir {out}/tensorboard"]
+
+
 @pytest.mark.parametrize("encoding", ["tupe-r", "bert-a"])
 def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     out = tmp_path / encoding
@@ -47,7 +75,7 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     assert loss[30] < loss[1] - 0.5, loss  # a model that learns nothing moves by ~0.05
     valid = {s: e["valid/loss"] for s, e in log(out).items() if "valid/loss" in e}
     assert valid[30] < valid[15], valid
-    assert "final valid loss" in stdout and f"tensorboard --logdir {out}/tensorboard" in stdout
+    assert_progress_lines(stdout, out, 30)
     # Checkpoints name no tupe_ds module (they load whatever tupe_ds's folders are called), and
     # the scan sees what they do name
     classes = pickled_classes(out / "checkpoints")
@@ -56,8 +84,11 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     events = EventAccumulator(str(out / "tensorboard" / "tupe"), size_guidance={"images": 0}).Reload()
     tags = events.Tags()
     for tag in ("train/loss", "train/lr", "train/grad_norm", "valid/loss", "valid/accuracy",
-                "throughput/samples_per_s", "throughput/tokens_per_s", "throughput/tflops_per_rank"):
+                "throughput/samples_per_s", "throughput/tokens_per_s", "throughput/tflops_per_rank",
+                "train/skipped_steps", "time/elapsed_seconds", "time/eta_seconds"):
         assert tag in tags["scalars"], tag
+    assert not {"throughput/mfu_percent", "memory/max_allocated_gib"} & set(tags["scalars"])
+    assert events.Scalars("time/eta_seconds")[-1].value == 0  # at step 30 of 30
     assert 0 < events.Scalars("valid/accuracy")[-1].value < 1
     assert events.Scalars("throughput/tflops_per_rank")[-1].value > 0
     assert max(e.value for e in events.Scalars("train/lr")) == pytest.approx(2e-3, rel=0.05)

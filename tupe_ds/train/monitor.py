@@ -12,6 +12,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.tools.files import NotRegularFile, regular_file, write_atomically
+from tupe_ds.train import progress
 from tupe_ds.train.checkpoint import reads
 from tupe_ds.train.flags import TrainingStopped
 
@@ -110,6 +111,20 @@ def logged_times(path: str, resumed_at: int) -> dict:
     return found
 
 
+def best_validation(path: str, final: tuple) -> tuple:
+    """The (step, valid/loss) lowest in the log `path`, or `final` (the same pair, measured at
+    the end of a start and not logged where no validation fell on its last step); the earliest
+    of equal ones."""
+    found = [final]
+    for line in read_log(path).split(b"\n"):
+        step = entry_step(line)
+        if step is not None:
+            loss = json.loads(line).get("valid/loss")
+            if isinstance(loss, float):
+                found.append((step, loss))
+    return min(found, key=lambda pair: (pair[1], pair[0]))
+
+
 def estimated_training_seconds(step_times: dict, steps: int) -> float:
     """The training seconds of `steps` steps from an earlier tupe_ds's log ({step:
     seconds_per_step}), which has no time/training_seconds: `steps` times the median of its
@@ -119,20 +134,25 @@ def estimated_training_seconds(step_times: dict, steps: int) -> float:
 
 
 class Monitor:
-    """Log lines, scalars, and where the run's time goes: cumulative seconds of training steps
-    (`time/training_seconds`, what Figure 5's time axis and "time to the baseline's loss" use),
-    of evaluation (with the positional images) and of checkpoint saves, carried over resumes in
-    the checkpoints (`times`), and each start's seconds before its first step
-    (`time/startup_seconds`, on its first log line). With `lock` (rank 0's OUT/run.lock), each
-    write checks first that the run still holds its folder (RunLock.stop_unless_held): a run
-    another job took over writes no log line or TensorBoard event after the new holder trimmed
-    the log to its own resume step."""
+    """Progress lines (progress.py), scalars, and where the run's time goes: cumulative seconds
+    of training steps (`time/training_seconds`, what Figure 5's time axis and "time to the
+    baseline's loss" use), of evaluation (with the positional images) and of checkpoint saves,
+    carried over resumes in the checkpoints (`times`), and each start's seconds before its first
+    step (`time/startup_seconds`, on its first log line). With `lock` (rank 0's OUT/run.lock),
+    each write checks first that the run still holds its folder (RunLock.stop_unless_held): a
+    run another job took over writes no log line or TensorBoard event after the new holder
+    trimmed the log to its own resume step."""
 
     TIMED = ("training", "evaluation", "checkpoint")
 
     def __init__(self, out: str, configs: tuple, seq_len: int, world_size: int, rank: int,
-                 resumed_at: int = 0, times: dict = None, settings: dict = None, lock=None):
+                 resumed_at: int = 0, times: dict = None, settings: dict = None, lock=None,
+                 steps: int = None, device: torch.device = None, precision: str = "fp32"):
+        """`steps`: the run's --steps (the line's step/N and ETA); `device` and `precision`
+        (bf16, fp16, fp32): on CUDA the line has the GPU's figures, MFU where progress.py knows
+        the device's peak for the precision."""
         self.lock = lock
+        self.out = out
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.writer = None
         self.seconds = {name: float((times or {}).get(name, 0.0)) for name in self.TIMED}
@@ -147,8 +167,18 @@ class Monitor:
         self.sample_flops = run_flops_per_step(configs, 1, seq_len)
         self.seq_len = seq_len
         self.world_size = world_size
+        self.steps, self.first_step = steps, resumed_at + 1
         self.last_step = resumed_at
         self.last_time = self.startup = None
+        self.process_started = psutil.Process().create_time()
+        self.eta = progress.Eta()
+        self.device = device
+        self.gpu = device is not None and device.type == "cuda"
+        self.device_name = torch.cuda.get_device_name(device) if self.gpu else None
+        self.precision = precision
+        self.note = ""  # said once, on the first line
+        if self.gpu and progress.peak_tflops(self.device_name, precision) is None:
+            self.note = progress.no_mfu_note(self.device_name, precision) + "\n"
         self.paused = 0.0  # seconds of evaluation and saves since last_time
         self.settings = settings or {}  # scalars of the run's settings, on the first log line
 
@@ -156,7 +186,7 @@ class Monitor:
         """The first step begins: the clock of the first interval starts here, not at the
         process's start (`time/startup_seconds` has that)."""
         self.last_time = time.perf_counter()
-        self.startup = time.time() - psutil.Process().create_time()
+        self.startup = time.time() - self.process_started
 
     @contextlib.contextmanager
     def timing(self, what: str):
@@ -190,15 +220,18 @@ class Monitor:
         appended(self.log_path, (json.dumps({"step": step, **values}) + "\n").encode())
 
     def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale,
-              nonfinite_steps: int, samples: int, global_batch: int) -> str:
-        """Log line and scalars of the steps since the last call (the first call: since
-        `start`), which trained `samples`; metrics: name -> value; `lr` and `global_batch`:
-        the last step's; `nonfinite_steps`: the steps not applied so far (their loss or gradient
-        not finite)."""
+              nonfinite_steps: int, samples: int, global_batch: int,
+              skipped_steps: int = None) -> str:
+        """The progress line (progress.line) and scalars of the steps since the last call (the
+        first call: since `start`), which trained `samples`; metrics: name -> value; `lr` and
+        `global_batch`: the last step's; `nonfinite_steps`: the steps not applied so far that
+        count towards --max-nonfinite-steps, `skipped_steps` all that DeepSpeed did not apply
+        (engine.skipped_steps: with fp16 the loss scaler's overflows too; None: the same)."""
         now = time.perf_counter()
         trained = max(now - self.last_time - self.paused, 1e-9)
-        seconds = trained / max(step - self.last_step, 1)
+        interval_steps = max(step - self.last_step, 1)
         self.seconds["training"] += trained
+        self.eta.add(interval_steps, trained, self.paused)
         self.last_time, self.last_step, self.paused = now, step, 0.0
         values = {f"train/{name}": value for name, value in metrics.items()}
         values.update({
@@ -208,10 +241,14 @@ class Monitor:
             "throughput/tokens_per_s": samples * self.seq_len / trained,
             "throughput/tflops_per_rank": (self.sample_flops * samples / trained
                                            / self.world_size / 1e12),
-            "throughput/seconds_per_step": seconds,
+            "throughput/seconds_per_step": trained / interval_steps,
             "train/nonfinite_steps": nonfinite_steps,
+            "train/skipped_steps": nonfinite_steps if skipped_steps is None else skipped_steps,
+            "time/elapsed_seconds": time.time() - self.process_started,
         })
         values.update({f"time/{name}_seconds": value for name, value in self.seconds.items()})
+        if self.steps:
+            values["time/eta_seconds"] = self.eta.seconds(self.steps - step)
         if self.startup is not None:
             values["time/startup_seconds"] = self.startup
             self.startup = None
@@ -221,10 +258,26 @@ class Monitor:
             values["train/grad_norm"] = float(grad_norm)
         if loss_scale is not None:
             values["train/loss_scale"] = float(loss_scale)
+        if self.gpu:
+            values.update(progress.cuda_memory(self.device))
+            mfu = progress.mfu_percent(values["throughput/tflops_per_rank"], self.device_name,
+                                       self.precision)
+            if mfu is not None:
+                values["throughput/mfu_percent"] = mfu
         self.scalars(step, values)
-        return (f"step {step} loss {metrics['loss']:.4f} lr {lr:.3g} "
-                f"{values['throughput/samples_per_s']:.1f} samples/s "
-                f"{values['throughput/tflops_per_rank'] * 1e3:.2f} GFLOP/s per rank")
+        note, self.note = self.note, ""
+        return note + progress.line(step, self.steps, values)
+
+    def summary(self, step: int, valid_loss: float, checkpoint) -> str:
+        """What rank 0 says when this start ends at `step` after a validation loss of
+        `valid_loss` (progress.summary), the best of the run read from its log; `checkpoint`:
+        the newest one's tag, None for none. "" on the other ranks."""
+        if self.writer is None:
+            return ""
+        best = best_validation(self.log_path, (step, valid_loss))
+        return progress.summary(step, self.steps, self.first_step, valid_loss, best,
+                                time.time() - self.process_started, self.seconds["training"],
+                                self.out, checkpoint)
 
     def positional_images(self, step: int, tag: str, scores: torch.Tensor) -> None:
         """One grey image per head of the content-free logits [heads, n, n] (paper, Figure 6)."""
