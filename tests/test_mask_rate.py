@@ -102,7 +102,8 @@ def test_a_run_streams_and_records_its_masking_and_a_resume_with_another_is_name
     written = json.loads((tmp_path / "run" / "run.json").read_text())
     assert written["masking"] == {"probability": 0.3, "mask": 0.7, "random": 0.2}
 
-    default = start(data, tmp_path, monkeypatch, "--objective", "electra")
+    # another folder: in the same one, the run's recorded masking would be the default's
+    default = start(data, tmp_path / "other", monkeypatch, "--objective", "electra")
     assert identity.differences(default.identity, run.identity) == [
         "masking.mask: 0.85 in the checkpoint, 0.7 now (--mask-split)",
         "masking.probability: 0.15 in the checkpoint, 0.3 now (--mask-rate)",

@@ -7,12 +7,14 @@ on its layouts)."""
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from deepspeed.runtime import lr_schedules
 
-from runs import CPU_CONFIG, log, train
+from runs import CPU_CONFIG, EXIT_WORKER, environment, free_port, log, train
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
@@ -244,8 +246,15 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
     with open(stable / "run.json") as f:
         weights = consolidated_state(json.load(f), str(stable / "checkpoints" / "step6"))[1]
 
-    output = train("torchrun", 2, data, stable, "--steps", "6", *common, "--tp", "2",
-                   "--resume-from", "step2")
+    # --out alone (and the new layout): the schedule, ramp and data are the run's, from run.json
+    resume = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+         free_port(), EXIT_WORKER, "pretrain", "--out", str(stable), "--tp", "2",
+         "--resume-from", "step2"], env=environment(), capture_output=True, text=True,
+        timeout=400)
+    output = resume.stdout
+    assert resume.returncode == 0, output[-4000:] + resume.stderr[-4000:]
+    assert f"settings the command does not give are the run's, from {stable}/run.json" in output
     assert "ramped up from 4 by 4 over the first 8 samples" in output
     resumed = check_log(stable, 3, 6, 2, batches)
     for step in range(3, 7):
@@ -269,11 +278,21 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
     said = refusal(tmp_path / "b2", "--steps", "8", *branch_flags,
                    checkpoint=str(stable / "checkpoints" / "step6"))
     assert "starts the decay at step 5, before the checkpoint's; use --steps 9" in said
+    step6 = str(stable / "checkpoints" / "step6")  # the end of the decay: its rate the lowest
+    said = refusal(tmp_path / "b5", "--steps", "9", *branch_flags, checkpoint=step6)
+    first, last = (expected_lr("wsd-linear", step, steps, decay, warmup=2)
+                   for step, steps, decay in ((7, 9, 3), (6, 6, 2)))
+    assert (f"--branch from step 6: its last step ran at learning rate {last:.4g}, this "
+            f"schedule's first (step 7) at {first:.4g}: the rate would warm back up") in said
+    allowed = load(["--data", data, "--model", "tiny", "--seq-len", "64", "--out",
+                    str(tmp_path / "b5"), "--steps", "9", *branch_flags, "--init-from", step6,
+                    "--branch", "--allow-training-changes"])
+    assert any("its last step ran at learning rate" in line for line in allowed.init_plan.changes)
     said = refusal(tmp_path / "b3", "--steps", "7", *branch_flags, "--mask-rate", "0.3")
     assert "--branch:" in said and "masking.probability: 0.15 in the checkpoint, 0.3 now" in said
     said = refusal(tmp_path / "b4", "--steps", "7", *branch_flags[:-2])  # dp 2, not tp 2
     assert "written with --tp 2 --pp 1; its weights load with the same --tp and --pp" in said
-    assert not any(os.path.exists(tmp_path / name) for name in ("b2", "b3", "b4"))
+    assert not any(os.path.exists(tmp_path / name) for name in ("b2", "b3", "b4", "b5"))
     said = refusal(stable, "--steps", "7", *branch_flags)  # --out forgotten: the stable run's
     assert f"--branch: --out {stable} holds checkpoints of a run that is not a branch" in said
     monkeypatch.setenv("WORLD_SIZE", "2")

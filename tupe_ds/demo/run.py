@@ -18,8 +18,9 @@ import subprocess
 import sys
 
 from tupe_ds.demo.report import report
-from tupe_ds.distributed.launchers import launcher_command
+from tupe_ds.distributed.launchers import launch
 from tupe_ds.machine import doctor
+from tupe_ds.tools import command_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_GPUS = 8
@@ -66,20 +67,20 @@ def train(command: list) -> int:
 def main(argv=None) -> int:
     startup.resume_collector()
     p = argparse.ArgumentParser(prog="python -m tupe_ds.demo.run",
-                                description=__doc__.split("\n")[0])
+                                description=__doc__.split("\n")[0], allow_abbrev=False)
     add_verbose_flag(p)
+    command_line.add_config_flags(p)
     p.add_argument("--data", default="build/sample-prep-2048")
     p.add_argument("--out", default="build/demo-run")
     p.add_argument("--steps", type=int, default=2500)
-    args = p.parse_args(argv)
+    args = command_line.parse(p, argv)
     processes, config, why = demo_launch(doctor.probe())
     print(f"demo: {why} ({config})", flush=True)
-    command = launcher_command("deepspeed", processes, "tupe_ds.pretrain", [
+    code = launch("deepspeed", processes, "tupe_ds.pretrain", [
         "--data", args.data, "--model", "tiny", "--pos-encoding", "tupe-r", "--ds-config",
         os.path.join(ROOT, config), "--out", args.out, "--steps", str(args.steps),
         *TINY_MODEL_SETTINGS, "--eval-interval", "250", "--save-interval", "500",
-        "--image-interval", "500", "--log-interval", "100"])
-    code = train(command)
+        "--image-interval", "500", "--log-interval", "100"], train)
     if code == 0:
         print(report(args.out, args.data), flush=True)
     return code

@@ -44,6 +44,7 @@ from tupe_ds.model.bert import BertForMaskedLM
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
+from tupe_ds.tools import command_line
 from tupe_ds.tools.files import file_digest, replacing_folder
 from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import manifest, reads, safe_load
@@ -291,7 +292,9 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    p = argparse.ArgumentParser(prog="tupe-export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tupe-export", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
+    command_line.add_config_flags(p)
     add_verbose_flag(p)
     p.add_argument("checkpoint", help="RUN_DIR, RUN_DIR/checkpoints (its newest) or .../stepN")
     p.add_argument("--out", required=True, help="folder to write (replaced when complete)")
@@ -302,7 +305,7 @@ def main(argv=None) -> int:
                         "run.json's data folder); checked against the checkpoint's manifest")
     p.add_argument("--electra-network", choices=["discriminator", "generator"],
                    default="discriminator", help="the ELECTRA network to export (generator: hf)")
-    args = p.parse_args(argv)
+    args = command_line.parse(p, argv)
     try:
         step_dir = export(args.checkpoint, args.out, args.format, args.electra_network,
                           args.tokenizer)

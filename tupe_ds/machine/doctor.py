@@ -30,6 +30,7 @@ from tupe_ds.machine.cluster_check import slurm_report
 from tupe_ds.machine.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, is_stale, lock_text
 from tupe_ds.machine.findings import Finding
+from tupe_ds.tools import command_line
 
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
 FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
@@ -204,7 +205,9 @@ def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    p = argparse.ArgumentParser(prog="tupe-doctor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tupe-doctor", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
+    command_line.add_config_flags(p)
     add_verbose_flag(p)
     p.add_argument("--ds-config", help="a DeepSpeed config to check against this machine")
     p.add_argument("--nproc", type=int, help="processes to start on this machine")
@@ -213,7 +216,7 @@ def main(argv=None) -> int:
                         "go wrong across its nodes")
     p.add_argument("--data", help="with --slurm: the job's --data folder")
     p.add_argument("--out", help="with --slurm: the job's --out folder")
-    args = p.parse_args(argv)
+    args = command_line.parse(p, argv)
     machine = probe()
     try:
         findings = all_findings(machine, args.ds_config, args.nproc)

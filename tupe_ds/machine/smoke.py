@@ -21,6 +21,7 @@ from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.model import ENCODINGS, PRESETS, build_model
 from tupe_ds.model.config import COMPILE
+from tupe_ds.tools import command_line
 
 MASK_PROBABILITY = 0.15
 
@@ -65,9 +66,11 @@ def train(encoding: str, args) -> dict:
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="tupe-smoke", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     allow_abbrev=False)
     add_verbose_flag(parser)
+    command_line.add_config_flags(parser)
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=list(ENCODINGS))
     parser.add_argument("--steps", type=int, default=30)
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
                              "each encoding would compile its own; block checks the compiled "
                              "encoder of each here)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
+    args = command_line.parse(parser, argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 to see the loss move")
 

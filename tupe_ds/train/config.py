@@ -5,6 +5,7 @@ heavy work."""
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -15,14 +16,17 @@ from tupe_ds.data.masking import MaskingScheme
 from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
-from tupe_ds.train import nonfinite, optimizer_boundary, run_description, run_lock
+from tupe_ds.tools import command_line
+from tupe_ds.train import (nonfinite, optimizer_boundary, recorded_settings, run_description,
+                           run_lock)
 from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
-from tupe_ds.train.flags import check_flags, data_sources, fail, masking_scheme, parser
+from tupe_ds.train.flags import (SHAPE_FLAGS, check_flags, data_sources, fail, masking_scheme,
+                                 parser)
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.schedule import decay_restart
+from tupe_ds.train.schedule import branch_rates, decay_restart
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
 CPU_CONFIG = doctor.CPU_CONFIG
@@ -84,6 +88,7 @@ class RunConfig:
     allow_training_changes: bool = False  # --allow-training-changes
     lock: Optional[RunLock] = None  # OUT/run.lock, held by rank 0 (run_lock.py)
     optimizer_boundary: str = optimizer_boundary.DEFAULT  # --optimizer-boundary
+    settings: Optional[dict] = None  # the command's, as run.json records them (recorded_settings)
 
     @property
     def world_size(self) -> int:
@@ -110,7 +115,9 @@ def load(argv=None, world_size: Optional[int] = None,
     `world_size` processes (default: WORLD_SIZE, else 1), on `machine` (default: this one).
     `take_lock` (tupe-pretrain's rank 0): OUT/run.lock is taken before any checkpoint is read,
     and held by the RunConfig's `lock` (release it); --check-only only checks it."""
-    args = parser().parse_args(argv)
+    args, sources = command_line.resolve(parser(), argv, recorded=recorded_settings.of_run_folder)
+    if take_lock or args.check_only:  # rank 0 (a --check-only runs alone)
+        recorded_settings.say_taken(args.out, sources)
     check_flags(args)
     sources = tuple(data_sources(args))
     if world_size is None:
@@ -185,6 +192,7 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
         fail(str(error))
     if init_plan is not None and init_plan.branch:
         check_branch(init_plan, ds_config, args.steps)
+        init_plan = branch_rate_change(init_plan, ds_config, args.allow_training_changes)
     return RunConfig(objective=args.objective, model=args.model, sources=sources, out=args.out,
                      steps=args.steps, seq_len=args.seq_len, seed=args.seed,
                      eval_samples=args.eval_samples, keep_checkpoints=args.keep_checkpoints,
@@ -200,7 +208,8 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                      identity=identity, training=training, resume_plan=resume_plan,
                      init_plan=init_plan, branch_origin=branch_origin,
                      allow_training_changes=args.allow_training_changes,
-                     lock=lock, optimizer_boundary=args.optimizer_boundary)
+                     lock=lock, optimizer_boundary=args.optimizer_boundary,
+                     settings=recorded_settings.recordable(args))
 
 
 def refuse_another_branch(out: str, origin: str, plan: ResumePlan) -> None:
@@ -231,6 +240,29 @@ def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:
              f"{plan.step + decay} (or fewer --decay-steps)")
 
 
+def branch_rate_change(plan: InitPlan, ds_config: dict, allow: bool) -> InitPlan:
+    """A decay branch whose first rate is not the one its checkpoint's last step ran at says both
+    (a line among the plan's changes); refused without --allow-training-changes where it is
+    higher: a branch from a run already decaying would warm back up."""
+    origin = os.path.dirname(os.path.dirname(plan.step_dir))  # RUN of RUN/checkpoints/stepN
+    try:
+        schedule = run_description.read(origin).get("lr_schedule")
+    except ValueError as error:
+        note = (f"tupe-pretrain: --branch: the rate step {plan.step} ran at is not known "
+                f"({error}); the branch starts at its own schedule's")
+        return dataclasses.replace(plan, changes=(*plan.changes, note))
+    last, first = branch_rates(schedule, plan.step, ds_config.get("scheduler"))
+    if math.isnan(last) or math.isnan(first) or math.isclose(first, last, rel_tol=1e-6, abs_tol=1e-12):
+        return plan
+    change = (f"--branch from step {plan.step}: its last step ran at learning rate {last:.4g}, "
+              f"this schedule's first (step {plan.step + 1}) at {first:.4g}")
+    if first > last and not allow:
+        fail(f"{change}: the rate would warm back up (the checkpoint's run was already "
+             "decaying). Branch from a checkpoint of the stable phase, or add "
+             "--allow-training-changes to go on so")
+    return dataclasses.replace(plan, changes=(*plan.changes, f"tupe-pretrain: {change}"))
+
+
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
     model_parallel = args.tp * args.pp
     if world_size % model_parallel:
@@ -255,7 +287,9 @@ def model_configs(args: argparse.Namespace, dtype: str, vocab_size: int,
             preset, pos_encoding=args.pos_encoding, tensor_parallel_size=args.tp,
             vocab_size=vocab_size, seq_length=args.seq_len,
             max_position_embeddings=positions, hidden_dropout=args.dropout,
-            attention_dropout=args.dropout, dtype=dtype, compile=args.compile)
+            attention_dropout=args.dropout, dtype=dtype, compile=args.compile,
+            **{field: getattr(args, field) for field in SHAPE_FLAGS.values()
+               if getattr(args, field) is not None})
             for preset in presets)
     except ValueError as error:
         fail(str(error))

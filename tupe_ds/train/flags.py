@@ -10,11 +10,15 @@ from tupe_ds.data import blend
 from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING, MaskingScheme
 from tupe_ds.model.config import COMPILE, ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
+from tupe_ds.tools import command_line
 from tupe_ds.tools.files import file_digest
 from tupe_ds.tools.third_party_warnings import add_verbose_flag
 from tupe_ds.train import normalization, optimizer_boundary
 from tupe_ds.train.schedule import DECAY_SHAPES, SCHEDULES
 
+SHAPE_FLAGS = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
+               "--num-attention-heads": "num_attention_heads",
+               "--ffn-hidden-size": "ffn_hidden_size"}  # flag: its ModelConfig field
 MICRO_BATCH_AUTO = "auto"  # of --micro-batch and the config's micro-batch: auto_micro_batch.py
 DATA_STREAMS = {
     "vectorised": "each micro-batch read and masked in whole-batch operations",
@@ -29,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
                     "--module tupe_ds.pretrain ...` or `torchrun --nproc_per_node N -m "
                     "tupe_ds.pretrain ...`.")
     add_verbose_flag(p)
-    p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
+    command_line.add_config_flags(p)
+    p.add_argument("--data", "--data-path", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
                    help="a folder written by tupe-prep, or a blend of several with their "
                         "weights (token counts too): --data 0.7 wiki 0.3 books (same "
                         "tokenizer); NAME=FOLDER names a source's metrics (default: the "
@@ -39,20 +44,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="bert-base", choices=sorted(set(PRESETS) | set(PAIRS)),
                    help="a preset; with --objective electra a pair: electra-base or tiny")
     p.add_argument("--pos-encoding", default="tupe-r", choices=list(ENCODINGS))
-    p.add_argument("--ds-config", required=True, help="DeepSpeed JSON config (ds_configs/)")
+    shape = p.add_argument_group(
+        "model shape", "the --model preset's, changed (BERT, --objective mlm; Megatron-LM's names)")
+    for flag, field in SHAPE_FLAGS.items():
+        shape.add_argument(flag, type=int, metavar="N", help=f"the preset's {field}")
+    p.add_argument("--ds-config", "--deepspeed_config", "--deepspeed-config", required=True,
+                   help="DeepSpeed JSON config (ds_configs/)")
     p.add_argument("--bf16", action="store_true",
                    help="train the --ds-config in bf16 in place of its precision (GPUs of compute "
                         "capability 8.0 or newer: A100, H100, H200): no loss scaling, so no step "
                         "skipped for overflow")
     p.add_argument("--out", required=True, help="run folder: checkpoints/, tensorboard/, log")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1,
+    p.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1,
+                   help="tensor-parallel size")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (BERT, --objective mlm; ZeRO stage 0 or 1)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
                    help="overrides zero_optimization.stage")
-    p.add_argument("--steps", type=int, required=True,
+    p.add_argument("--steps", "--train-iters", type=int, required=True,
                    help="total optimizer steps of the run; a larger value resumes and goes on")
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seq-len", "--seq-length", type=int, default=512)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--index-cache", metavar="DIR",
                    help="folder of the sample indexes (built once per dataset and seq-len, "
@@ -78,23 +89,24 @@ def parser() -> argparse.ArgumentParser:
                         "the rest stay as they were (default: BERT "
                         f"{BERT_MASKING.mask:g},{BERT_MASKING.random:g}, ELECTRA's generator "
                         f"{ELECTRA_MASKING.mask:g},{ELECTRA_MASKING.random:g})")
-    p.add_argument("--micro-batch", type=micro_batch, metavar="N | auto",
+    p.add_argument("--micro-batch", "--micro-batch-size", type=micro_batch, metavar="N | auto",
                    help="overrides train_micro_batch_size_per_gpu; auto: the largest divisor of "
                         "each rank's share of the global batch that fits in memory, probed at the "
                         "start and kept in OUT/run.json for the run's resumes on the same layout "
                         "(train/auto_micro_batch.py)")
-    p.add_argument("--global-batch", type=int, help="overrides train_batch_size")
+    p.add_argument("--global-batch", "--global-batch-size", type=int,
+                   help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
-    p.add_argument("--warmup-steps", type=int, help="overrides the scheduler's warmup_num_steps")
+    p.add_argument("--warmup-steps", "--lr-warmup-iters", type=int, help="overrides the scheduler's warmup_num_steps")
     p.add_argument("--lr-schedule", choices=list(SCHEDULES),
                    help="the learning rate's shape, with the config's peak, minimum and warmup "
                         "(default: the --ds-config's scheduler, linear in every shipped one); "
                         + "; ".join(f"{name}: {text}" for name, text in SCHEDULES.items()))
-    p.add_argument("--decay-steps", type=int, metavar="N",
+    p.add_argument("--decay-steps", "--lr-wsd-decay-iters", type=int, metavar="N",
                    help="--lr-schedule wsd: the last N steps of --steps decay to the minimum")
-    p.add_argument("--decay-shape", choices=DECAY_SHAPES, default="linear",
-                   help="--lr-schedule wsd: the decay's shape (1-sqrt: Hägele et al. 2024's, "
-                        "ModernBERT's)")
+    p.add_argument("--decay-shape", choices=DECAY_SHAPES,
+                   help="--lr-schedule wsd: the decay's shape (default linear; 1-sqrt: Hägele "
+                        "et al. 2024's, ModernBERT's)")
     p.add_argument("--rampup-batch-size", type=int, nargs=3,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Megatron-LM's batch ramp: the global batch starts at START and grows "
@@ -250,6 +262,8 @@ def check_flags(args: argparse.Namespace) -> None:
              "of the run in ModernBERT's and Hägele et al.'s recipes)")
     if args.decay_steps is not None and args.lr_schedule != "wsd":
         fail("--decay-steps is --lr-schedule wsd's: add --lr-schedule wsd")
+    if args.decay_shape is not None and args.lr_schedule != "wsd":
+        fail("--decay-shape is --lr-schedule wsd's: add --lr-schedule wsd --decay-steps N")
     if args.decay_steps is not None and args.decay_steps < 1:
         fail("--decay-steps must be at least 1")
     if args.rampup_batch_size is not None:
@@ -263,6 +277,13 @@ def check_flags(args: argparse.Namespace) -> None:
         fail(f"--objective electra needs --model {' or '.join(PAIRS)}, not {args.model!r}")
     if args.objective == "mlm" and args.model not in PRESETS:
         fail(f"--model {args.model!r} is an ELECTRA pair: add --objective electra")
+    shape = [flag for flag, field in SHAPE_FLAGS.items() if getattr(args, field) is not None]
+    if shape and args.objective != "mlm":
+        fail(f"{', '.join(shape)}: the model shape flags change a BERT preset (--objective mlm); "
+             f"ELECTRA's generator and discriminator are the --model pair's")
+    for flag in shape:
+        if getattr(args, SHAPE_FLAGS[flag]) < 1:
+            fail(f"{flag} must be at least 1")
     if args.pp > 1 and args.objective != "mlm":
         fail(f"--pp {args.pp}: pipeline parallelism is for BERT (--objective mlm); train "
              f"--objective {args.objective} with --tp and data parallelism")
@@ -278,7 +299,7 @@ def data_sources(args: argparse.Namespace) -> list:
     for source in sources:
         for name in ("train.idx", "valid.idx", "tokenizer.json"):
             if not os.path.exists(os.path.join(source.folder, name)):
-                fail(f"--data {source.folder}: no {name}; run tupe-prep --output "
+                fail(f"--data {source.folder}: no {name}; run tupe-prep --out "
                      f"{source.folder} first")
         for split in ("train", "valid"):
             if os.path.getsize(os.path.join(source.folder, f"{split}.bin")) == 0:

@@ -23,7 +23,8 @@ from tupe_ds.machine import doctor
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
-from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_description, run_lock
+from tupe_ds.train import (auto_micro_batch, optimizer_boundary, precision, recorded_settings,
+                           run_description, run_lock)
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest, reshard, resume, safe_load
@@ -118,7 +119,8 @@ def write_run_description(run: RunConfig, lineage: str, plan=None) -> None:
                                    "auto": run.batch_split.auto},  # reads it at the next start
                    "models": [dataclasses.asdict(config) for config in run.models],
                    run_description.NEWEST_CHECKPOINT: plan.candidates[0] if plan else None,
-                   run_description.RESUME_FROM: resume_from_record(plan, run.out)}
+                   run_description.RESUME_FROM: resume_from_record(plan, run.out),
+                   recorded_settings.FIELD: run.settings}
     run_description.write(run.out, description)
 
 
@@ -326,7 +328,8 @@ def train(run: RunConfig, launcher: str) -> None:
                       resumed_at=step, times=state.get("times") if state else None,
                       settings={"train/mask_rate": run.masking.probability,
                                 "train/mask_split/mask": run.masking.mask,
-                                "train/mask_split/random": run.masking.random}, lock=run.lock)
+                                "train/mask_split/random": run.masking.random}, lock=run.lock,
+                      steps=run.steps, device=device, precision=dtype)
     start = ("resumed at" if plan else f"branched from {run.init_plan.step_dir} at" if branched
              else "starting")
     say(f"{start} step {step} of {run.steps}: {run.objective} "
@@ -360,8 +363,8 @@ def train(run: RunConfig, launcher: str) -> None:
         if step % run.intervals.log == 0 or step == run.steps:
             scale = loss_scale(engine.optimizer)
             say(monitor.train(step, steps.reduce(totals), lr, engine.get_global_grad_norm(),
-                              scale, guard.total, batches.consumed - logged_from, global_batch),
-                flush=True)
+                              scale, guard.total, batches.consumed - logged_from, global_batch,
+                              engine.skipped_steps), flush=True)
             if len(run.sources) > 1:
                 monitor.scalars(step, data["train"].shares(run.sources, logged_from,
                                                            batches.consumed - logged_from))
@@ -423,5 +426,4 @@ def train(run: RunConfig, launcher: str) -> None:
         raise TrainingStopped(failure)
     if stopped_early:
         return
-    say(f"final valid loss {metrics['valid/loss']:.4f} at step {step}")
-    say(f"tensorboard --logdir {os.path.join(run.out, 'tensorboard')}")
+    say(monitor.summary(step, metrics["valid/loss"], last_checkpoint))

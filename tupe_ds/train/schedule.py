@@ -18,6 +18,8 @@ that every step has its own rate and a decay ends at --steps.
 import argparse
 import math
 
+import torch
+from deepspeed.runtime import lr_schedules
 from deepspeed.runtime.lr_schedules import WarmupLR
 
 SCHEDULES = {
@@ -75,7 +77,7 @@ def scheduler_config(name: str, steps: int, warmup: dict, args: argparse.Namespa
     if name == "linear":
         return {"type": "WarmupDecayLR", "params": params}
     return {"type": WSD_TYPE, "params": {**params, "decay_num_steps": args.decay_steps,
-                                         "decay_shape": args.decay_shape}}
+                                         "decay_shape": args.decay_shape or "linear"}}
 
 
 def config_warmup(ds_config: dict) -> dict:
@@ -121,6 +123,26 @@ def client_scheduler(ds_config: dict):
     params = scheduler["params"]
     return ({k: v for k, v in ds_config.items() if k != "scheduler"},
             lambda optimizer: WarmupStableDecayLR(optimizer, **params))
+
+
+def rate_at(scheduler: dict, step: int) -> float:
+    """The learning rate optimizer step `step` (from 1) runs at under a DeepSpeed config's
+    `scheduler` (None: the optimizer's constant rate, returned as nan: unknown here), stepped as
+    the run's engine steps it."""
+    if not scheduler:
+        return math.nan
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    _, wsd = client_scheduler({"scheduler": scheduler})
+    lr_scheduler = (wsd(optimizer) if wsd
+                    else getattr(lr_schedules, scheduler["type"])(optimizer, **scheduler["params"]))
+    follow_step(lr_scheduler, step)
+    return optimizer.param_groups[0]["lr"]
+
+
+def branch_rates(before: dict, step: int, after: dict) -> tuple:
+    """(the rate checkpoint `step` ran its last step at under the schedule `before`, the rate
+    of the next step under the branch's `after`)."""
+    return rate_at(before, step), rate_at(after, step + 1)
 
 
 def schedule_text(ds_config: dict) -> str:

@@ -1,0 +1,161 @@
+"""One config file or none: --config FILE (TOML, keys spelled as the flags) under the flags,
+--print-config, the names Megatron-LM and DeepSpeed users type, the model shape flags, and the
+settings a run records for `tupe-pretrain --out RUN` alone (tests/test_schedules.py resumes a
+real run that way)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tupe_ds.tools import command_line
+from tupe_ds.train import flags, recorded_settings
+from tupe_ds.train.config import load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
+MEGATRON = ["--data-path", "prep", "--deepspeed_config", "c.json", "--out", "run",
+            "--train-iters", "7", "--seq-length", "128", "--micro-batch-size", "4",
+            "--global-batch-size", "32", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "2", "--lr-warmup-iters", "3"]
+OURS = ["--data", "prep", "--ds-config", "c.json", "--out", "run", "--steps", "7",
+        "--seq-len", "128", "--micro-batch", "4", "--global-batch", "32", "--tp", "2",
+        "--pp", "2", "--warmup-steps", "3"]
+
+
+def pretrain_args(argv):
+    return command_line.parse(flags.parser(), argv)
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_megatron_and_deepspeed_names_are_the_same_flags_and_help_lists_them():
+    assert vars(pretrain_args(MEGATRON)) == vars(pretrain_args(OURS))
+    help_text = " ".join(flags.parser().format_help().split())
+    for name in MEGATRON[::2]:
+        assert name in help_text, name
+
+
+def test_the_file_sets_what_the_flags_do_not_and_the_flags_win(tmp_path):
+    config = write(tmp_path / "run.toml", 'data-path = ["prep"]\ndeepspeed_config = "c.json"\n'
+                   'seq-length = 128\nsteps = 7\nbf16 = true\nmask-split = "0.7,0.2"\n'
+                   'rampup-batch-size = [8, 8, 64]\nlr = 1e-4\n')
+    args = pretrain_args(["--config", config, "--out", "run", "--seq-len", "256"])
+    assert (args.data, args.ds_config, args.seq_len, args.steps, args.bf16) == \
+        (["prep"], "c.json", 256, 7, True)
+    assert args.mask_split == (0.7, 0.2) and args.rampup_batch_size == [8, 8, 64]
+    assert args.lr == 1e-4
+
+
+@pytest.mark.parametrize("text, said", [
+    ("seqlen = 1\n", "seqlen is not a setting of tupe-pretrain"),
+    ("seqlen = 1\n", "did you mean seq-len?"),
+    ('seq-len = "many"\n', "seq-len = 'many': invalid int value"),
+    ('pos-encoding = "sinusoid"\n', "pos-encoding = 'sinusoid': choose one of"),
+    ("bf16 = 1\n", "bf16 = 1: give true or false"),
+    ("seq-len = [1, 2]\n", "seq-len = [1, 2]: give one value"),
+    ("rampup-batch-size = [8, 8]\n", "give 3 values"),
+    ("mask-rate = 1.5\n", "mask-rate = 1.5: 1.5: the share of tokens chosen must be above 0"),
+    ("seq-len = 1\nseq-length = 2\n", "sets --seq-length a second time"),
+    ("seq-len = \n", "not TOML"),
+])
+def test_a_bad_file_is_refused_naming_it_and_the_key(tmp_path, capsys, text, said):
+    config = write(tmp_path / "bad.toml", text)
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_args(["--config", config, "--out", "run", "--data", "d", "--ds-config", "c",
+                       "--steps", "1"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--config {config}" in error and said in error, error
+
+
+def test_required_flags_come_from_the_file_or_the_command_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        pretrain_args(["--config", write(tmp_path / "part.toml", 'data = ["prep"]\n'),
+                       "--out", "run"])
+    error = capsys.readouterr().err
+    assert "required: --ds-config/--deepspeed_config/--deepspeed-config, " \
+           "--steps/--train-iters" in error
+    assert "--data" not in error.split("required:")[1]
+    with pytest.raises(SystemExit):
+        pretrain_args(["--config", str(tmp_path / "missing.toml")])
+    assert "missing.toml: cannot read it (No such file or directory)" in capsys.readouterr().err
+
+
+def test_print_config_says_where_each_setting_came_from_and_is_a_config_file(tmp_path, capsys):
+    config = write(tmp_path / "run.toml", 'data = ["prep"]\nseq-length = 128\nsteps = 7\n'
+                   'mask-split = "0.7,0.2"\nds-config = "c \\"quoted\\".json"\n')
+    argv = ["--config", config, "--out", "run", "--steps", "9", "--num-layers", "3"]
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_args([*argv, "--print-config"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert f"seq-len = 128  # {config}" in lines
+    assert "steps = 9  # command line" in lines and "num-layers = 3  # command line" in lines
+    assert "dropout = 0.1  # default" in lines and "# lr = (not set)  # default" in lines
+    again = pretrain_args(["--config", write(tmp_path / "printed.toml", printed)])
+    assert vars(again) == {**vars(pretrain_args(argv)), "config": str(tmp_path / "printed.toml")}
+
+
+def test_shape_flags_change_the_preset_and_are_checked(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    common = ["--data", data, "--ds-config", CPU_CONFIG, "--steps", "2", "--seq-len", "64"]
+    run = load([*common, "--out", str(tmp_path / "a"), "--model", "tiny", "--num-layers", "3",
+                "--hidden-size", "96", "--num-attention-heads", "6", "--ffn-hidden-size", "200"])
+    model = run.models[0]
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads,
+            model.ffn_hidden_size) == (3, 96, 6, 200)
+    assert run.identity["models"][0]["num_layers"] == 3  # a resume with another is refused
+    for extra, said in [(["--num-layers", "0"], "--num-layers must be at least 1"),
+                        (["--objective", "electra", "--hidden-size", "32"],
+                         "--hidden-size: the model shape flags change a BERT preset"),
+                        (["--hidden-size", "65"], "65")]:
+        with pytest.raises(SystemExit) as error:
+            load([*common, "--out", str(tmp_path / "b"), "--model", "tiny", *extra])
+        assert said in str(error.value), str(error.value)
+
+
+def test_decay_shape_without_wsd_is_refused(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as error:
+        load(["--data", data, "--ds-config", CPU_CONFIG, "--steps", "2", "--model", "tiny",
+              "--out", str(tmp_path / "run"), "--decay-shape", "1-sqrt"])
+    assert "--decay-shape is --lr-schedule wsd's: add --lr-schedule wsd --decay-steps N" in \
+        str(error.value)
+
+
+def test_recorded_settings_are_absolute_and_one_shot_flags_are_not_recorded(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = pretrain_args(["--data", "0.7", "wiki=prep/wiki", "0.3", "prep/books/merged",
+                          "--ds-config", "c.json", "--out", "run", "--steps", "3",
+                          "--fresh-start", "--resume-from", "step2", "--mask-split", "0.7,0.2"])
+    settings = recorded_settings.recordable(args)
+    assert settings["data"] == ["0.7", f"wiki={tmp_path}/prep/wiki", "0.3",
+                                f"{tmp_path}/prep/books/merged"]
+    assert settings["ds_config"] == f"{tmp_path}/c.json" and settings["out"] == f"{tmp_path}/run"
+    assert not set(recorded_settings.ONE_SHOT) & set(settings)
+    os.makedirs("run")
+    (tmp_path / "run" / "run.json").write_text(json.dumps(
+        {"objective": "mlm", "data": "d", "tp": 1, "pp": 1, "models": [],
+         recorded_settings.FIELD: json.loads(json.dumps(settings))}))
+    monkeypatch.chdir(tmp_path / "run")  # elsewhere: the paths still name the same folders
+    again = command_line.parse(flags.parser(), ["--out", str(tmp_path / "run"), "--steps", "5"],
+                               recorded=recorded_settings.of_run_folder)
+    assert again.steps == 5 and again.mask_split == (0.7, 0.2)
+    assert again.data == settings["data"] and again.ds_config == settings["ds_config"]
+    assert not again.fresh_start and again.resume_from is None
+
+
+def test_tupe_pretrain_print_config_is_refused_or_printed_before_any_work(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "tupe_ds.pretrain", "--out", str(tmp_path),
+                             "--print-config"], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)
+    assert result.returncode == 2
+    assert "the following arguments are required: --data" in result.stderr

@@ -1,0 +1,200 @@
+"""Every command's settings from up to three places, the command line first: flags, then a TOML
+file (`--config FILE`, its keys spelled as the flags: `seq-length = 128`), then for tupe-pretrain
+the settings its run folder recorded (OUT/run.json). `--print-config` prints the result, itself a
+valid --config file, with where each setting came from, and exits.
+
+argparse does the parsing: the file's settings become the parser's defaults, so a flag given on
+the command line wins, and each value goes through the flag's own type and choices."""
+
+import argparse
+import difflib
+import json
+import sys
+import tomllib
+from typing import Callable, Optional
+
+COMMAND_LINE = "command line"
+DEFAULT = "default"
+# dests no file sets: --verbose is read as the command imports (third_party_warnings.py)
+NOT_SETTINGS = ("help", "config", "print_config", "local_rank", "verbose")
+
+# A layer of settings below the file's: (where they came from, {dest: value}), from what the
+# command line and the file give (tupe-pretrain: OUT/run.json's, found through --out).
+Recorded = Callable[[argparse.Namespace], Optional[tuple]]
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="a TOML file of settings, keys spelled as the flags (seq-length = "
+                             "128, data = [\"prep/\"], bf16 = true); flags on the command line win")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved settings, as a --config file that says where "
+                             "each came from, and exit")
+
+
+def parse(parser: argparse.ArgumentParser, argv=None,
+          recorded: Optional[Recorded] = None) -> argparse.Namespace:
+    """`parser`'s namespace from `argv` (default: sys.argv[1:]), its --config FILE and the
+    `recorded` layer, flags first; with --print-config, prints the settings and exits 0."""
+    return resolve(parser, argv, recorded)[0]
+
+
+def resolve(parser: argparse.ArgumentParser, argv=None,
+            recorded: Optional[Recorded] = None) -> tuple:
+    """`parse`, and {dest: where its value came from}."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = settable_flags(parser)
+    defaults = {dest: action.default for dest, action in flags.items()}
+    required = [action for action in flags.values() if action.required]
+    for action in required:  # checked below, once every layer is in
+        action.required = False
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    config_path = pre.parse_known_args(argv)[0].config
+    layers = [(config_path, read_config(parser, flags, config_path))] if config_path else []
+    args = parse_over(parser, defaults, layers, argv)
+    layer = recorded(args) if recorded else None
+    if layer:
+        layers.insert(0, (layer[0], checked_layer(parser, flags, layer[0], layer[1])))
+        args = parse_over(parser, defaults, layers, argv)
+    sources = setting_sources(flags, layers, argv)
+    missing = [action for action in required if sources[action.dest] == DEFAULT]
+    if missing:
+        parser.error("the following arguments are required: "
+                     + ", ".join("/".join(action.option_strings) for action in missing)
+                     + " (on the command line or in the --config file)")
+    if args.print_config:
+        print(settings_text(parser.prog, flags, args, sources), end="")
+        raise SystemExit(0)
+    return args, sources
+
+
+def settable_flags(parser: argparse.ArgumentParser) -> dict:
+    """{dest: action} of the flags a --config file may set (not positionals, --help,
+    --config itself)."""
+    return {action.dest: action for action in parser._actions
+            if action.option_strings and action.dest not in NOT_SETTINGS}
+
+
+def parse_over(parser, defaults: dict, layers: list, argv: list) -> argparse.Namespace:
+    """argv parsed over the layers' values as defaults (the last layer wins over the first)."""
+    parser.set_defaults(**defaults)
+    for _, values in layers:
+        parser.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
+def read_config(parser, flags: dict, path: str) -> dict:
+    """{dest: value} of the TOML file `path`, each value checked by its flag."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as error:
+        parser.error(f"--config {path}: cannot read it ({error.strerror})")
+    except tomllib.TOMLDecodeError as error:
+        parser.error(f"--config {path}: not TOML ({error})")
+    by_name = {option[2:]: action for action in flags.values()
+               for option in action.option_strings if option.startswith("--")}
+    values = {}
+    for key, value in table.items():
+        action = by_name.get(key) or by_name.get(key.replace("_", "-"))
+        if action is None:
+            close = difflib.get_close_matches(key, by_name, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            parser.error(f"--config {path}: {key} is not a setting of {parser.prog} (keys are "
+                         f"its flags without the dashes: {parser.prog} --help){hint}")
+        if action.dest in values:
+            parser.error(f"--config {path}: {key} sets --{key.replace('_', '-')} a second time "
+                         "(under another of its names)")
+        values[action.dest] = flag_value(parser, action, f"--config {path}: {key}", value)
+    return values
+
+
+def checked_layer(parser, flags: dict, where: str, values: dict) -> dict:
+    """A recorded layer's values, each checked as a file's are; a setting the parser no longer
+    has is said and left out."""
+    checked = {}
+    for dest, value in values.items():
+        if dest not in flags:
+            print(f"{parser.prog}: {where} records {dest}, no setting of this version: ignored",
+                  file=sys.stderr)
+            continue
+        if isinstance(value, list) and flags[dest].nargs is None:  # typed "A,B" (--mask-split)
+            value = ",".join(map(str, value))
+        checked[dest] = flag_value(parser, flags[dest], f"{where}: {dest}", value)
+    return checked
+
+
+def flag_value(parser, action: argparse.Action, where: str, value):
+    """`value` from a file, converted and checked as argparse would the flag's strings."""
+    if value is None:  # a setting the run recorded unset (TOML has no null)
+        return None
+    if action.nargs == 0:  # store_true, store_false
+        if not isinstance(value, bool) or not isinstance(action.const, bool):
+            parser.error(f"{where} = {value!r}: give true or false")
+        return action.const if value else not action.const
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    if isinstance(value, dict) or (isinstance(value, list) and not many):
+        parser.error(f"{where} = {value!r}: give one value")
+    items = value if isinstance(value, list) else [value]
+    if many and not items and action.nargs == "+":
+        parser.error(f"{where}: give at least one value")
+    if isinstance(action.nargs, int) and len(items) != action.nargs:
+        parser.error(f"{where} = {value!r}: give {action.nargs} values")
+    converted = [converted_item(parser, action, where, item) for item in items]
+    return converted if many else converted[0]
+
+
+def converted_item(parser, action: argparse.Action, where: str, item):
+    if isinstance(item, (bool, dict, list)):
+        parser.error(f"{where}: {item!r} is not a value of this flag")
+    text = str(item)
+    try:
+        value = action.type(text) if action.type else text
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"{where} = {item!r}: {error}")
+    except (ValueError, TypeError):  # as argparse says it
+        parser.error(f"{where} = {item!r}: invalid {getattr(action.type, '__name__', '')} value")
+    if action.choices is not None and value not in action.choices:
+        parser.error(f"{where} = {item!r}: choose one of "
+                     f"{', '.join(map(str, action.choices))}")
+    return value
+
+
+def setting_sources(flags: dict, layers: list, argv: list) -> dict:
+    """{dest: where its value came from}: the command line, a layer, or the default."""
+    sources = {dest: DEFAULT for dest in flags}
+    for where, values in layers:
+        sources.update({dest: where for dest in values})
+    for dest, action in flags.items():
+        if any(token == option or token.startswith(option + "=")
+               for token in argv for option in action.option_strings):
+            sources[dest] = COMMAND_LINE
+    return sources
+
+
+def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dict) -> str:
+    """The settings as a TOML file for --config, each line saying where its value came from; a
+    setting with no value is a comment."""
+    lines = [f"# {prog}: the resolved settings, each with where it came from"]
+    for dest, action in flags.items():
+        name = action.option_strings[0].lstrip("-")
+        value = getattr(args, dest)
+        where = sources[dest]
+        if value is None:
+            lines.append(f"# {name} = (not set)  # {where}")
+        elif isinstance(value, tuple) and action.nargs is None:  # typed "A,B" (--mask-split)
+            lines.append(f"{name} = {toml_value(','.join(map(str, value)))}  # {where}")
+        else:
+            lines.append(f"{name} = {toml_value(value)}  # {where}")
+    return "\n".join(lines) + "\n"
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    return json.dumps(str(value), ensure_ascii=False)  # its escapes are TOML's too

@@ -1,0 +1,61 @@
+"""The settings a run recorded in OUT/run.json: `tupe-pretrain --out RUN` alone (or with a new
+--steps) goes on with them, as Megatron-LM's --use-checkpoint-args does. A flag or a --config
+file still wins over them, and what then differs from the checkpoint goes through the same-run
+checks of any resume (checkpoint/resume.py)."""
+
+import argparse
+import os
+from typing import Optional
+
+from tupe_ds.data import blend
+from tupe_ds.train import run_description
+
+FIELD = "settings"  # of run.json: {dest: value}
+# What one command asks once, not what the run is: never recorded, never taken from run.json.
+ONE_SHOT = ("check_only", "print_config", "fresh_start", "resume", "resume_from",
+            "allow_training_changes", "config", "local_rank", "verbose")
+PATHS = ("ds_config", "index_cache", "init_from", "out")  # recorded absolute
+
+
+def recordable(args: argparse.Namespace) -> dict:
+    """The command's settings as run.json records them: all but the one-shot ones, paths
+    absolute (a resume may start in another folder)."""
+    settings = {dest: value for dest, value in vars(args).items() if dest not in ONE_SHOT}
+    for dest in PATHS:
+        if settings.get(dest) is not None:
+            settings[dest] = os.path.abspath(settings[dest])
+    blended = len(args.data) > 1  # weight, folder, weight, folder...
+    settings["data"] = [item if blended and index % 2 == 0 else absolute_data(item)
+                        for index, item in enumerate(args.data)]
+    return settings
+
+
+def absolute_data(item: str) -> str:
+    """A folder of --data made absolute, NAME=FOLDER named still."""
+    name, folder = blend.named_folder(item)
+    return f"{name}={os.path.abspath(folder)}" if folder != item else os.path.abspath(item)
+
+
+def of_run_folder(args: argparse.Namespace) -> Optional[tuple]:
+    """(where, {dest: value}) of the settings --out's run.json records, for command_line.parse;
+    None when there are none (a new run, a run.json that does not read, or one written before
+    settings were recorded: the command alone then says what the run is)."""
+    if not args.out:
+        return None
+    try:
+        settings = run_description.read(args.out).get(FIELD)
+    except ValueError:
+        return None
+    if not isinstance(settings, dict):
+        return None
+    return (os.path.join(args.out, run_description.FILE),
+            {dest: value for dest, value in settings.items() if dest not in ONE_SHOT})
+
+
+def say_taken(out: str, sources: dict) -> None:
+    """One line when settings came from OUT/run.json, naming them."""
+    where = os.path.join(out, run_description.FILE)
+    taken = [dest for dest, source in sources.items() if source == where]
+    if taken:
+        print(f"tupe-pretrain: {len(taken)} settings the command does not give are the run's, "
+              f"from {where} (--print-config lists them)", flush=True)
