@@ -50,7 +50,7 @@ demo: venv $(SAMPLE_PREP)/train.idx
 # The bundled corpus, prepared once for demo and compare (a small vocabulary: a tiny model learns
 # more than word frequencies from 1 MB of text in minutes).
 $(SAMPLE_PREP)/train.idx: | venv
-	$(BIN)/tupe-prep --input data/sample --output $(SAMPLE_PREP) --vocab-size 2048 --workers 2
+	$(BIN)/tupe-prep --input data/sample --out $(SAMPLE_PREP) --vocab-size 2048 --workers 2
 
 # The second demo: BERT-A against TUPE-R, one tiny run each on the same batches (2 CPU ranks, or
 # every GPU), then build/compare/report.md with its figures. Run again to resume or re-report;

@@ -71,7 +71,7 @@ PREPARE = ("import sys; args = sys.argv[1:]; sys.argv = ['tupe-prep']; "
            "p.Cleaner = functools.partial(p.Cleaner, moses='sacremoses') if reference "
            "else p.Cleaner; "
            "use = lambda who: resource.getrusage(who); before = use(resource.RUSAGE_SELF); "
-           "main(['--input', args[0], '--output', args[1], '--workers', args[2], '--quiet']); "
+           "main(['--input', args[0], '--out', args[1], '--workers', args[2], '--quiet']); "
            "me, kids = use(resource.RUSAGE_SELF), use(resource.RUSAGE_CHILDREN); "
            "print(json.dumps({'cpu': me.ru_utime + me.ru_stime - before.ru_utime - before.ru_stime "
            "+ kids.ru_utime + kids.ru_stime, 'rss_mb': max(me.ru_maxrss, kids.ru_maxrss) / 1024}))")

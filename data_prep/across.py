@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import List, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from data_prep.near import (CANDIDATES_PER_BUCKET, SHINGLE_OFFSETS, SHINGLES, ShingleFile,
                             band_keys, jaccards, lsh_shape, to_verify)
@@ -117,10 +118,11 @@ def check_near_files(parts: Sequence[Part], num_perm: int, bands: int) -> None:
 
 
 def duplicates(parts: List[Part], threshold: float = 0.0, num_perm: int = 128,
-               near: bool = True) -> List[Removed]:
+               near: bool = True, quiet: bool = False) -> List[Removed]:
     """What to remove from each part: exact duplicates of any earlier part's document, then
     (`near`) documents whose signature agrees on at least `threshold` of its values with a kept
-    document of an earlier part that shares an LSH band with it. Fixed parts lose nothing."""
+    document of an earlier part that shares an LSH band with it. Fixed parts lose nothing.
+    `quiet`: no progress bar (else one on stderr for the near duplicates, most of the time)."""
     keys = [part.keys() for part in parts]
     sizes = [len(part_keys) for part_keys in keys]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -133,7 +135,7 @@ def duplicates(parts: List[Part], threshold: float = 0.0, num_perm: int = 128,
         result.append(Removed(exact=exact, near=np.zeros(size, dtype=bool),
                               exact_by_fixed=int(fixed[copy[exact]].sum())))
     if near:
-        find_near(parts, offsets, result, threshold, fixed, num_perm)
+        find_near(parts, offsets, result, threshold, fixed, num_perm, quiet)
     return result
 
 
@@ -223,7 +225,11 @@ def bucket_heads(documents, low: np.ndarray, high: np.ndarray, first: int, befor
 
 
 def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], threshold: float,
-              fixed: np.ndarray, num_perm: int) -> None:
+              fixed: np.ndarray, num_perm: int, quiet: bool) -> None:
+    to_query = sum(int((~removed.exact).sum()) for part, removed in zip(parts, result)
+                   if not part.fixed)
+    # opened before the band tables are built: their time (a few percent) shows as its start
+    progress = tqdm(total=to_query, desc="near duplicates", unit=" docs", disable=quiet)
     tables = BandTables(parts, offsets, threshold, num_perm)
     gone = np.concatenate([removed.exact for removed in result])  # grows part by part
     signatures = [part.signatures() for part in parts]
@@ -246,8 +252,10 @@ def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], thr
             similar = similarity(shingles, offsets, index, document, candidate) >= threshold
             removed.near[document[similar]] = True
             by_fixed[document[similar & fixed[candidate]]] = True
+            progress.update(len(documents))
         removed.near_by_fixed = int(by_fixed.sum())
         gone[first:first + len(removed.near)] |= removed.near
+    progress.close()
 
 
 def similarity(shingles: list, offsets: np.ndarray, index: int, document: np.ndarray,

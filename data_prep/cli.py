@@ -1,8 +1,8 @@
 """tupe-prep: raw text -> cleaned, de-duplicated, sentence-split, BPE-encoded indexed datasets.
 
-    tupe-prep --input corpus/ --output data/prep
-    tupe-prep --input part-*.jsonl.gz --output data/shard0 --tokenizer tok.json --shard 0/4
-    tupe-prep merge --output data/all data/shard0 data/shard1 data/shard2 data/shard3
+    tupe-prep --input corpus/ --out data/prep
+    tupe-prep --input part-*.jsonl.gz --out data/shard0 --tokenizer tok.json --shard 0/4
+    tupe-prep merge --out data/all data/shard0 data/shard1 data/shard2 data/shard3
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
@@ -14,6 +14,7 @@ import sys
 from data_prep.merge import merge
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.read import InputError
+from tupe_ds.tools import command_line
 
 
 def shard(value: str):
@@ -24,14 +25,21 @@ def shard(value: str):
     return index, count
 
 
+def add_out_flag(p: argparse.ArgumentParser) -> None:
+    # --out as every other command spells it; --output, its name before, still works
+    p.add_argument("--out", "--output", dest="output", required=True, metavar="DIR",
+                   help="the folder to write")
+
+
 def prep_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tupe-prep", description=__doc__,
+    p = argparse.ArgumentParser(prog="tupe-prep", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_verbose_flag(p)
+    command_line.add_config_flags(p)
     defaults = PrepConfig(inputs=[], output="")
     p.add_argument("--input", nargs="+", required=True, dest="inputs", metavar="PATH",
                    help=".txt, .jsonl[.gz], .parquet files, folders of them, or a saved HF dataset")
-    p.add_argument("--output", required=True, metavar="DIR")
+    add_out_flag(p)
     p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     p.add_argument("--min-frequency", type=int, default=defaults.min_frequency,
                    help="BPE merges rarer than this are not learnt")
@@ -64,17 +72,18 @@ def prep_parser() -> argparse.ArgumentParser:
 
 
 def merge_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tupe-prep merge",
+    p = argparse.ArgumentParser(prog="tupe-prep merge", allow_abbrev=False,
                                 description="Merge shard outputs, removing duplicates across "
                                             "shards: exact ones, and near ones where the shards "
                                             "were prepared with --dedup minhash.")
     add_verbose_flag(p)
+    command_line.add_config_flags(p)
     p.add_argument("shards", nargs="+", metavar="SHARD_DIR")
-    p.add_argument("--output", required=True, metavar="DIR")
+    add_out_flag(p)
     p.add_argument("--dedup-against", nargs="+", default=(), metavar="DIR",
                    help="folders of tupe-prep (other corpora) whose documents are removed from "
                         "the merge, exact or near")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
@@ -124,14 +133,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["merge"]:
-            args = merge_parser().parse_args(argv[1:])
+            args = command_line.parse(merge_parser(), argv[1:])
             manifest = merge(args.shards, args.output, quiet=args.quiet,
                              dedup_against=args.dedup_against)
             output = args.output
         else:
-            args = vars(prep_parser().parse_args(argv))
+            args = vars(command_line.parse(prep_parser(), argv))
             args["dedup_against"] = tuple(args["dedup_against"])
-            del args["verbose"]  # read at import (tupe_ds.tools.third_party_warnings)
+            for name in ("verbose", "config", "print_config"):  # read at import, or by parse
+                del args[name]
             manifest = prepare(PrepConfig(**args))
             output = args["output"]
     except (InputError, ValueError) as error:

@@ -111,7 +111,8 @@ def write_deduplicated(folders, work, dtype, against, near, quiet):
     counts)."""
     parts = parts_of(folders, against, near)
     threshold = near[0] if near is not None else 0.0
-    removed = across.duplicates(parts, threshold, near[1] if near else 0, near=near is not None)
+    removed = across.duplicates(parts, threshold, near[1] if near else 0, near=near is not None,
+                                quiet=quiet)
     mine = [(part, gone) for part, gone in zip(parts, removed) if not part.fixed]
     kept, split_counts = [], {}
     for split in SPLITS:
@@ -131,8 +132,9 @@ def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
     of what it gave (documents, sentences, tokens)."""
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype.type)
     keys, kept_rows, counts = [], [], []
-    for source, kept in tqdm(sources, desc=f"merge {os.path.basename(prefix)}", unit=" parts",
-                             disable=quiet):
+    progress = tqdm(total=sum(int(kept.sum()) for _, kept in sources), unit=" docs",
+                    desc=f"merge {os.path.basename(prefix)}", disable=quiet)
+    for source, kept in sources:
         keys.append(np.load(f"{source}.keys.npy")[kept])
         kept_rows.append(np.flatnonzero(kept))
         counts.append({"documents": int(kept.sum()), "sentences": 0, "tokens": 0})
@@ -142,20 +144,23 @@ def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
         documents, lengths = dataset.document_indices, dataset.sequence_lengths
         if kept.all():
             builder.add_index(source)
+            progress.update(len(kept))
         else:
             for doc in np.flatnonzero(kept):
                 first, last = documents[doc], documents[doc + 1]
                 tokens = np.concatenate([dataset[i] for i in range(first, last)])
                 builder.add_document(torch.from_numpy(tokens.astype(np.int64)),
                                      lengths[first:last].tolist())
+                progress.update()
         starts, ends = documents[:-1][kept], documents[1:][kept]
         counts[-1]["sentences"] = int((ends - starts).sum())
         counts[-1]["tokens"] = int(sum(int(lengths[a:b].sum()) for a, b in zip(starts, ends)))
+    progress.close()
     builder.finalize(f"{prefix}.idx")
     np.save(f"{prefix}.keys.npy", np.concatenate(keys).astype(np.uint64) if keys
             else np.zeros(0, np.uint64))
     if near is not None:
-        write_kept_near_files(sources, kept_rows, prefix, *near)
+        write_kept_near_files(sources, kept_rows, prefix, *near, quiet=quiet)
     return counts
 
 
@@ -175,9 +180,10 @@ def filter_against(work: str, against: Sequence[str], near, dtype, quiet: bool) 
 
 
 def write_kept_near_files(sources, kept_rows, prefix: str, threshold: float, num_perm: int,
-                          chunk: int = 1 << 16) -> None:
+                          quiet: bool, chunk: int = 1 << 16) -> None:
     """PREFIX's signatures and shingles (the kept rows of each source's, streamed) and its band
-    index (data_prep/across.py)."""
+    index (data_prep/across.py). The shingles, a document at a time, take most of it: they show
+    a progress bar unless `quiet`."""
     total = sum(len(rows) for rows in kept_rows)
     signatures = np.lib.format.open_memmap(f"{prefix}.{across.SIGNATURES}", mode="w+",
                                            dtype=np.uint32, shape=(total, num_perm))
@@ -190,7 +196,9 @@ def write_kept_near_files(sources, kept_rows, prefix: str, threshold: float, num
             at += len(block)
     signatures.flush()
     shingles = [(ShingleFile(source), rows) for (source, _), rows in zip(sources, kept_rows)]
-    write_shingles(prefix, (file[row] for file, rows in shingles for row in rows),
+    write_shingles(prefix, tqdm((file[row] for file, rows in shingles for row in rows),
+                                total=total, desc=f"{os.path.basename(prefix)} shingles",
+                                unit=" docs", disable=quiet),
                    sum(int((file.offsets[rows + 1] - file.offsets[rows]).sum())
                        for file, rows in shingles), total)
     across.write_band_index(prefix, signatures, threshold, num_perm)

@@ -216,6 +216,9 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                 yield kept
             progress.close()
         seconds["read_clean_dedup_split_wall"] = time.perf_counter() - pass_start
+        if not config.tokenizer and not config.quiet:  # what the wait after the pass is
+            print(f"BPE: computing the merges of a {config.vocab_size:,}-token vocabulary",
+                  file=sys.stderr)
 
     with worker_pool(config) as pool:
         if config.tokenizer:
@@ -223,8 +226,10 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
             for _ in kept_sentences():
                 pass
         else:
+            # Pass 1's bar counts what the trainer is fed: the trainer's own bars, drawn on a
+            # terminal at the same time, would overwrite it (its merges are announced instead).
             tokenizer = train_tokenizer(kept_sentences(), config.vocab_size,
-                                        config.min_frequency, show_progress=not config.quiet)
+                                        config.min_frequency, show_progress=False)
     seconds["train_bpe_after_pass"] = time.perf_counter() - pass_start - seconds[
         "read_clean_dedup_split_wall"]
     if counts["documents_out"] == 0:

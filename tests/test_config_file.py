@@ -159,3 +159,25 @@ def test_tupe_pretrain_print_config_is_refused_or_printed_before_any_work(tmp_pa
                             cwd=ROOT)
     assert result.returncode == 2
     assert "the following arguments are required: --data" in result.stderr
+
+
+@pytest.mark.parametrize("command, argv, line", [
+    ("data_prep.cli", ["--input", "a", "--vocab-size", "100"], "vocab-size = 100  # command line"),
+    ("data_prep.cli", ["merge", "s1", "--output", "m"], 'out = "m"  # command line'),
+    ("tupe_ds.export.write", ["RUN", "--out", "x"], 'format = "hf"  # default'),
+    ("tupe_ds.machine.doctor", ["--nproc", "2"], "nproc = 2  # command line"),
+    ("tupe_ds.machine.smoke", ["--steps", "3"], "steps = 3  # command line"),
+])
+def test_every_command_takes_a_config_file_and_prints_its_settings(tmp_path, capsys, command,
+                                                                   argv, line):
+    """The file's setting under the command line's (prep's --out from the file), printed."""
+    main = __import__(command, fromlist=["main"]).main
+    config = write(tmp_path / "c.toml", 'out = "from-file"\nquiet = true\n'
+                   if command == "data_prep.cli" else "")
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--config", config, "--print-config"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert line in printed, printed
+    if command == "data_prep.cli":
+        assert f"quiet = true  # {config}" in printed

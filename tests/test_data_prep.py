@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -496,6 +497,8 @@ def test_dedup_against_at_other_settings_and_wordless_documents(tmp_path):
 
 
 def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_path):
+    """Two merge commands into one folder, one --quiet, take turns; the other shows its
+    progress on stderr. Then a damaged shard's file is named."""
     rng = random.Random(9)
     shards = []
     for i in range(2):
@@ -504,12 +507,18 @@ def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_p
         run([source], tmp_path / f"shard{i}", tokenizer=None if i == 0 else
             str(tmp_path / "shard0" / "tokenizer.json"))
         shards.append(str(tmp_path / f"shard{i}"))
-    command = [sys.executable, "-m", "data_prep", "merge", "--quiet", "--output",
-               str(tmp_path / "merged")]
-    both = [subprocess.Popen(command + order, stderr=subprocess.PIPE, text=True)
-            for order in (shards, shards[::-1])]
-    assert [p.wait(timeout=120) for p in both] == [0, 0], [p.stderr.read() for p in both]
+    merged = str(tmp_path / "merged")
+    both = [subprocess.Popen([sys.executable, "-m", "data_prep", "merge", *flags, *order],
+                             stderr=subprocess.PIPE, text=True)
+            for flags, order in ((["--out", merged], shards),
+                                 (["--quiet", "--output", merged], shards[::-1]))]
+    said = [p.communicate(timeout=120)[1] for p in both]
+    assert [p.returncode for p in both] == [0, 0], said
     assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["documents_out"] == 12
+    # the de-duplication's and the copy's progress, with totals and rates; none with --quiet
+    for stage in ("near duplicates", "merge train"):
+        assert re.search(rf"{stage}: 100%\|[^|]*\| 12/12 \[[^]]* docs/s\]", said[0]), said[0]
+    assert [line for line in said[1].splitlines() if not line.startswith("warning:")] == []
 
     shingles = tmp_path / "shard1" / "train.shingles.npy"
     shingles.write_bytes(shingles.read_bytes()[:200])

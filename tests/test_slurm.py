@@ -383,7 +383,7 @@ def test_shard_script_explains_its_usage_and_takes_its_shard_from_the_task_id_an
     result = shard_script("--count", "8", "--python", "echo", "out", "tok.json", "in0", "in1",
                           "--", "--lowercase", task="7")
     assert result.returncode == 0 and result.stdout.split() == [
-        "-m", "data_prep", "--input", "in0", "in1", "--output", "out/shard7", "--tokenizer",
+        "-m", "data_prep", "--input", "in0", "in1", "--out", "out/shard7", "--tokenizer",
         "tok.json", "--shard", "7/8", "--workers", "3", "--quiet", "--lowercase"]
 
 
