@@ -16,11 +16,11 @@ DEMO_STEPS ?= 2500
 DEMO_OUT ?= build/demo-run
 SAMPLE_PREP := build/sample-prep-2048
 COMPARE_STEPS ?= 200
-COMPARE_ENCODINGS ?= bert-a,tupe-r
+COMPARE_ENCODINGS ?= bert-a tupe-r
 COMPARE_RECIPE ?= paper
 COMPARE_FINETUNE ?=
-COMPARE_FINETUNE_FLAGS ?= --tasks rte,mrpc,stsb,cola --finetune-lr 1e-4,3e-4 \
-  --finetune-seeds 1,2,3 --finetune-epochs 3 --finetune-max-length 128
+COMPARE_FINETUNE_FLAGS ?= --tasks rte mrpc stsb cola --finetune-lr 1e-4 3e-4 \
+  --finetune-seeds 1 2 3 --finetune-epochs 3 --finetune-max-length 128
 
 .PHONY: venv test demo compare smoke bench bench-gpu bench-gpu-all docs clean
 
@@ -54,7 +54,7 @@ $(SAMPLE_PREP)/train.idx: | venv
 
 # The second demo: BERT-A against TUPE-R, one tiny run each on the same batches (2 CPU ranks, or
 # every GPU), then build/compare/report.md with its figures. Run again to resume or re-report;
-# COMPARE_STEPS=400 to go on, COMPARE_ENCODINGS=bert-a,tupe-r,rope for more.
+# COMPARE_STEPS=400 to go on, COMPARE_ENCODINGS="bert-a tupe-r rope" for more.
 # COMPARE_RECIPE=modern (docs/compare.md, "Recipes") trains under the modern recipe, into
 # build/compare-modern, in micro-batches of 2 (room for its batch ramp: 4, 8, 12, 16 on 2 ranks).
 # COMPARE_FINETUNE=GLUE_DIR (docs/export-finetune.md, "GLUE data") fine-tunes every run on GLUE's small tasks with

@@ -5,9 +5,9 @@
 # of the one before has ended, whatever its result (afterany: a failed run or fine-tune shows as
 # failed in the report).
 #
-#   slurm/submit_compare.sh OUT --data DATA --encodings tupe-r,bert-a --model bert-base \
-#       --steps 10000 [--seeds 1,2,3] [--objective electra] \
-#       [--finetune GLUE_DIR [--tasks rte,mrpc] [--finetune-lr 2e-5,3e-5 ...]] [tupe-pretrain flags]
+#   slurm/submit_compare.sh OUT --data DATA --encodings tupe-r bert-a --model bert-base \
+#       --steps 10000 [--seeds 1 2 3] [--objective electra] \
+#       [--finetune GLUE_DIR [--tasks rte mrpc] [--finetune-lr 2e-5 3e-5 ...]] [tupe-pretrain flags]
 #
 # The plan is checked (tupe-pretrain's checks, for --nproc processes per run; the GLUE files) and
 # written to OUT/compare.json before anything is queued. Slurm options for the runs go in

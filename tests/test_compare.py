@@ -14,11 +14,13 @@ import sys
 import time
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from runs import CPU_CONFIG, assert_quiet, environment, log
 from test_finetune import FILLER, write_sentiment
 from tupe_ds.compare import cli, finetuning, results, runner
 from tupe_ds.compare.plan import Plan, Run, read_plan
+from tupe_ds.finetune.monitor import trial_of
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "2",
         "--eval-samples", "32", "--lr", "2e-3", "--warmup-steps", "2"]
@@ -147,9 +149,9 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
     command = compare_command(data, out, "--encodings", "bert-a,tupe-r", "--steps", "6",
                               "--nproc", "2", "--eval-interval", "6", "--launcher", "torchrun",
                               "--finetune", write_glue(tmp_path / "glue", sentiment=800),
-                              "--finetune-lr",
-                              "1e-3,3e-4", "--finetune-seeds", "1,2,3", "--finetune-epochs", "1",
-                              "--finetune-batch-size", "8", "--finetune-max-length", "32")
+                              "--finetune-lr", "1e-3", "3e-4", "--finetune-seeds", "1", "2", "3",
+                              "--finetune-epochs", "1", "--finetune-global-batch-size", "8",
+                              "--finetune-max-length", "32")
     first = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
     progress = out / "finetune" / "bert-a-seed1" / "sst2.progress.json"
@@ -170,6 +172,25 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
     assert len(redone) == 3  # two attempts, each starting with its command line
     assert redone[2].count("done before") == len(kept)
     assert redone[2].count("train loss") == 6 - len(kept)
+    # its curves: every trial once in its log and TensorBoard, the killed attempt's unfinished
+    # trial's entries moved aside (800 examples in batches of 8: 100 steps, a point every 5)
+    killed = out / "finetune" / "bert-a-seed1"
+    logged = [json.loads(line) for line in open(killed / "sst2.log.jsonl")]
+    summary = json.loads((killed / "sst2.json").read_text())
+    for lr in ("0.001", "0.0003"):
+        for seed in ("1", "2", "3"):
+            trial = [e for e in logged if (f"{e['lr']:g}", str(e["seed"])) == (lr, seed)]
+            steps = [entry["step"] for entry in trial if "train/loss" in entry]
+            assert steps == list(range(5, 101, 5)) and trial[-1]["step"] == 100
+            assert trial[-1]["valid/dev/accuracy"] == summary["configurations"][f"lr={lr}"][
+                "seeds"][seed]["dev"]["accuracy"]
+            events = killed / "tensorboard" / "sst2" / f"lr={lr},seed={seed}"
+            assert len(os.listdir(events)) == 1  # a trial done again: the first attempt's gone
+            assert [e.step for e in EventAccumulator(str(events)).Reload().Scalars(
+                "train/loss")] == steps
+    moved = killed / "sst2.log.redone.jsonl"
+    for line in moved.read_bytes().splitlines() if moved.exists() else []:
+        assert trial_of(line) not in kept  # a trial the kill left unfinished, or a torn line
     made = json.loads((out / "report.json").read_text())
     finetune = made["finetune"]
     assert finetune["tasks"] == ["sst2", "stsb"] and set(finetune["states"].values()) == {
@@ -217,7 +238,7 @@ def fake_launch(failing: str):
     """runner.launch_command for tests: the run of `failing` exits 3; any other run writes what a
     finished tupe-pretrain leaves (run.json, train_log.jsonl, a checkpoint as earlier versions
     wrote it: a step folder and `latest`)."""
-    def command(plan, run, launcher):
+    def command(plan, run, launcher, port):
         if run.encoding == failing:
             return [sys.executable, "-c", "import sys; print('Traceback: boom'); sys.exit(3)"]
         script = f"""
@@ -228,7 +249,7 @@ description = {{"flops_per_step": 1e9, "global_batch": 16, "seq_len": 64}}
 json.dump(description, open(os.path.join(d, "run.json"), "w"))
 with open(os.path.join(d, "train_log.jsonl"), "w") as f:
     for step in range(1, {plan.steps} + 1):
-        print(f"step {{step}} loss 1.0", flush=True)
+        print(f"step {{step}}/{plan.steps} | loss 1.0", flush=True)
         entry = {{"step": step, "train/loss": 1.0, "throughput/seconds_per_step": 0.5}}
         f.write(json.dumps(entry) + "\\n")
     f.write(json.dumps({{"step": {plan.steps}, "valid/loss": 2.5}}) + "\\n")
@@ -268,7 +289,7 @@ def test_a_failed_fine_tune_is_recorded_and_the_others_go_on(data, tmp_path, mon
     monkeypatch.setattr(finetuning, "is_finished", lambda plan, run, task: False)
     started = []
 
-    def fake_finetune(launcher, processes, module, argv):
+    def fake_finetune(launcher, processes, module, argv, port):
         task = argv[argv.index("--task") + 1]
         started.append((argv[argv.index("--model") + 1].split(os.sep)[-1], task))
         return [sys.executable, "-c", f"import sys; sys.exit({3 if task == 'stsb' else 0})"]
@@ -332,6 +353,23 @@ def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys):
                      *TINY, *other, "--finetune", glue, "--tasks", "sst2",
                      "--finetune-seeds", "1,2"]) == 0
     assert "4 fine-tunes planned: each run on sst2" in capsys.readouterr().out
+    commas = read_plan(str(tmp_path / "cmp"))
+    assert cli.main(["plan", "--data", data, "--out", str(tmp_path / "cmp"), "--steps", "4",
+                     *TINY, "--encodings", "tupe-r", "bert-a", "--seeds", "1", "2", "--finetune",
+                     glue, "--tasks", "sst2", "--finetune-seeds", "1", "2",
+                     "--finetune-batch-size", "8"]) == 0  # spaces, and the batch's earlier name
+    spaces = read_plan(str(tmp_path / "cmp"))
+    assert (spaces.encodings, spaces.seeds, spaces.tasks) == (commas.encodings, commas.seeds,
+                                                              commas.tasks) == (
+        ("tupe-r", "bert-a"), (1, 2), ("sst2",))
+    assert spaces.finetune_flags == ("--seeds", "1", "2", "--global-batch-size", "8")
+    assert ("--finetune-global-batch-size 1: fewer examples than the 2 processes (--nproc) of "
+            "each fine-tune; give at least 2") in error(*other, "--finetune", glue, "--nproc", "2",
+                                                        "--finetune-global-batch-size", "1")
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--data", data, "--out", str(tmp_path / "cmp"), "--steps", "4",
+                  "--encodings", "rope", "--seeds", ","])
+    assert "argument --seeds: give at least one value" in capsys.readouterr().err
     assert "tupe-r-seed2 has 0 of 4 steps: not fine-tuned on sst2" in error_of(
         ["finetune-flags", str(tmp_path / "cmp"), "1"], capsys)
     assert "usage: tupe-compare finetune-flags OUT INDEX, INDEX below 4" in error_of(
@@ -389,7 +427,7 @@ def test_curves_over_seeds_and_the_race_to_the_baseline():
 def test_each_run_is_one_launcher_command_with_the_runs_flags(launcher, module_flag, data):
     plan = Plan(out="/c", data=data, encodings=("rope",), seeds=(7,), steps=9, baseline="rope",
                 processes=4, pretrain_flags=("--model", "tiny", "--lr", "1e-3"))
-    command = runner.launch_command(plan, plan.runs[0], launcher)
+    command = runner.launch_command(plan, plan.runs[0], launcher, 29511)
     program = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
     assert command[:3] == [sys.executable, "-m", program[launcher]]
     assert command[3:5] == ["--num_gpus" if launcher == "deepspeed" else "--nproc_per_node", "4"]

@@ -167,6 +167,12 @@ def test_tupe_pretrain_print_config_is_refused_or_printed_before_any_work(tmp_pa
     ("tupe_ds.export.write", ["RUN", "--out", "x"], 'format = "hf"  # default'),
     ("tupe_ds.machine.doctor", ["--nproc", "2"], "nproc = 2  # command line"),
     ("tupe_ds.machine.smoke", ["--steps", "3"], "steps = 3  # command line"),
+    ("tupe_ds.finetune.run", ["--model", "m", "--task", "rte", "--train", "t", "--valid", "v",
+                              "--out", "o", "--seeds", "1,2", "3"],
+     "seeds = [1, 2, 3]  # command line"),
+    ("tupe_ds.compare.cli", ["plan", "--data", "d", "--encodings", "rope", "bert-a", "--steps",
+                             "4", "--model", "tiny", "--out", "o", "--lr", "1e-3"],
+     'encodings = ["rope", "bert-a"]  # command line'),
 ])
 def test_every_command_takes_a_config_file_and_prints_its_settings(tmp_path, capsys, command,
                                                                    argv, line):

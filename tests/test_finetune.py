@@ -155,11 +155,17 @@ def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
     command = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
                "--master_port", free_port(), EXIT_WORKER, "finetune",
                *finetune_flags(sentiment, out)[:-12], "--lr", "3e-3", "--seeds", "1", "--epochs",
-               "4", "--batch-size", "16", "--max-length", "32"]
+               "4", "--per-device-train-batch-size", "8", "--max-length", "32"]
     result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "sst2.json").read_text())
     assert summary["best_median"]["dev"]["accuracy"] > 0.8
+    assert summary["settings"]["batch_size"] == 16  # 8 on each of 2 ranks
+    logged = [json.loads(line) for line in open(out / "sst2.log.jsonl")]  # written by rank 0
+    train = [entry for entry in logged if "train/loss" in entry]
+    assert [entry["step"] for entry in train] == list(range(1, 61))  # 15 steps an epoch
+    # the decay ends with the last step taken: the left-out batch of one is no step
+    assert train[-1]["train/lr"] == pytest.approx(3e-3 / (60 - round(0.06 * 60)))
 
 
 def test_sigusr1_stops_keeping_the_finished_runs_and_the_same_command_goes_on(sentiment,

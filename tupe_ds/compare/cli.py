@@ -2,16 +2,17 @@
 batches, fine-tune each on GLUE tasks, then report how they compare (validation curves, steps to
 the baseline's loss, positional correlations, the paper's Table 1 with 95% intervals).
 
-    tupe-compare run --data prep/ --encodings tupe-r,bert-a --model bert-base --steps 10000 \\
-        --seeds 1,2,3 --nproc 8 --out cmp/ --ds-config ds_configs/bert_base_fp16.json \\
-        [--recipe modern] [--finetune glue/ [--tasks rte,mrpc] [--finetune-lr 2e-5,3e-5 ...]] \\
+    tupe-compare run --data prep/ --encodings tupe-r bert-a --model bert-base --steps 10000 \\
+        --seeds 1 2 3 --nproc 8 --out cmp/ --ds-config ds_configs/bert_base_fp16.json \\
+        [--recipe modern] [--finetune glue/ [--tasks rte mrpc] [--finetune-lr 2e-5 3e-5 ...]] \\
         [flags]
     tupe-compare report cmp/          # report.md, report.json, figures/ from what the runs left
     slurm/submit_compare.sh cmp/ [the run flags]     # one Slurm array task per run (and one per
                                                      # run and task), then the report
 
 Flags tupe-compare does not know go to every tupe-pretrain run. The same command again resumes
-what is unfinished and starts nothing that is done.
+what is unfinished and starts nothing that is done. List flags take their values
+space-separated, or comma-separated as earlier versions did (--seeds 1,2,3).
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
@@ -30,18 +31,11 @@ from tupe_ds.compare.recipes import RECIPES, SCHEDULE_FLAGS, modern, without
 from tupe_ds.compare.report import headline, write_report
 from tupe_ds.compare.runner import run_all
 from tupe_ds.distributed.launchers import LAUNCHERS
+from tupe_ds.finetune.flags import DEFAULT_GLOBAL_BATCH, list_of, positive
 from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.machine.doctor import probe
 from tupe_ds.model.config import ENCODINGS
-
-
-def comma_list(kind):
-    def parse(text: str) -> tuple:
-        try:
-            return tuple(kind(item) for item in text.split(",") if item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {kind.__name__}")
-    return parse
+from tupe_ds.tools import command_line
 
 
 def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -49,14 +43,15 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
                                 epilog="Other flags (--ds-config, --seq-len, --global-batch, "
                                        "--lr, --eval-interval, ...) go to every tupe-pretrain run.")
     add_verbose_flag(p)
+    command_line.add_config_flags(p)
     p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
                    help="a folder written by tupe-prep, or a weighted blend of several, "
                         "NAME=FOLDER naming one (tupe-pretrain's --data)")
-    p.add_argument("--encodings", required=True, type=comma_list(str),
-                   help=f"comma-separated, from: {', '.join(ENCODINGS)}")
-    p.add_argument("--seeds", type=comma_list(int), default=(1,),
-                   help="comma-separated; a seed fixes the data order and masking (the "
-                        "encodings' layer weights still start differently)")
+    p.add_argument("--encodings", required=True, **list_of(str, "ENCODING"),
+                   help=f"from: {', '.join(ENCODINGS)}")
+    p.add_argument("--seeds", **list_of(int, "SEED"), default=(1,),
+                   help="a seed fixes the data order and masking (the encodings' layer weights "
+                        "still start differently)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps of every run")
     p.add_argument("--model", required=True, help="a preset (an ELECTRA pair with --objective "
                                                   "electra)")
@@ -76,20 +71,22 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     glue = p.add_argument_group("fine-tuning (tupe-finetune on every complete run)")
     glue.add_argument("--finetune", metavar="GLUE_DIR",
                       help="GLUE's tasks in GLUE's layout (GLUE_DIR/RTE/train.tsv, dev.tsv, ...)")
-    glue.add_argument("--tasks", type=comma_list(str),
-                      help=f"comma-separated, from {', '.join(TASKS)} (default: those in GLUE_DIR)")
-    glue.add_argument("--finetune-lr", type=comma_list(float),
-                      help="learning rates (default: the paper's 2e-5,3e-5,4e-5,5e-5)")
-    glue.add_argument("--finetune-seeds", type=comma_list(int), help="default: 1,2,3,4,5")
+    glue.add_argument("--tasks", **list_of(str, "TASK"),
+                      help=f"from {', '.join(TASKS)} (default: those in GLUE_DIR)")
+    glue.add_argument("--finetune-lr", **list_of(float, "LR"),
+                      help="learning rates (default: the paper's 2e-5 3e-5 4e-5 5e-5)")
+    glue.add_argument("--finetune-seeds", **list_of(int, "SEED"), help="default: 1 2 3 4 5")
     glue.add_argument("--finetune-epochs", type=int,
                       help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
-    glue.add_argument("--finetune-batch-size", type=int, help="default: 32")
+    glue.add_argument("--finetune-global-batch-size", "--finetune-batch-size", type=positive,
+                      metavar="N", help="examples per optimizer step summed over the --nproc "
+                                        f"processes (default: {DEFAULT_GLOBAL_BATCH})")
     glue.add_argument("--finetune-max-length", type=int, help="tokens per example (default 512)")
     return p
 
 
-FINETUNE_FLAGS = {"finetune_lr": "--lr", "finetune_seeds": "--seeds",
-                  "finetune_epochs": "--epochs", "finetune_batch_size": "--batch-size",
+FINETUNE_FLAGS = {"finetune_lr": "--lr", "finetune_seeds": "--seeds", "finetune_epochs": "--epochs",
+                  "finetune_global_batch_size": "--global-batch-size",
                   "finetune_max_length": "--max-length"}
 
 
@@ -111,6 +108,11 @@ def finetune_plan(args) -> dict:
         raise CompareError(f"--tasks: {', '.join(unknown) or 'none given or found'}; choose from "
                            f"{', '.join(TASKS)} (GLUE_DIR holds their folders: "
                            f"{', '.join(t.glue_folder for t in TASKS.values())})")
+    batch = args.finetune_global_batch_size or DEFAULT_GLOBAL_BATCH
+    if batch < args.nproc:
+        raise CompareError(f"--finetune-global-batch-size {batch}: fewer examples than the "
+                           f"{args.nproc} processes (--nproc) of each fine-tune; give at least "
+                           f"{args.nproc}")
     flags = []
     for field, flag in FINETUNE_FLAGS.items():
         value = getattr(args, field)
@@ -138,13 +140,10 @@ def absolute_data(values: list) -> tuple:
 
 def make_plan(args, pretrain_flags: list) -> Plan:
     unknown = [e for e in args.encodings if e not in ENCODINGS]
-    if unknown or not args.encodings:
-        raise CompareError(f"--encodings: {', '.join(unknown) or 'none given'}; choose from "
-                           f"{', '.join(ENCODINGS)}")
+    if unknown:
+        raise CompareError(f"--encodings: {', '.join(unknown)}; choose from {', '.join(ENCODINGS)}")
     if len(set(args.encodings)) < len(args.encodings) or len(set(args.seeds)) < len(args.seeds):
         raise CompareError("--encodings and --seeds: each value once")
-    if not args.seeds:
-        raise CompareError("--seeds: at least one")
     if args.nproc is None:
         import torch
 
@@ -175,7 +174,8 @@ def make_plan(args, pretrain_flags: list) -> Plan:
 
 def planned(prog: str, argv: list) -> tuple:
     """(Plan, launcher), checked by tupe-pretrain's own rules and saved to OUT/compare.json."""
-    args, pretrain_flags = plan_parser(prog, __doc__.split("\n")[0]).parse_known_args(argv)
+    args, pretrain_flags = command_line.parse_known(plan_parser(prog, __doc__.split("\n")[0]),
+                                                    argv)
     plan = make_plan(args, pretrain_flags)
     plan.check()
     plan.save()

@@ -18,9 +18,10 @@ from tqdm import tqdm
 
 from tupe_ds.compare.launching import follow, read_status, record_status
 from tupe_ds.compare.plan import CompareError, Plan, Run
-from tupe_ds.distributed.launchers import launcher_command
+from tupe_ds.distributed.launchers import launcher_command, on_a_free_port
 from tupe_ds.export.read import ExportError, read_export_description
 from tupe_ds.finetune import run as tupe_finetune
+from tupe_ds.finetune.flags import global_batch_size
 from tupe_ds.finetune.progress import finetune_settings, finished
 from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.tools.files import locked
@@ -59,13 +60,21 @@ def exported_source(exported: str):
         return None
 
 
+def finetune_args(plan: Plan, run: Run, task: str):
+    """tupe-finetune's flags of a fine-tune, parsed, its global batch resolved for the plan's
+    processes."""
+    args = tupe_finetune.parser().parse_args(plan.finetune_argv(run, task))
+    args.global_batch_size = global_batch_size(args, plan.processes)
+    return args
+
+
 def is_finished(plan: Plan, run: Run, task: str) -> bool:
     """The task's TASK.json holds the plan's grid, fine-tuned from the run's latest checkpoint
     under the plan's settings."""
     source = exported_source(plan.export_dir(run))
     if source is None or source != latest_checkpoint(plan, run):
         return False
-    args = tupe_finetune.parser().parse_args(plan.finetune_argv(run, task))
+    args = finetune_args(plan, run, task)
     settings = finetune_settings(args, TASKS[task], source, tupe_finetune.parse_valid(args.valid))
     return finished(args.out, task, settings, args.lr, args.seeds)
 
@@ -104,7 +113,7 @@ def finetune_run(plan: Plan, run: Run, launcher: str, position: str) -> dict:
             continue
         log = os.path.join(plan.out, "logs", f"{run.name}.{task}.log")
         argv = plan.finetune_argv(run, task)
-        args = tupe_finetune.parser().parse_args(argv)
+        args = finetune_args(plan, run, task)
         epochs = args.epochs or TASKS[task].epochs
         bar = tqdm(total=len(args.lr) * len(args.seeds) * epochs, unit="epoch",
                    desc=f"{position} {name}", file=sys.stdout, dynamic_ncols=True)
@@ -114,8 +123,10 @@ def finetune_run(plan: Plan, run: Run, launcher: str, position: str) -> dict:
                 return bar.n + 1
             return bar.n + epochs if REUSED_LINE.match(line) else None
 
-        command = launcher_command(launcher, plan.processes, "tupe_ds.finetune.run", argv)
-        exits[name] = follow(command, log, bar, epochs_done)
+        exits[name] = on_a_free_port(lambda port: follow(
+            launcher_command(launcher, plan.processes, "tupe_ds.finetune.run", argv, port), log,
+            bar, epochs_done))
+        bar.close()
         record_status(plan.out, name, exits[name], log)
         if exits[name]:
             print(f"{position} {name}: FAILED with exit code {exits[name]}; see {log}; going on "

@@ -26,9 +26,7 @@ def follow(command: list, log: str, bar, position) -> int:
             reached = position(line)
             if reached is not None:
                 bar.update(reached - bar.n)
-        exit_code = process.wait()
-    bar.close()
-    return exit_code
+        return process.wait()
 
 
 def read_status(out: str) -> dict:

@@ -16,15 +16,16 @@ from tqdm import tqdm
 from tupe_ds.compare.finetuning import finetune_run
 from tupe_ds.compare.launching import follow, record_status
 from tupe_ds.compare.plan import Plan, Run
-from tupe_ds.distributed.launchers import launcher_command
+from tupe_ds.distributed.launchers import launcher_command, on_a_free_port
 
-STEP_LINE = re.compile(r"^step (\d+) loss ")
+STEP_LINE = re.compile(r"^step +(\d+)/\d+ \| loss ")  # train/progress.py's line
 RESUMED_LINE = re.compile(r"^resumed at step (\d+) of ")
 
 
-def launch_command(plan: Plan, run: Run, launcher: str) -> list:
-    """The launcher's command line for one run, on a free port of this machine."""
-    return launcher_command(launcher, plan.processes, "tupe_ds.pretrain", plan.pretrain_argv(run))
+def launch_command(plan: Plan, run: Run, launcher: str, port: int) -> list:
+    """The launcher's command line for one run, on `port`."""
+    return launcher_command(launcher, plan.processes, "tupe_ds.pretrain", plan.pretrain_argv(run),
+                            port)
 
 
 def steps_logged(line: str):
@@ -38,7 +39,9 @@ def train_run(plan: Plan, run: Run, launcher: str, position: str) -> int:
     log = os.path.join(plan.out, "logs", f"{run.name}.log")
     bar = tqdm(total=plan.steps, initial=plan.trained_steps(run), unit="step",
                desc=f"{position} {run.name}", file=sys.stdout, dynamic_ncols=True)
-    exit_code = follow(launch_command(plan, run, launcher), log, bar, steps_logged)
+    exit_code = on_a_free_port(
+        lambda port: follow(launch_command(plan, run, launcher, port), log, bar, steps_logged))
+    bar.close()
     record_status(plan.out, run.name, exit_code, log)
     return exit_code
 

@@ -79,11 +79,19 @@ def launch(launcher: str, processes: int, module: str, argv: list, run: Callable
     in between. Then the store fails to listen ("DistNetworkError: The server socket has failed
     to listen on any local network address. port: P, ... EADDRINUSE") before any rank has
     trained a step: a failed launch whose port another process holds afterwards failed so."""
+    return on_a_free_port(
+        lambda port: run(launcher_command(launcher, processes, module, argv, port)), say)
+
+
+def on_a_free_port(attempt: Callable[[int], int], say=print) -> int:
+    """`attempt(port)`'s exit code, as `launch` tries it: on the user's MASTER_PORT, else on
+    ports chosen here until one is not taken by another process (for callers that build their
+    own launcher command)."""
     chosen = "MASTER_PORT" not in os.environ
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    for attempt_number in range(1, PORT_ATTEMPTS + 1):
         port = free_port() if chosen else int(os.environ["MASTER_PORT"])
-        exit_code = run(launcher_command(launcher, processes, module, argv, port))
-        if exit_code == 0 or not chosen or port_is_free(port) or attempt == PORT_ATTEMPTS:
+        exit_code = attempt(port)
+        if exit_code == 0 or not chosen or port_is_free(port) or attempt_number == PORT_ATTEMPTS:
             return exit_code
         say(f"tupe_ds: port {port} was taken by another process as the launch started: "
             "launching again on another port", flush=True)

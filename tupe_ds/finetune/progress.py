@@ -15,11 +15,13 @@ from tupe_ds.tools.files import write_atomically
 
 
 def finetune_settings(args, task, model_source: Optional[str], valid: dict) -> dict:
-    """What a fine-tuning result depends on besides its learning rate and seed."""
+    """What a fine-tuning result depends on besides its learning rate and seed; `args` with its
+    global batch resolved (flags.global_batch_size), kept as "batch_size" (earlier versions'
+    name: their results stay valid)."""
     return {"model": os.path.abspath(args.model), "source": model_source, "task": task.name,
             "train": os.path.abspath(args.train),
             "valid": {name: os.path.abspath(path) for name, path in valid.items()},
-            "epochs": args.epochs or task.epochs, "batch_size": args.batch_size,
+            "epochs": args.epochs or task.epochs, "batch_size": args.global_batch_size,
             "warmup_ratio": args.warmup_ratio, "weight_decay": args.weight_decay,
             "dropout": args.dropout, "max_length": args.max_length}
 

@@ -3,20 +3,21 @@
     tupe-finetune --model exported/large --task rte --train RTE/train.tsv --valid RTE/dev.tsv \\
         --out finetuned/rte
     tupe-finetune --model exported/large --task mnli --train MNLI/train.tsv \\
-        --valid m=MNLI/dev_matched.tsv mm=MNLI/dev_mismatched.tsv --out finetuned/mnli
+        --valid m=MNLI/dev_matched.tsv mm=MNLI/dev_mismatched.tsv --out finetuned/mnli \\
+        --lr 2e-5 3e-5 --seeds 1 2 3
     deepspeed --num_gpus 8 --module tupe_ds.finetune.run ...   (data parallel; torchrun too)
 
 The paper's setting (Table 2): Adam (beta 0.9/0.999, eps 1e-6), weight decay 0.01, learning rates
 {2e-5, 3e-5, 4e-5, 5e-5}, batch 32, 6% warm-up then linear decay to zero, clip 1.0, dropout 0.1,
 10 epochs (5 for MNLI, QQP and QNLI), 5 seeds: a configuration scores the median of its seeds'
 final dev-set metric, and the task the best configuration. OUT gets TASK.md / TASK.json (every
-seed, the medians) and results.md / results.json: the best of every task fine-tuned into OUT.
+seed, the medians) and results.md / results.json: the best of every task fine-tuned into OUT;
+while it trains, TASK.log.jsonl and tensorboard/TASK/ (monitor.py).
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
-import math
 import os
 import signal
 import sys
@@ -29,11 +30,14 @@ from torch import nn
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import accelerator_device, end_distributed, share_cpu_cores
 from tupe_ds.export.read import ExportError, exported_config, load_exported
+from tupe_ds.finetune.flags import BatchSizeError, add_batch_flags, global_batch_size, list_of
 from tupe_ds.finetune.metrics import METRICS
+from tupe_ds.finetune.monitor import TrialMonitor, keep_only
 from tupe_ds.finetune.progress import Progress, finetune_settings, finished
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
 from tupe_ds.model.layers import embed
+from tupe_ds.tools import command_line
 from tupe_ds.train.optim import parameter_groups
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]
@@ -73,6 +77,7 @@ def parse_valid(values: list) -> dict:
 def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
     """One fine-tuning run: {valid set: {metric: value}} after the last epoch."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    batch_size = args.global_batch_size
     torch.manual_seed(seed)
     pretrained, _, _ = load_exported(args.model)
     model = SequenceClassifier(pretrained, task.num_outputs, args.dropout).to(device)
@@ -81,22 +86,23 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
                                   betas=(0.9, 0.999), eps=1e-6)
     ids, labels = data["train"]
     epochs = args.epochs or task.epochs
-    steps = epochs * math.ceil(len(ids) / args.batch_size)
+    # a last batch too small to give every rank an example is left out
+    steps_per_epoch = len(ids) // batch_size + (len(ids) % batch_size >= world)
+    steps = epochs * steps_per_epoch
     warmup = max(1, round(args.warmup_ratio * steps))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: s / warmup if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup)))
     loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
     order_rng = np.random.default_rng(seed)
-    for epoch in range(epochs):
+    monitor = TrialMonitor(args.out, task, lr, seed, epochs, steps_per_epoch, device,
+                           writer=rank == 0)
+    for epoch in range(1, epochs + 1):
         trained.train()
-        total, count = 0.0, 0
+        monitor.start_epoch(epoch)
         order = order_rng.permutation(len(ids))
-        for start in range(0, len(ids), args.batch_size):
-            batch = order[start:start + args.batch_size]
-            if len(batch) < world:  # a last batch too small to give every rank an example
-                break
-            mine = batch[rank::world]  # this rank's share
+        for start in range(0, steps_per_epoch * batch_size, batch_size):
+            mine = order[start:start + batch_size][rank::world]  # this rank's share
             input_ids, mask = data["tokenizer"].batch([ids[i] for i in mine])
             target = torch.tensor([labels[i] for i in mine],
                                   dtype=torch.float if task.labels is None else torch.long)
@@ -106,14 +112,12 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+            stepped_at = schedule.get_last_lr()[0]
             schedule.step()
-            total, count = total + loss.item() * len(mine), count + len(mine)
+            monitor.trained(loss.item(), len(mine), stepped_at)
         results = evaluate(model, task, data, device)
-        if rank == 0:
-            scores = " ".join(f"{name} {metric} {values[metric]:.4f}"
-                              for name, values in results.items() for metric in task.metrics)
-            print(f"{task.name} lr {lr:g} seed {seed} epoch {epoch + 1}/{epochs} train loss "
-                  f"{total / max(count, 1):.4f} {scores}", flush=True)
+        monitor.evaluated(results)
+    monitor.close()
     return results
 
 
@@ -159,20 +163,25 @@ def stop_for_requeue(progress: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tupe-finetune", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tupe-finetune", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     add_verbose_flag(p)
+    command_line.add_config_flags(p)
     p.add_argument("--model", required=True, help="a folder written by tupe-export")
     p.add_argument("--task", required=True, choices=sorted(TASKS))
     p.add_argument("--train", required=True,
                    help="training file (.tsv in GLUE's layout, .csv, .jsonl)")
     p.add_argument("--valid", required=True, nargs="+", help="dev file(s), NAME=FILE to name them")
     p.add_argument("--out", required=True,
-                   help="results folder, shared by tasks: TASK.md/.json, results.md/.json")
-    p.add_argument("--lr", type=float, nargs="+", default=PAPER_LEARNING_RATES)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+                   help="results folder, shared by tasks: TASK.md/.json, results.md/.json, the "
+                        "curves in TASK.log.jsonl and tensorboard/TASK/")
+    p.add_argument("--lr", **list_of(float, "LR"), default=PAPER_LEARNING_RATES,
+                   help="the learning rates tried (default: the paper's 2e-5 3e-5 4e-5 5e-5)")
+    p.add_argument("--seeds", **list_of(int, "SEED"), default=(1, 2, 3, 4, 5),
+                   help="each learning rate's seeds (default: 1 2 3 4 5)")
     p.add_argument("--epochs", type=int,
                    help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
-    p.add_argument("--batch-size", type=int, default=32)
+    add_batch_flags(p)
     p.add_argument("--warmup-ratio", type=float, default=0.06)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--dropout", type=float, default=0.1, help="of the classification head")
@@ -185,11 +194,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    args = parser().parse_args(argv)
+    args = command_line.parse(parser(), argv)
     launch.discover()
     task = TASKS[args.task]
     valid = parse_valid(args.valid)
     try:  # everything about the inputs is checked before a model is built
+        args.global_batch_size = global_batch_size(args, int(os.environ.get("WORLD_SIZE", "1")))
         model_config, description = exported_config(args.model)
         settings = finetune_settings(args, task, description.get("source"), valid)
         if finished(args.out, task.name, settings, args.lr, args.seeds):
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
         for name, path in valid.items():
             examples = read_examples(path, task)
             data["valid"][name] = (tokenizer(examples), [label for _, label in examples])
-    except (TaskDataError, ExportError, FileNotFoundError) as error:
+    except (BatchSizeError, TaskDataError, ExportError, FileNotFoundError) as error:
         print(f"tupe-finetune: error: {error}", file=sys.stderr)
         return 2
     if torch.cuda.is_available():
@@ -220,6 +230,8 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     writer = not dist.is_initialized() or dist.get_rank() == 0
     progress = Progress(args.out, task.name, settings, writer)
+    if writer:
+        keep_only(args.out, task.name, progress.results)
     signal.signal(signal.SIGUSR1, lambda *_: stop_for_requeue(progress.path))
     runs = {}
     for lr in args.lr:

@@ -39,8 +39,17 @@ def parse(parser: argparse.ArgumentParser, argv=None,
     return resolve(parser, argv, recorded)[0]
 
 
+def parse_known(parser: argparse.ArgumentParser, argv=None) -> tuple:
+    """`parse`, as parse_known_args: (namespace, the arguments the parser does not know)."""
+    args, sources = resolve(parser, argv, known=True)
+    return args, args.__dict__.pop(UNKNOWN)
+
+
+UNKNOWN = "_unknown_arguments"
+
+
 def resolve(parser: argparse.ArgumentParser, argv=None,
-            recorded: Optional[Recorded] = None) -> tuple:
+            recorded: Optional[Recorded] = None, known: bool = False) -> tuple:
     """`parse`, and {dest: where its value came from}."""
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = settable_flags(parser)
@@ -52,11 +61,11 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
     pre.add_argument("--config")
     config_path = pre.parse_known_args(argv)[0].config
     layers = [(config_path, read_config(parser, flags, config_path))] if config_path else []
-    args = parse_over(parser, defaults, layers, argv)
+    args = parse_over(parser, defaults, layers, argv, known)
     layer = recorded(args) if recorded else None
     if layer:
         layers.insert(0, (layer[0], checked_layer(parser, flags, layer[0], layer[1])))
-        args = parse_over(parser, defaults, layers, argv)
+        args = parse_over(parser, defaults, layers, argv, known)
     sources = setting_sources(flags, layers, argv)
     missing = [action for action in required if sources[action.dest] == DEFAULT]
     if missing:
@@ -76,12 +85,18 @@ def settable_flags(parser: argparse.ArgumentParser) -> dict:
             if action.option_strings and action.dest not in NOT_SETTINGS}
 
 
-def parse_over(parser, defaults: dict, layers: list, argv: list) -> argparse.Namespace:
-    """argv parsed over the layers' values as defaults (the last layer wins over the first)."""
+def parse_over(parser, defaults: dict, layers: list, argv: list,
+               known: bool = False) -> argparse.Namespace:
+    """argv parsed over the layers' values as defaults (the last layer wins over the first);
+    `known`: the arguments the parser does not know kept in its UNKNOWN."""
     parser.set_defaults(**defaults)
     for _, values in layers:
         parser.set_defaults(**values)
-    return parser.parse_args(argv)
+    if not known:
+        return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    setattr(args, UNKNOWN, unknown)
+    return args
 
 
 def read_config(parser, flags: dict, path: str) -> dict:
@@ -142,7 +157,12 @@ def flag_value(parser, action: argparse.Action, where: str, value):
     if isinstance(action.nargs, int) and len(items) != action.nargs:
         parser.error(f"{where} = {value!r}: give {action.nargs} values")
     converted = [converted_item(parser, action, where, item) for item in items]
-    return converted if many else converted[0]
+    stored = argparse.Namespace()  # what the flag's action keeps of them (a custom one too)
+    try:
+        action(parser, stored, converted if many else converted[0])
+    except argparse.ArgumentError as error:
+        parser.error(f"{where} = {value!r}: {error.message}")
+    return getattr(stored, action.dest)
 
 
 def converted_item(parser, action: argparse.Action, where: str, item):

@@ -252,7 +252,8 @@ def branch_rate_change(plan: InitPlan, ds_config: dict, allow: bool) -> InitPlan
                 f"({error}); the branch starts at its own schedule's")
         return dataclasses.replace(plan, changes=(*plan.changes, note))
     last, first = branch_rates(schedule, plan.step, ds_config.get("scheduler"))
-    if math.isnan(last) or math.isnan(first) or math.isclose(first, last, rel_tol=1e-6, abs_tol=1e-12):
+    if math.isnan(last) or math.isnan(first) or math.isclose(first, last, rel_tol=1e-6,
+                                                             abs_tol=1e-12):
         return plan
     change = (f"--branch from step {plan.step}: its last step ran at learning rate {last:.4g}, "
               f"this schedule's first (step {plan.step + 1}) at {first:.4g}")

@@ -34,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
                     "tupe_ds.pretrain ...`.")
     add_verbose_flag(p)
     command_line.add_config_flags(p)
-    p.add_argument("--data", "--data-path", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
+    p.add_argument("--data", "--data-path", required=True, nargs="+",
+                   metavar="FOLDER | W1 FOLDER1 W2 ...",
                    help="a folder written by tupe-prep, or a blend of several with their "
                         "weights (token counts too): --data 0.7 wiki 0.3 books (same "
                         "tokenizer); NAME=FOLDER names a source's metrics (default: the "
@@ -97,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", "--global-batch-size", type=int,
                    help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
-    p.add_argument("--warmup-steps", "--lr-warmup-iters", type=int, help="overrides the scheduler's warmup_num_steps")
+    p.add_argument("--warmup-steps", "--lr-warmup-iters", type=int,
+                   help="overrides the scheduler's warmup_num_steps")
     p.add_argument("--lr-schedule", choices=list(SCHEDULES),
                    help="the learning rate's shape, with the config's peak, minimum and warmup "
                         "(default: the --ds-config's scheduler, linear in every shipped one); "
