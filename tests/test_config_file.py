@@ -61,7 +61,8 @@ def test_the_file_sets_what_the_flags_do_not_and_the_flags_win(tmp_path):
     ("seq-len = [1, 2]\n", "seq-len = [1, 2]: give one value"),
     ("rampup-batch-size = [8, 8]\n", "give 3 values"),
     ("mask-rate = 1.5\n", "mask-rate = 1.5: 1.5: the share of tokens chosen must be above 0"),
-    ("seq-len = 1\nseq-length = 2\n", "sets --seq-length a second time"),
+    ("seq-len = 1\nseq-length = 2\n", "seq-length sets --seq-len a second time"),
+    ('mask-split = [0.8, 0.1]\n', 'several in one: "0.8,0.1"'),
     ("seq-len = \n", "not TOML"),
 ])
 def test_a_bad_file_is_refused_naming_it_and_the_key(tmp_path, capsys, text, said):
@@ -72,6 +73,26 @@ def test_a_bad_file_is_refused_naming_it_and_the_key(tmp_path, capsys, text, sai
     assert exit_.value.code == 2
     error = capsys.readouterr().err
     assert f"--config {config}" in error and said in error, error
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda path: path.write_bytes("seed = 1\n".encode("utf-16")), "not UTF-8 text"),
+    (lambda path: path.write_bytes(b"\xef\xbb\xbfseed = 1\n"), "byte-order mark"),
+    (lambda path: os.mkfifo(path), "not a regular file (a FIFO)"),  # read, it would hang
+    (lambda path: path.write_text("# " + "x" * (1 << 20) + "\n"), "bytes; a settings file is"),
+])
+def test_a_file_that_is_no_settings_file_is_refused_at_once(tmp_path, capsys, make, said):
+    make(tmp_path / "c.toml")
+    with pytest.raises(SystemExit):
+        pretrain_args(["--config", str(tmp_path / "c.toml")])
+    assert said in capsys.readouterr().err
+
+
+def test_one_config_file(tmp_path, capsys):
+    first, second = write(tmp_path / "a.toml", ""), write(tmp_path / "b.toml", "")
+    with pytest.raises(SystemExit):
+        pretrain_args(["--config", first, "--config", second])
+    assert "give one file" in capsys.readouterr().err
 
 
 def test_required_flags_come_from_the_file_or_the_command_line(tmp_path, capsys):
@@ -115,7 +136,9 @@ def test_shape_flags_change_the_preset_and_are_checked(data, tmp_path, monkeypat
     for extra, said in [(["--num-layers", "0"], "--num-layers must be at least 1"),
                         (["--objective", "electra", "--hidden-size", "32"],
                          "--hidden-size: the model shape flags change a BERT preset"),
-                        (["--hidden-size", "65"], "65")]:
+                        (["--hidden-size", "65"], "65"),
+                        (["--ffn-hidden-size", "33", "--tp", "2"], "33 cannot be split over")]:
+        monkeypatch.setenv("WORLD_SIZE", "2" if "--tp" in extra else "1")
         with pytest.raises(SystemExit) as error:
             load([*common, "--out", str(tmp_path / "b"), "--model", "tiny", *extra])
         assert said in str(error.value), str(error.value)
@@ -151,6 +174,11 @@ def test_recorded_settings_are_absolute_and_one_shot_flags_are_not_recorded(tmp_
     assert again.steps == 5 and again.mask_split == (0.7, 0.2)
     assert again.data == settings["data"] and again.ds_config == settings["ds_config"]
     assert not again.fresh_start and again.resume_from is None
+    # a command complete on its own is taken as it is: nothing of the run's added
+    complete = command_line.parse(flags.parser(), ["--out", str(tmp_path / "run"), "--data", "d",
+                                                   "--ds-config", "c", "--steps", "5"],
+                                  recorded=recorded_settings.of_run_folder)
+    assert complete.mask_split is None and complete.data == ["d"]
 
 
 def test_tupe_pretrain_print_config_is_refused_or_printed_before_any_work(tmp_path):

@@ -142,6 +142,8 @@ def test_a_resume_that_restarts_a_finished_decay_says_so():
         "--steps 20 it begins after step 17: the rate goes back to the peak until then")
     assert decay_restart(previous, 8, {"scheduler": wsd(20, 3)}) == ""  # still stable
     assert decay_restart(previous, 9, {"scheduler": wsd(20, 12)}) == ""  # decays on
+    assert "begins after step 9: the rate goes back" in decay_restart(  # its first step: peak
+        previous, 9, {"scheduler": wsd(11, 2)})
     assert decay_restart(None, 9, {"scheduler": wsd(20, 3)}) == ""
     assert decay_restart({"steps": 10}, 9, {"scheduler": wsd(20, 3)}) == ""  # an older run.json
 

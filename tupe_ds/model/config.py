@@ -142,6 +142,9 @@ class ModelConfig:
         require(self.num_attention_heads % self.tensor_parallel_size == 0, "num_attention_heads",
                 f"{self.num_attention_heads} heads cannot be split over tensor_parallel_size="
                 f"{self.tensor_parallel_size}; choose a tp that divides the number of heads")
+        require(self.ffn_hidden_size % self.tensor_parallel_size == 0, "ffn_hidden_size",
+                f"{self.ffn_hidden_size} cannot be split over tensor_parallel_size="
+                f"{self.tensor_parallel_size}; choose a size that tp divides")
         require(self.vocab_size % self.tensor_parallel_size == 0, "vocab_size",
                 f"{self.vocab_size} is not divisible by tensor_parallel_size="
                 f"{self.tensor_parallel_size}")

@@ -9,14 +9,18 @@ the command line wins, and each value goes through the flag's own type and choic
 import argparse
 import difflib
 import json
+import os
 import sys
 import tomllib
 from typing import Callable, Optional
+
+from tupe_ds.tools.files import NotRegularFile, regular_file
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"
 # dests no file sets: --verbose is read as the command imports (third_party_warnings.py)
 NOT_SETTINGS = ("help", "config", "print_config", "local_rank", "verbose")
+MAX_CONFIG_BYTES = 1 << 20
 
 # A layer of settings below the file's: (where they came from, {dest: value}), from what the
 # command line and the file give (tupe-pretrain: OUT/run.json's, found through --out).
@@ -58,11 +62,19 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
     for action in required:  # checked below, once every layer is in
         action.required = False
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config")
-    config_path = pre.parse_known_args(argv)[0].config
+    pre.add_argument("--config", action="append")
+    config_paths = pre.parse_known_args(argv)[0].config or []
+    if len(config_paths) > 1:
+        parser.error(f"--config {' --config '.join(config_paths)}: give one file (a flag on the "
+                     "command line changes what it says)")
+    config_path = config_paths[0] if config_paths else None
+    if config_path == "":
+        parser.error("--config: give a file")
     layers = [(config_path, read_config(parser, flags, config_path))] if config_path else []
     args = parse_over(parser, defaults, layers, argv, known)
-    layer = recorded(args) if recorded else None
+    given = setting_sources(flags, layers, argv)
+    complete = all(given[action.dest] != DEFAULT for action in required)
+    layer = recorded(args) if recorded and not complete else None  # fills a command's gaps
     if layer:
         layers.insert(0, (layer[0], checked_layer(parser, flags, layer[0], layer[1])))
         args = parse_over(parser, defaults, layers, argv, known)
@@ -73,7 +85,8 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
                      + ", ".join("/".join(action.option_strings) for action in missing)
                      + " (on the command line or in the --config file)")
     if args.print_config:
-        print(settings_text(parser.prog, flags, args, sources), end="")
+        if os.environ.get("RANK", "0") == "0":  # once under a launcher: a file to keep
+            print(settings_text(parser.prog, flags, args, sources), end="")
         raise SystemExit(0)
     return args, sources
 
@@ -102,12 +115,22 @@ def parse_over(parser, defaults: dict, layers: list, argv: list,
 def read_config(parser, flags: dict, path: str) -> dict:
     """{dest: value} of the TOML file `path`, each value checked by its flag."""
     try:
+        regular_file(path)  # a FIFO would hang the command, /dev/zero fill its memory
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            parser.error(f"--config {path}: {os.path.getsize(path):,} bytes; a settings file is "
+                         f"a few hundred")
         with open(path, "rb") as f:
             table = tomllib.load(f)
+    except NotRegularFile as error:
+        parser.error(f"--config {error}")
     except OSError as error:
         parser.error(f"--config {path}: cannot read it ({error.strerror})")
+    except UnicodeDecodeError:
+        parser.error(f"--config {path}: not UTF-8 text; save it as UTF-8 (TOML's encoding)")
     except tomllib.TOMLDecodeError as error:
-        parser.error(f"--config {path}: not TOML ({error})")
+        bom = "; it starts with a byte-order mark: save it as UTF-8 without one" if open(
+            path, "rb").read(3) == b"\xef\xbb\xbf" else ""
+        parser.error(f"--config {path}: not TOML ({error}){bom}")
     by_name = {option[2:]: action for action in flags.values()
                for option in action.option_strings if option.startswith("--")}
     values = {}
@@ -119,7 +142,7 @@ def read_config(parser, flags: dict, path: str) -> dict:
             parser.error(f"--config {path}: {key} is not a setting of {parser.prog} (keys are "
                          f"its flags without the dashes: {parser.prog} --help){hint}")
         if action.dest in values:
-            parser.error(f"--config {path}: {key} sets --{key.replace('_', '-')} a second time "
+            parser.error(f"--config {path}: {key} sets {action.option_strings[0]} a second time "
                          "(under another of its names)")
         values[action.dest] = flag_value(parser, action, f"--config {path}: {key}", value)
     return values
@@ -150,7 +173,9 @@ def flag_value(parser, action: argparse.Action, where: str, value):
         return action.const if value else not action.const
     many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
     if isinstance(value, dict) or (isinstance(value, list) and not many):
-        parser.error(f"{where} = {value!r}: give one value")
+        typed = (f" (this flag takes several in one: \"{','.join(map(str, value))}\")"
+                 if isinstance(value, list) and action.type is not None else "")
+        parser.error(f"{where} = {value!r}: give one value{typed}")
     items = value if isinstance(value, list) else [value]
     if many and not items and action.nargs == "+":
         parser.error(f"{where}: give at least one value")

@@ -19,7 +19,7 @@ from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
 from tupe_ds.train import (nonfinite, optimizer_boundary, recorded_settings, run_description,
                            run_lock)
-from tupe_ds.train.checkpoint import InitPlan, ResumePlan
+from tupe_ds.train.checkpoint import InitPlan, ResumePlan, manifest
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
@@ -115,9 +115,11 @@ def load(argv=None, world_size: Optional[int] = None,
     `world_size` processes (default: WORLD_SIZE, else 1), on `machine` (default: this one).
     `take_lock` (tupe-pretrain's rank 0): OUT/run.lock is taken before any checkpoint is read,
     and held by the RunConfig's `lock` (release it); --check-only only checks it."""
-    args, sources = command_line.resolve(parser(), argv, recorded=recorded_settings.of_run_folder)
+    command = parser()
+    defaults = {action.dest: action.default for action in command._actions}
+    args, sources = command_line.resolve(command, argv, recorded=recorded_settings.of_run_folder)
     if take_lock or args.check_only:  # rank 0 (a --check-only runs alone)
-        recorded_settings.say_taken(args.out, sources)
+        recorded_settings.say_taken(args, sources, defaults)
     check_flags(args)
     sources = tuple(data_sources(args))
     if world_size is None:
@@ -244,12 +246,11 @@ def branch_rate_change(plan: InitPlan, ds_config: dict, allow: bool) -> InitPlan
     """A decay branch whose first rate is not the one its checkpoint's last step ran at says both
     (a line among the plan's changes); refused without --allow-training-changes where it is
     higher: a branch from a run already decaying would warm back up."""
-    origin = os.path.dirname(os.path.dirname(plan.step_dir))  # RUN of RUN/checkpoints/stepN
-    try:
-        schedule = run_description.read(origin).get("lr_schedule")
-    except ValueError as error:
-        note = (f"tupe-pretrain: --branch: the rate step {plan.step} ran at is not known "
-                f"({error}); the branch starts at its own schedule's")
+    schedule = manifest.read(plan.step_dir).get("lr_schedule")  # as its start ran it
+    if schedule is None:
+        note = (f"tupe-pretrain: --branch: the rate step {plan.step} ran at is not known (its "
+                "manifest, written before tupe_ds recorded schedules, says none); the branch "
+                "starts at its own schedule's")
         return dataclasses.replace(plan, changes=(*plan.changes, note))
     last, first = branch_rates(schedule, plan.step, ds_config.get("scheduler"))
     if math.isnan(last) or math.isnan(first) or math.isclose(first, last, rel_tol=1e-6,

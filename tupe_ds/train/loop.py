@@ -320,7 +320,8 @@ def train(run: RunConfig, launcher: str) -> None:
               "training": run.training, "resumed_from": plan.tag if plan else None,
               "resume_from_applied": resume.applied_tag(plan),
               "init_from": run.init_plan.step_dir if run.init_plan else None,
-              "software": safe_load.software_versions()}  # what a resume can load: safe_load
+              "software": safe_load.software_versions(),  # what a resume can load: safe_load
+              "lr_schedule": run.ds_config.get("scheduler")}  # its steps ran under: a --branch
     guard = NonFiniteGuard(engine, run.max_nonfinite_steps,
                            state.get("nonfinite") if state else None)
     last_checkpoint = plan.tag if plan else None

@@ -1,10 +1,13 @@
 """The settings a run recorded in OUT/run.json: `tupe-pretrain --out RUN` alone (or with a new
---steps) goes on with them, as Megatron-LM's --use-checkpoint-args does. A flag or a --config
-file still wins over them, and what then differs from the checkpoint goes through the same-run
-checks of any resume (checkpoint/resume.py)."""
+--steps) goes on with them, as Megatron-LM's --use-checkpoint-args does. They fill only a
+command that lacks what a run needs (--data, --ds-config, --steps, from the flags or a --config
+file): a command complete on its own is taken as it is, as before. A flag or a --config file
+wins over them, and what then differs from the checkpoint goes through the same-run checks of
+any resume (checkpoint/resume.py)."""
 
 import argparse
 import os
+import sys
 from typing import Optional
 
 from tupe_ds.data import blend
@@ -22,7 +25,7 @@ def recordable(args: argparse.Namespace) -> dict:
     absolute (a resume may start in another folder)."""
     settings = {dest: value for dest, value in vars(args).items() if dest not in ONE_SHOT}
     for dest in PATHS:
-        if settings.get(dest) is not None:
+        if settings.get(dest):  # not "", which unsets --init-from
             settings[dest] = os.path.abspath(settings[dest])
     blended = len(args.data) > 1  # weight, folder, weight, folder...
     settings["data"] = [item if blended and index % 2 == 0 else absolute_data(item)
@@ -44,18 +47,26 @@ def of_run_folder(args: argparse.Namespace) -> Optional[tuple]:
         return None
     try:
         settings = run_description.read(args.out).get(FIELD)
-    except ValueError:
+    except ValueError as error:
+        if os.path.exists(os.path.join(args.out, run_description.FILE)):
+            print(f"tupe-pretrain: its settings cannot be taken from it: {error}",
+                  file=sys.stderr)
         return None
     if not isinstance(settings, dict):
+        print(f"tupe-pretrain: {os.path.join(args.out, run_description.FILE)} records no settings "
+              "(an earlier tupe_ds wrote it): give the run's flags", file=sys.stderr)
         return None
     return (os.path.join(args.out, run_description.FILE),
             {dest: value for dest, value in settings.items() if dest not in ONE_SHOT})
 
 
-def say_taken(out: str, sources: dict) -> None:
-    """One line when settings came from OUT/run.json, naming them."""
-    where = os.path.join(out, run_description.FILE)
+def say_taken(args: argparse.Namespace, sources: dict, defaults: dict) -> None:
+    """One line when settings came from OUT/run.json, naming those that are not the defaults."""
+    where = os.path.join(args.out, run_description.FILE)
     taken = [dest for dest, source in sources.items() if source == where]
+    named = [f"--{dest.replace('_', '-')}" for dest in taken
+             if getattr(args, dest) != defaults.get(dest)]
     if taken:
-        print(f"tupe-pretrain: {len(taken)} settings the command does not give are the run's, "
-              f"from {where} (--print-config lists them)", flush=True)
+        print(f"tupe-pretrain: the settings the command does not give are the run's, from "
+              f"{where}: {', '.join(named) or 'the defaults'} (--print-config shows them)",
+              flush=True)

@@ -169,7 +169,7 @@ def decay_restart(previous: dict, step: int, ds_config: dict) -> str:
         return ""
     began = previous["steps"] - before["params"]["decay_num_steps"]
     begins = now["params"]["total_num_steps"] - now["params"]["decay_num_steps"]
-    if step <= began or begins <= step:
+    if step <= began or begins < step:  # begins == step: the decay's first step is the peak's
         return ""
     return (f"tupe-pretrain: step {step} was in the decay that began after step {began} (--steps "
             f"{previous['steps']}); with --steps {now['params']['total_num_steps']} it begins "
