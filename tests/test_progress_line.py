@@ -3,6 +3,7 @@
 test_pretrain.py, test_loss_falls_and_tensorboard_has_the_run."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -110,7 +111,8 @@ def test_the_summary_says_the_run_s_best_validation_and_where_things_are(tmp_pat
     monitor.close()
     lines = monitor.summary(40, 4.6, "step40").split("\n")
     assert lines[0] == "final valid loss 4.6000 at step 40"
-    assert lines[1].startswith("this start trained steps 31-40 of 40 in 0:00:")
+    assert re.fullmatch(r"this start trained steps 31-40 of 40 in \d+:\d\d:\d\d \(wall time since "
+                        r"its process started\); the run's training time 1:00:00", lines[1])
     assert lines[1].endswith("; the run's training time 1:00:00")
     assert lines[2:] == ["best valid loss 4.5000 at step 20",
                          f"newest checkpoint {out}/checkpoints/step40",
