@@ -124,6 +124,19 @@ def test_print_config_says_where_each_setting_came_from_and_is_a_config_file(tmp
     assert vars(again) == {**vars(pretrain_args(argv)), "config": str(tmp_path / "printed.toml")}
 
 
+def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset(capsys):
+    with pytest.raises(SystemExit):
+        load(["--data", "d", "--out", "o", "--steps", "3", "--ds-config", CPU_CONFIG,
+              "--lr", "0.5", "--print-config"])
+    printed = capsys.readouterr().out.splitlines()
+    with open(CPU_CONFIG) as f:
+        config = json.load(f)
+    assert (f"# global-batch = {config['train_batch_size']}  # not set: the --ds-config's, "
+            f"{CPU_CONFIG}") in printed
+    assert "lr = 0.5  # command line" in printed
+    assert f'# lr-schedule = "linear"  # not set: the --ds-config\'s, {CPU_CONFIG}' in printed
+
+
 def test_shape_flags_change_the_preset_and_are_checked(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     common = ["--data", data, "--ds-config", CPU_CONFIG, "--steps", "2", "--seq-len", "64"]

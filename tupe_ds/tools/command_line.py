@@ -53,23 +53,18 @@ UNKNOWN = "_unknown_arguments"
 
 
 def resolve(parser: argparse.ArgumentParser, argv=None,
-            recorded: Optional[Recorded] = None, known: bool = False) -> tuple:
-    """`parse`, and {dest: where its value came from}."""
+            recorded: Optional[Recorded] = None, known: bool = False,
+            unset: Optional[Callable] = None) -> tuple:
+    """`parse`, and {dest: where its value came from}. `unset(namespace)`: {dest: (value,
+    where)} of the flags left unset whose value comes from elsewhere (tupe-pretrain: the
+    DeepSpeed config's), for --print-config."""
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = settable_flags(parser)
     defaults = {dest: action.default for dest, action in flags.items()}
     required = [action for action in flags.values() if action.required]
     for action in required:  # checked below, once every layer is in
         action.required = False
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", action="append")
-    config_paths = pre.parse_known_args(argv)[0].config or []
-    if len(config_paths) > 1:
-        parser.error(f"--config {' --config '.join(config_paths)}: give one file (a flag on the "
-                     "command line changes what it says)")
-    config_path = config_paths[0] if config_paths else None
-    if config_path == "":
-        parser.error("--config: give a file")
+    config_path = config_file(parser, argv)
     layers = [(config_path, read_config(parser, flags, config_path))] if config_path else []
     args = parse_over(parser, defaults, layers, argv, known)
     given = setting_sources(flags, layers, argv)
@@ -86,9 +81,23 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
                      + " (on the command line or in the --config file)")
     if args.print_config:
         if os.environ.get("RANK", "0") == "0":  # once under a launcher: a file to keep
-            print(settings_text(parser.prog, flags, args, sources), end="")
+            print(settings_text(parser.prog, flags, args, sources, unset(args) if unset else {}),
+                  end="")
         raise SystemExit(0)
     return args, sources
+
+
+def config_file(parser: argparse.ArgumentParser, argv: list) -> Optional[str]:
+    """The --config FILE of argv (None: none), before the parser reads the rest."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", action="append")
+    paths = pre.parse_known_args(argv)[0].config or []
+    if len(paths) > 1:
+        parser.error(f"--config {' --config '.join(paths)}: give one file (a flag on the "
+                     "command line changes what it says)")
+    if paths == [""]:
+        parser.error("--config: give a file")
+    return paths[0] if paths else None
 
 
 def settable_flags(parser: argparse.ArgumentParser) -> dict:
@@ -218,7 +227,8 @@ def setting_sources(flags: dict, layers: list, argv: list) -> dict:
     return sources
 
 
-def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dict) -> str:
+def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dict,
+                  elsewhere: dict) -> str:
     """The settings as a TOML file for --config, each line saying where its value came from; a
     setting with no value is a comment."""
     lines = [f"# {prog}: the resolved settings, each with where it came from"]
@@ -226,7 +236,10 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
         name = action.option_strings[0].lstrip("-")
         value = getattr(args, dest)
         where = sources[dest]
-        if value is None:
+        if value is None and dest in elsewhere:
+            given, place = elsewhere[dest]
+            lines.append(f"# {name} = {toml_value(given)}  # not set: {place}")
+        elif value is None:
             lines.append(f"# {name} = (not set)  # {where}")
         elif isinstance(value, tuple) and action.nargs is None:  # typed "A,B" (--mask-split)
             lines.append(f"{name} = {toml_value(','.join(map(str, value)))}  # {where}")

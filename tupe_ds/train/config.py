@@ -22,7 +22,7 @@ from tupe_ds.train import (nonfinite, optimizer_boundary, recorded_settings, run
 from tupe_ds.train.checkpoint import InitPlan, ResumePlan, manifest
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
-from tupe_ds.train.ds_config import BatchSplit, deepspeed_config
+from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_config
 from tupe_ds.train.flags import (SHAPE_FLAGS, check_flags, data_sources, fail, masking_scheme,
                                  parser)
 from tupe_ds.train.objectives import OBJECTIVES
@@ -117,7 +117,8 @@ def load(argv=None, world_size: Optional[int] = None,
     and held by the RunConfig's `lock` (release it); --check-only only checks it."""
     command = parser()
     defaults = {action.dest: action.default for action in command._actions}
-    args, sources = command_line.resolve(command, argv, recorded=recorded_settings.of_run_folder)
+    args, sources = command_line.resolve(command, argv, recorded=recorded_settings.of_run_folder,
+                                         unset=given_by_config)
     if take_lock or args.check_only:  # rank 0 (a --check-only runs alone)
         recorded_settings.say_taken(args, sources, defaults)
     check_flags(args)

@@ -14,7 +14,7 @@ from tupe_ds.train import batch_ramp, normalization, precision
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.identity import training_settings
 from tupe_ds.train.flags import MICRO_BATCH_AUTO, fail
-from tupe_ds.train.schedule import config_warmup, decay_room, scheduler_config
+from tupe_ds.train.schedule import SCHEDULE_NAMES, config_warmup, decay_room, scheduler_config
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,24 @@ class BatchSplit:
                 + (f", ramped up from {ramp.start} by {ramp.increment} over the first "
                    f"{ramp.samples} samples" if ramp else "")
                 + (f" ({self.note})" if self.note else ""))
+
+
+def given_by_config(args: argparse.Namespace) -> dict:
+    """{dest: (value, where)} of the flags that override the --ds-config, as the file gives them
+    (--print-config; {} when it does not read)."""
+    try:
+        with open(args.ds_config) as f:
+            config = json.load(f)
+        warmup = config_warmup(config)
+    except (OSError, TypeError, ValueError, AttributeError):
+        return {}
+    values = {"micro_batch": config.get("train_micro_batch_size_per_gpu"),
+              "global_batch": config.get("train_batch_size"),
+              "zero_stage": config.get("zero_optimization", {}).get("stage"),
+              "lr": warmup["peak_lr"], "warmup_steps": warmup["warmup_num_steps"],
+              "lr_schedule": SCHEDULE_NAMES.get((config.get("scheduler") or {}).get("type"))}
+    where = f"the --ds-config's, {args.ds_config}"
+    return {dest: (value, where) for dest, value in values.items() if value is not None}
 
 
 def deepspeed_config(args: argparse.Namespace, dp: int,

@@ -32,6 +32,7 @@ SCHEDULES = {
 }
 DECAY_SHAPES = ("linear", "1-sqrt")
 WSD_TYPE = "WarmupStableDecayLR"  # how the DeepSpeed config's "scheduler" records it
+SCHEDULE_NAMES = {"WarmupDecayLR": "linear", "WarmupCosineLR": "cosine", WSD_TYPE: "wsd"}
 
 
 class WarmupStableDecayLR(WarmupLR):
@@ -149,8 +150,7 @@ def schedule_text(ds_config: dict) -> str:
     """The schedule in a few words, for the run's first line."""
     scheduler = ds_config.get("scheduler") or {}
     params = scheduler.get("params", {})
-    names = {"WarmupDecayLR": "linear", "WarmupCosineLR": "cosine", WSD_TYPE: "wsd"}
-    name = names.get(scheduler.get("type"), scheduler.get("type") or "constant")
+    name = SCHEDULE_NAMES.get(scheduler.get("type"), scheduler.get("type") or "constant")
     text = f"{name}, peak {config_warmup(ds_config)['peak_lr']:g}"
     if "warmup_num_steps" in params:
         text += f", {params['warmup_num_steps']} warmup steps"
