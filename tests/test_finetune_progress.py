@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from test_finetune import finetune_flags, sentiment  # noqa: F401 (a fixture)
 from tupe_ds.finetune.monitor import TrialMonitor
+from tupe_ds.finetune.progress import hold
 from tupe_ds.finetune.run import main as finetune
 from tupe_ds.finetune.tasks import TASKS
 
@@ -78,6 +79,9 @@ def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_
     (out / "sst2.progress.json").write_text(json.dumps(progress))
     (out / "sst2.json").unlink()
     before = (out / "sst2.log.jsonl").read_bytes()
+    mine = out / "tensorboard" / "sst2" / "hf-baseline"  # the user's: never touched
+    mine.mkdir()
+    (out / "tensorboard" / "sst2" / "notes.txt").write_text("mine")
     with open(out / "sst2.log.jsonl", "ab") as f:
         f.write(b'{"lr": 0.001, "seed": 2, "ep')
     assert finetune(flags(sentiment, out, "--seeds", "1", "2", "--batch-size", "4")) == 0
@@ -94,7 +98,9 @@ def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_
     first = b"".join(line + b"\n" for line in before.split(b"\n") if b'"seed": 1,' in line)
     assert (out / "sst2.log.jsonl").read_bytes().startswith(first)  # byte for byte
     run = out / "tensorboard" / "sst2" / "lr=0.001,seed=2"
-    assert len(os.listdir(run)) == 1  # the killed attempt's events removed
+    assert len(os.listdir(run)) == 1  # the killed attempt's events moved aside, not deleted
+    assert len(os.listdir(out / "tensorboard" / "sst2.redone" / "lr=0.001,seed=2.1")) == 1
+    assert mine.is_dir() and (out / "tensorboard" / "sst2" / "notes.txt").read_text() == "mine"
     assert [step for step, _ in scalars(run, "train/loss")] == list(range(3, 121, 3))
 
 
@@ -130,3 +136,20 @@ def test_the_per_device_and_global_batch_must_agree(sentiment, tmp_path, capsys)
             "--global-batch-size 16; give --per-device-train-batch-size 16 for a global batch "
             "of 16, or only one of the two") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_one_fine_tune_of_a_task_in_a_folder_at_once_and_a_log_that_is_no_file_refused(
+        sentiment, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    held = hold(str(out), "sst2")  # another tupe-finetune's, running
+    assert finetune(flags(sentiment, out, "--seeds", "1", "--batch-size", "4")) == 2
+    assert f"another tupe-finetune is fine-tuning sst2 there (it holds {out}/sst2.lock)" in \
+        capsys.readouterr().err
+    held.close()
+    os.mkfifo(out / "sst2.log.jsonl")  # read, it would hang the start
+    assert finetune(flags(sentiment, out, "--seeds", "1", "--batch-size", "4")) == 2
+    assert "sst2.log.jsonl: not a regular file (a FIFO)" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "300")  # more processes than examples: no step would train
+    assert finetune(flags(sentiment, tmp_path / "other", "--seeds", "1", "--batch-size",
+                          "300")) == 2
+    assert "fewer than the 300 processes: no step would train" in capsys.readouterr().err

@@ -141,3 +141,12 @@ def test_mpiruns_default_port_taken_on_rank_0_is_a_clear_error(monkeypatch):
         assert launch.discover(users) == "mpirun"  # the user's own port, as it is
     free = {**mpirun, "OMPI_COMM_WORLD_RANK": "0"}
     assert launch.discover(free) == "mpirun" and free["MASTER_PORT"] == str(port)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "99999", "-1"])
+def test_a_master_port_that_is_no_port_is_said_before_any_launch(monkeypatch, value):
+    monkeypatch.setenv("MASTER_PORT", value)
+    with pytest.raises(ValueError, match=f"MASTER_PORT='{value}' is not a port"):
+        launchers.launcher_command("torchrun", 2, "tupe_ds.pretrain", [])
+    monkeypatch.setenv("MASTER_PORT", "")  # empty: unset, as before
+    assert launchers.users_port() is None

@@ -30,7 +30,7 @@ from tupe_ds.compare.plan import CompareError, Plan, read_plan
 from tupe_ds.compare.recipes import RECIPES, SCHEDULE_FLAGS, modern, without
 from tupe_ds.compare.report import headline, write_report
 from tupe_ds.compare.runner import run_all
-from tupe_ds.distributed.launchers import LAUNCHERS
+from tupe_ds.distributed.launchers import LAUNCHERS, users_port
 from tupe_ds.finetune.flags import DEFAULT_GLOBAL_BATCH, list_of, positive
 from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.machine.doctor import probe
@@ -176,6 +176,10 @@ def planned(prog: str, argv: list) -> tuple:
     """(Plan, launcher), checked by tupe-pretrain's own rules and saved to OUT/compare.json."""
     args, pretrain_flags = command_line.parse_known(plan_parser(prog, __doc__.split("\n")[0]),
                                                     argv)
+    try:
+        users_port()  # before any run starts
+    except ValueError as error:
+        raise CompareError(str(error)) from None
     plan = make_plan(args, pretrain_flags)
     plan.check()
     plan.save()

@@ -7,7 +7,7 @@ tupe_ds filters it (tupe_ds/tools/third_party_warnings.py)."""
 import os
 import random
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from tupe_ds.distributed.launch import SRUN_PORTS, port_is_free, srun_port
 from tupe_ds.tools.third_party_warnings import launcher_accelerator, verbose
@@ -50,7 +50,7 @@ def launcher_command(launcher: str, processes: int, module: str, argv: list,
                      port: int = None) -> list:
     """`python -m MODULE ARGV` in `processes` processes of this machine, as started by hand: on
     `port`, else the user's MASTER_PORT, else a free one (launch chooses again when it is taken)."""
-    port = str(port or os.environ.get("MASTER_PORT") or free_port())
+    port = str(port or users_port() or free_port())
     if launcher == "deepspeed":
         # its only warning is that no hostfile exists, which a run on this machine needs not.
         # No --master_addr: on one machine it gives its ranks 127.0.0.1 whatever it is told.
@@ -65,6 +65,18 @@ def launcher_command(launcher: str, processes: int, module: str, argv: list,
         prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                   str(processes), *address, "--master_port", port, "-m"]
     return [*prefix, module, *argv]
+
+
+def users_port() -> Optional[int]:
+    """The user's MASTER_PORT (None: unset or empty); ValueError saying what to set when it is
+    not a port."""
+    text = os.environ.get("MASTER_PORT", "")
+    if not text:
+        return None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"MASTER_PORT={text!r} is not a port: set a number from 1 to 65535, or "
+                         "unset it for tupe_ds to choose a free one")
+    return int(text)
 
 
 def launch(launcher: str, processes: int, module: str, argv: list, run: Callable[[list], int],
@@ -87,11 +99,11 @@ def on_a_free_port(attempt: Callable[[int], int], say=print) -> int:
     """`attempt(port)`'s exit code, as `launch` tries it: on the user's MASTER_PORT, else on
     ports chosen here until one is not taken by another process (for callers that build their
     own launcher command)."""
-    chosen = "MASTER_PORT" not in os.environ
+    given = users_port()
     for attempt_number in range(1, PORT_ATTEMPTS + 1):
-        port = free_port() if chosen else int(os.environ["MASTER_PORT"])
+        port = given or free_port()
         exit_code = attempt(port)
-        if exit_code == 0 or not chosen or port_is_free(port) or attempt_number == PORT_ATTEMPTS:
+        if exit_code == 0 or given or port_is_free(port) or attempt_number == PORT_ATTEMPTS:
             return exit_code
         say(f"tupe_ds: port {port} was taken by another process as the launch started: "
             "launching again on another port", flush=True)

@@ -18,7 +18,7 @@ OUT/TASK.log.redone.jsonl and removes their TensorBoard runs.
 import json
 import math
 import os
-import shutil
+import re
 import sys
 import time
 
@@ -28,9 +28,12 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from tupe_ds.finetune.progress import Progress
-from tupe_ds.tools.files import write_atomically
+from tupe_ds.tools.files import regular_file, write_atomically
 
 LOG_POINTS_PER_EPOCH = 20
+
+
+TRIAL_RUN = re.compile(r"lr=[^,/]+,seed=-?\d+")  # a trial's TensorBoard run: tensorboard_dir
 
 
 def log_path(out: str, task: str) -> str:
@@ -45,10 +48,13 @@ def tensorboard_dir(out: str, task: str, key: str) -> str:
 def keep_only(out: str, task: str, kept) -> None:
     """The task's log and TensorBoard runs hold the trials in `kept` (Progress keys) alone: the
     other trials' entries, and lines that are no entry (a write cut short by a kill), move byte
-    for byte to OUT/TASK.log.redone.jsonl; the other trials' TensorBoard runs are removed."""
+    for byte to OUT/TASK.log.redone.jsonl; the other trials' TensorBoard runs move to
+    OUT/tensorboard/TASK.redone/ (nothing is deleted; what is not a trial's run, a link or a file
+    of the user's, is left where it is). NotRegularFile when the log is no regular file."""
     path = log_path(out, task)
     data = b""
-    if os.path.exists(path):
+    if os.path.lexists(path):
+        regular_file(path, out)  # a FIFO would hang the start, a link write elsewhere
         with open(path, "rb") as f:
             data = f.read()
     stay, leave = [], []
@@ -63,8 +69,14 @@ def keep_only(out: str, task: str, kept) -> None:
     runs = os.path.join(out, "tensorboard", task)
     kept_runs = {os.path.basename(tensorboard_dir(out, task, key)) for key in kept}
     for name in os.listdir(runs) if os.path.isdir(runs) else []:
-        if name not in kept_runs:
-            shutil.rmtree(os.path.join(runs, name))
+        run = os.path.join(runs, name)
+        if (name in kept_runs or not TRIAL_RUN.fullmatch(name) or os.path.islink(run)
+                or not os.path.isdir(run)):
+            continue
+        redone = os.path.join(out, "tensorboard", f"{task}.redone")
+        os.makedirs(redone, exist_ok=True)
+        attempt = len([n for n in os.listdir(redone) if n.startswith(name + ".")]) + 1
+        os.rename(run, os.path.join(redone, f"{name}.{attempt}"))
 
 
 def trial_of(line: bytes):

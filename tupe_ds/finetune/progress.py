@@ -7,6 +7,7 @@ hyper-parameter but the grid. A result is reused only under equal settings; TASK
 settings too, and a task whose TASK.json has them and the same grid is finished.
 """
 
+import fcntl
 import json
 import os
 from typing import Optional
@@ -37,6 +38,26 @@ def finished(out: str, task: str, settings: dict, lrs: list, seeds: list) -> boo
     return (summary.get("settings") == settings
             and sorted(c["lr"] for c in configurations) == sorted(lrs)
             and all(sorted(map(int, c["seeds"])) == sorted(seeds) for c in configurations))
+
+
+class TaskBusy(RuntimeError):
+    """Another tupe-finetune is fine-tuning the task into the same folder."""
+
+
+def hold(out: str, task: str):
+    """OUT/TASK.lock, held by this process (rank 0) until it exits: the open file. TaskBusy when
+    another process holds it: two fine-tunes of one task into one folder would remove each
+    other's running trials' curves and lose each other's results."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{task}.lock")
+    held = open(path, "a")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.close()
+        raise TaskBusy(f"--out {out}: another tupe-finetune is fine-tuning {task} there (it holds "
+                       f"{path}); wait for it to end, or give another --out") from None
+    return held
 
 
 class Progress:

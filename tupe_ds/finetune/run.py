@@ -33,11 +33,12 @@ from tupe_ds.export.read import ExportError, exported_config, load_exported
 from tupe_ds.finetune.flags import BatchSizeError, add_batch_flags, global_batch_size, list_of
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.monitor import TrialMonitor, keep_only
-from tupe_ds.finetune.progress import Progress, finetune_settings, finished
+from tupe_ds.finetune.progress import Progress, TaskBusy, finetune_settings, finished, hold
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
 from tupe_ds.model.layers import embed
 from tupe_ds.tools import command_line
+from tupe_ds.tools.files import NotRegularFile
 from tupe_ds.train.optim import parameter_groups
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]
@@ -198,8 +199,10 @@ def main(argv=None) -> int:
     launch.discover()
     task = TASKS[args.task]
     valid = parse_valid(args.valid)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    writer = int(os.environ.get("RANK", "0")) == 0
     try:  # everything about the inputs is checked before a model is built
-        args.global_batch_size = global_batch_size(args, int(os.environ.get("WORLD_SIZE", "1")))
+        args.global_batch_size = global_batch_size(args, processes)
         model_config, description = exported_config(args.model)
         settings = finetune_settings(args, task, description.get("source"), valid)
         if finished(args.out, task.name, settings, args.lr, args.seeds):
@@ -214,11 +217,19 @@ def main(argv=None) -> int:
                                      model_config.vocab_size, max_length)
         data = {"tokenizer": tokenizer, "valid": {}}
         examples = read_examples(args.train, task)
+        if len(examples) < processes:
+            raise TaskDataError(f"--train {args.train}: {len(examples)} example(s), fewer than "
+                                f"the {processes} processes: no step would train; give more "
+                                "examples or fewer processes")
         data["train"] = (tokenizer(examples), [label for _, label in examples])
         for name, path in valid.items():
             examples = read_examples(path, task)
             data["valid"][name] = (tokenizer(examples), [label for _, label in examples])
-    except (BatchSizeError, TaskDataError, ExportError, FileNotFoundError) as error:
+        if writer:  # rank 0 alone keeps the task's files; the launcher ends the others
+            held = hold(args.out, task.name)  # noqa: F841  (held until the process ends)
+            keep_only(args.out, task.name, Progress(args.out, task.name, settings, True).results)
+    except (BatchSizeError, TaskDataError, ExportError, FileNotFoundError, TaskBusy,
+            NotRegularFile) as error:
         print(f"tupe-finetune: error: {error}", file=sys.stderr)
         return 2
     if torch.cuda.is_available():
@@ -226,12 +237,9 @@ def main(argv=None) -> int:
     device = accelerator_device()  # before any process group: see end_distributed
     if device.type == "cpu":
         share_cpu_cores()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if processes > 1:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
-    writer = not dist.is_initialized() or dist.get_rank() == 0
     progress = Progress(args.out, task.name, settings, writer)
-    if writer:
-        keep_only(args.out, task.name, progress.results)
     signal.signal(signal.SIGUSR1, lambda *_: stop_for_requeue(progress.path))
     runs = {}
     for lr in args.lr:
