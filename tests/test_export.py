@@ -1,5 +1,6 @@
 """tupe-export: the consolidated model of a ZeRO-2, a tp=2 and a pp=2 run gives the live engine's
-logits, and loads without DeepSpeed."""
+logits, and loads without DeepSpeed; the exported tokenizer adds [CLS]/[SEP] as the samples
+had them."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import torch
 from runs import CPU_CONFIG, ROOT, environment, free_port
 from test_hf_export import assert_transformers_match, run_transformers
 from tp_inputs import inputs
+from tupe_ds.export.hf.convert import tokenizer_files
 from tupe_ds.export.read import load_exported
 from tupe_ds.export.write import ExportError, export
 
@@ -64,6 +66,37 @@ def test_export_errors_name_what_is_missing(tmp_path):
     (step / "mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(ExportError, match="run.json: missing"):
         export(str(step), str(tmp_path / "out"))
+
+
+def test_exported_tokenizer_adds_cls_and_sep_as_the_samples_had_them(data, tmp_path):
+    """AutoTokenizer on the exported tokenizer files: the pretraining tokenizer's ids inside
+    "[CLS] a [SEP]" / "[CLS] a [SEP] b [SEP]" (b's part of type 1), and "[MASK]" taking the
+    space before it, as a masked word's token held it."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer_files(os.path.join(data, "tokenizer.json"), str(tmp_path), max_length=64)
+    exported = AutoTokenizer.from_pretrained(str(tmp_path))
+    pretraining = Tokenizer.from_file(os.path.join(data, "tokenizer.json"))
+    cls, sep = pretraining.token_to_id("[CLS]"), pretraining.token_to_id("[SEP]")
+
+    def ids(text):
+        return pretraining.encode(text, add_special_tokens=False).ids
+
+    for a, b in [("Anne was not sorry.", "She walked on."), ("Yes", "no, not at all; never.")]:
+        single = exported(a, return_token_type_ids=True)
+        assert single["input_ids"] == [cls] + ids(a) + [sep]
+        assert single["token_type_ids"] == [0] * (len(ids(a)) + 2)
+        assert single["attention_mask"] == [1] * (len(ids(a)) + 2)
+        pair = exported(a, b, return_token_type_ids=True)
+        assert pair["input_ids"] == [cls] + ids(a) + [sep] + ids(b) + [sep]
+        assert pair["token_type_ids"] == [0] * (len(ids(a)) + 2) + [1] * (len(ids(b)) + 1)
+        assert pair["attention_mask"] == [1] * len(pair["input_ids"])
+    her, mask = pretraining.token_to_id("Ġher"), pretraining.token_to_id("[MASK]")
+    words = ids("She did not know what to say to her sister.")
+    assert her in words
+    assert exported("She did not know what to say to [MASK] sister.")["input_ids"] == (
+        [cls] + [mask if i == her else i for i in words] + [sep])
 
 
 def electra_logits(run, ids, mask):

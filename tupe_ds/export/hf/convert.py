@@ -14,7 +14,8 @@ import shutil
 from typing import Dict, Optional
 
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
+from tokenizers.processors import TemplateProcessing
 import torch
 from torch import Tensor
 
@@ -149,25 +150,13 @@ def tokenizer_files(tokenizer_path: str, folder: str, max_length: int) -> None:
     "[CLS] a [SEP] b [SEP]" as the samples were, and [MASK] taking the space before it, as a
     masked token did (byte-level BPE puts a word's space in its token); `max_length`: the
     pretraining's sequence length."""
-    loaded = Tokenizer.from_file(tokenizer_path)
-    tokenizer = json.loads(loaded.to_str())
-    ids = {token["content"]: token["id"] for token in tokenizer["added_tokens"]}
-    for token in tokenizer["added_tokens"]:
-        token["lstrip"] = token["content"] == "[MASK]"
-    tokenizer["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}},
-                   {"Sequence": {"id": "A", "type_id": 0}},
-                   {"SpecialToken": {"id": "[SEP]", "type_id": 0}}],
-        "pair": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}},
-                 {"Sequence": {"id": "A", "type_id": 0}},
-                 {"SpecialToken": {"id": "[SEP]", "type_id": 0}},
-                 {"Sequence": {"id": "B", "type_id": 1}},
-                 {"SpecialToken": {"id": "[SEP]", "type_id": 1}}],
-        "special_tokens": {t: {"id": t, "ids": [ids[t]], "tokens": [t]}
-                           for t in ("[CLS]", "[SEP]")},
-    }
-    Tokenizer.from_str(json.dumps(tokenizer)).save(os.path.join(folder, "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer.add_special_tokens([AddedToken("[MASK]", lstrip=True, normalized=False,
+                                             special=True)])  # updates the existing [MASK]
+    tokenizer.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(t, tokenizer.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
     special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
                "sep_token": "[SEP]", "mask_token": "[MASK]"}
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
