@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -41,6 +42,26 @@ def test_metrics_match_scikit_learn_and_scipy():
         scipy.stats.spearmanr(guesses, scores)[0])
     assert METRICS["matthews"](np.ones(10, int), labels[:10]) == 0.0  # one class predicted
 
+
+
+def average_ranks(values):
+    """Ranks from 1, ties sharing their mean: the values below, plus the middle of the tied ones."""
+    return (values[:, None] > values).sum(1) + ((values[:, None] == values).sum(1) + 1) / 2
+
+
+def test_correlations_match_numpy_and_are_0_where_undefined():
+    rng = np.random.default_rng(1)
+    scores, guesses = rng.uniform(0, 5, 200).round(1), rng.uniform(0, 5, 200).round(1)  # ties
+    assert METRICS["pearson"](guesses, scores) == pytest.approx(
+        np.corrcoef(guesses, scores)[0, 1], abs=1e-12)
+    assert METRICS["spearman"](guesses, scores) == pytest.approx(
+        np.corrcoef(average_ranks(guesses), average_ranks(scores))[0, 1], abs=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not scipy's NaN with its warning
+        for predicted, labels in [(np.full(5, 2.5), scores[:5]), (guesses[:5], np.full(5, 3.0)),
+                                  (guesses[:1], scores[:1])]:
+            assert METRICS["pearson"](predicted, labels) == 0.0
+            assert METRICS["spearman"](predicted, labels) == 0.0
 
 def write_sentiment(path, count, seed):
     """An SST-2 style TSV: the label says whether the sentence holds a positive word."""

@@ -1,14 +1,15 @@
 """tupe_ds.compare.glue: Table 1 from made-up tupe-finetune summaries (TASK.json, made by
 finetune.report.summarize) — the scores (the paper's BERT-A row among them, and GLUE's average),
 the paired t intervals over pretraining seeds against a direct numpy computation, the paired and
-Welch t intervals over fine-tuning seeds against scipy's, the coverage of the intervals by
-simulation, the held-out learning-rate choice and the bias of both choices by simulation, and the
-sentences and markdown made from them.
+Welch t intervals over fine-tuning seeds against scipy's (Welch's also against its formula), the
+coverage of the intervals by simulation, the held-out learning-rate choice and the bias of both
+choices by simulation, and the sentences and markdown made from them.
 
 The simulated numbers the docs quote: `pytest tests/test_glue_table.py -k "cover or bias or
 clear" -rP`."""
 
 import statistics
+import warnings
 
 import numpy as np
 import pytest
@@ -177,6 +178,24 @@ def test_welch_t_where_the_encodings_ran_other_seeds_matches_scipy():
     for name in found:
         assert found[name]["method"] == f"Welch t over 3 to 4 {ONE_PRETRAINING_SEED}"
 
+
+
+def test_welch_interval_is_the_welch_satterthwaite_formula_and_values_alike_give_width_0():
+    encoding, baseline = [0.71, 0.74, 0.69], [0.70, 0.62, 0.66, 0.73]
+    variances = [np.var(x, ddof=1) / len(x) for x in (encoding, baseline)]
+    freedom = sum(variances) ** 2 / sum(v ** 2 / (len(x) - 1)
+                                        for v, x in zip(variances, (encoding, baseline)))
+    half = scipy.stats.t.ppf(0.975, freedom) * np.sqrt(sum(variances))
+    difference = np.mean(encoding) - np.mean(baseline)
+    found = glue_intervals.welch(encoding, baseline)
+    assert [found["low"], found["high"]] == pytest.approx(
+        [difference - half, difference + half], abs=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not scipy's warning about values all alike
+        alike = glue_intervals.welch([0.7, 0.7], [0.6, 0.6])
+        assert [alike["low"], alike["high"]] == pytest.approx([0.1, 0.1], abs=1e-12)
+        alike = glue_intervals.paired([0.1, 0.1, 0.1], "seeds")
+        assert [alike["low"], alike["high"]] == pytest.approx([0.1, 0.1], abs=1e-12)
 
 def test_pairs_are_the_same_fine_tuning_seed_and_other_seeds_are_not_paired():
     rng = np.random.default_rng(10)

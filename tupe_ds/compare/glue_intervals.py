@@ -14,8 +14,8 @@ A difference from the baseline comes with a 95% interval, Student's t in every c
   as the one measurement they are.
 Their coverage is measured by simulation in tests/test_glue_table.py."""
 
-import math
 import statistics
+import warnings
 
 import scipy.stats
 
@@ -26,23 +26,21 @@ ONE_PRETRAINING_SEED = ("fine-tuning seeds of one pretraining seed, the mean at 
                         "encoding's chosen learning rate (fine-tuning noise only)")
 
 
-def interval(difference: float, half: float, method: str) -> dict:
-    low, high = difference - half, difference + half
+def interval(difference: float, method: str, test, *samples, **options) -> dict:
+    """{difference, low, high, method, contains_zero}: the interval at LEVEL of scipy's t `test`
+    of the samples."""
+    with warnings.catch_warnings():
+        # scipy's warning about values all alike: their interval has width 0, as it should
+        warnings.filterwarnings("ignore", "Precision loss", RuntimeWarning)
+        low, high = (float(end) for end in test(*samples, **options).confidence_interval(LEVEL))
     return {"difference": difference, "low": low, "high": high, "method": method,
             "contains_zero": bool(low <= 0 <= high)}
 
 
-def t_half_width(variance: float, freedom: float) -> float:
-    """Half the width of Student's t interval of a mean with this variance."""
-    return float(scipy.stats.t.ppf(0.5 + LEVEL / 2, freedom) * math.sqrt(variance))
-
-
 def paired(differences: list, what: str) -> dict:
     """Student's t interval of the mean of per-seed differences."""
-    n = len(differences)
-    return interval(statistics.fmean(differences),
-                    t_half_width(statistics.variance(differences) / n, n - 1),
-                    f"paired t over {n} {what}")
+    return interval(statistics.fmean(differences), f"paired t over {len(differences)} {what}",
+                    scipy.stats.ttest_1samp, differences, 0)
 
 
 def over_pretraining_seeds(differences: list) -> dict:
@@ -52,15 +50,11 @@ def over_pretraining_seeds(differences: list) -> dict:
 def welch(encoding: list, baseline: list) -> dict:
     """Welch's t interval of the difference of the means (Welch-Satterthwaite degrees of
     freedom)."""
-    parts = [(statistics.variance(x) / len(x), len(x) - 1) for x in (encoding, baseline)]
-    variance = sum(v for v, _ in parts)
-    half = 0.0
-    if variance > 0:
-        half = t_half_width(variance, variance ** 2 / sum(v ** 2 / f for v, f in parts))
     fewer, more = sorted((len(encoding), len(baseline)))
     seeds = f"{fewer}" if fewer == more else f"{fewer} to {more}"
-    return interval(statistics.fmean(encoding) - statistics.fmean(baseline), half,
-                    f"Welch t over {seeds} {ONE_PRETRAINING_SEED}")
+    return interval(statistics.fmean(encoding) - statistics.fmean(baseline),
+                    f"Welch t over {seeds} {ONE_PRETRAINING_SEED}",
+                    scipy.stats.ttest_ind, encoding, baseline, equal_var=False)
 
 
 def with_average(summaries: dict, tasks) -> dict:
