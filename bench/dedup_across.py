@@ -168,7 +168,7 @@ def measure(folder: str, shards: int) -> dict:
 def measure_within(folder: str) -> dict:
     """The shards' pages, in order, through one Deduplicator (one prep run's stage)."""
     from data_prep.dedup import KEPT, Deduplicator
-    from data_prep.pipeline import PASS1_BATCH_DOCS
+    from data_prep.workers import PASS1_BATCH_DOCS
 
     os.makedirs(os.path.join(folder, "dedup"), exist_ok=True)
     dedup = Deduplicator("minhash", THRESHOLD, NUM_PERM, os.path.join(folder, "dedup"))

@@ -5,7 +5,7 @@ with a mask.
 
 For each prepared data folder (written by tupe-prep) and sequence length, this draws the train
 split's batches through the loader tupe-pretrain runs (Vocabulary, PackedSentences,
-MaskedSamples, TrainBatches, as tupe_ds/train/loop.py builds them; one data-parallel rank, which
+MaskedSamples, TrainBatches, as tupe_ds/train/datasets.py builds them; one data-parallel rank, which
 sees the same micro-batches as any rank would: consecutive samples of the epoch's order) and
 counts, from each micro-batch's attention mask: the share of samples padded, the share of
 micro-batches with at least one padded sample, the real length (mean, median, p10, p90) and the

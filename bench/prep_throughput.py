@@ -64,7 +64,7 @@ MB = 1e6
 PREPARE = ("import sys; args = sys.argv[1:]; sys.argv = ['tupe-prep']; "
            "from tupe_ds.tools import startup; "
            "import functools, json, resource, warnings; warnings.filterwarnings('ignore'); "
-           "import data_prep.pipeline as p; from data_prep.cli import main; "
+           "import data_prep.workers as p; from data_prep.cli import main; "
            "reference = args[3] == 'reference'; "
            "p.SentenceSplitter = functools.partial(p.SentenceSplitter, splitter='sentencizer') "
            "if reference else p.SentenceSplitter; "

@@ -1,19 +1,16 @@
 """The prep run: read -> clean -> dedup -> split -> BPE -> encode -> indexed datasets + manifest.
 
-Pass 1 streams the inputs through worker processes (cleaning, MinHash signatures, sentence
-splitting) and de-duplicates in input order in this process, spooling the kept documents to disk
-and feeding their sentences straight to the BPE trainer (unless a tokenizer is given). Pass 2
-encodes the spool in batches (tokenizers' own threads) into megatron-core indexed datasets.
-Outputs are written in a work folder and renamed into place when complete (`output.py`), so a
-crash leaves no partial output and running the same command again does the work again from the
-start.
+Pass 1 streams the inputs through worker processes (`workers.py`: cleaning, MinHash signatures,
+sentence splitting) and de-duplicates in input order in this process, spooling the kept documents
+to disk and feeding their sentences straight to the BPE trainer (unless a tokenizer is given).
+Pass 2 encodes the spool in batches (tokenizers' own threads) into megatron-core indexed datasets
+(`write.py`). Outputs are written in a work folder and renamed into place when complete
+(`output.py`), so a crash leaves no partial output and running the same command again does the
+work again from the start.
 """
 
-import array
 import collections
-import contextlib
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -24,113 +21,19 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from data_prep.clean import Cleaner
 from data_prep.config import PrepConfig
-from data_prep.across import SIGNATURES, write_band_index
-from data_prep.dedup import KEPT, Deduplicator, exact_key
-from data_prep.near import band_keys, lsh_shape, shingle_hashes, signature, write_shingles
+from data_prep.dedup import KEPT, Deduplicator
 from data_prep.merge import filter_against, near_settings
 from data_prep.output import DEDUP_STATE, SPLITS, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
-from data_prep.sentences import SentenceSplitter
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
+from data_prep.workers import PASS1_BATCH_DOCS, _map, worker_pool
+from data_prep.write import Written, _encode, count_written, write_near_files
 
 ENCODE_BATCH_DOCS = 256
-PASS1_BATCH_DOCS = 64  # documents per worker task
 SOURCE_COUNTS = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
                  "near_duplicates_removed", "cross_corpus_exact_removed",
                  "cross_corpus_near_removed", "documents_out", "sentences", "tokens")
-
-
-# ---- pass 1: per-document work, in worker processes -------------------------------------------
-
-_worker = {}
-
-
-def _init_worker(config: PrepConfig) -> None:
-    _worker["config"] = config
-    _worker["cleaner"] = Cleaner(lowercase=config.lowercase)
-    _worker["splitter"] = SentenceSplitter(config.spacy_model, config.min_sentence_words)
-
-
-def _process(text: str) -> dict:
-    """Clean, fingerprint and split one document; timings come back with it."""
-    config = _worker["config"]
-    timings = {}
-    start = time.perf_counter()
-    clean = _worker["cleaner"].normalize(text)
-    timings["clean"] = time.perf_counter() - start
-    if not clean:
-        return {"drop": "empty", "seconds": timings}
-    if len(clean.split()) < config.min_words:
-        return {"drop": "short", "seconds": timings}
-    start = time.perf_counter()
-    key = exact_key(clean)
-    shingles = shingle_hashes(clean, config.shingle) if config.dedup == "minhash" else None
-    minhash = signature(shingles, config.num_perm) if shingles is not None else None
-    timings["dedup"] = time.perf_counter() - start
-    start = time.perf_counter()
-    sentences = _worker["splitter"].split(clean)
-    timings["split"] = time.perf_counter() - start
-    return {"key": key, "signature": minhash, "shingles": shingles, "sentences": sentences,
-            "seconds": timings}
-
-
-def _process_batch(texts: list) -> dict:
-    """_process of each text, a task's worth, packed for one pickle each way per
-    PASS1_BATCH_DOCS (a numpy array per document costs more to send than to make): the results
-    without their arrays, and the kept-so-far documents' signatures, LSH band keys (computed
-    here, not in the de-duplicating process) and shingle hashes (one after another), an array
-    each."""
-    results = [_process(text) for text in texts]
-    signed = [result for result in results if result.get("signature") is not None]
-    packed = {"results": results}
-    if signed:
-        start = time.perf_counter()
-        config = _worker["config"]
-        packed["signatures"] = np.stack([result.pop("signature") for result in signed])
-        packed["bands"] = band_keys(packed["signatures"],
-                                    *lsh_shape(config.jaccard_threshold, config.num_perm)).T
-        shingles = [result.pop("shingles") for result in signed]
-        packed["shingle_ends"] = np.cumsum([len(s) for s in shingles])
-        packed["shingles"] = np.concatenate(shingles)
-        signed[0]["seconds"]["dedup"] += time.perf_counter() - start
-    return packed
-
-
-@contextlib.contextmanager
-def worker_pool(config: PrepConfig):
-    """The pass-1 workers (None: this process does their work). They are forked (on Linux)
-    after _init_worker, so they share its spaCy pipeline, and from the thread that calls this:
-    the main one, before tokenizers starts threads of its own."""
-    _init_worker(config)
-    if config.workers == 1:
-        yield None
-        return
-    fork = sys.platform == "linux"
-    context = multiprocessing.get_context("fork" if fork else "spawn")
-    with context.Pool(config.workers, initializer=None if fork else _init_worker,
-                      initargs=() if fork else (config,)) as pool:
-        yield pool
-
-
-def _map(pool, workers: int, batches):
-    """_process_batch of each batch of texts, in order. At most 2 x workers + 2 batches are in
-    the workers or waiting to be read here, so memory does not grow with the corpus when this
-    process (de-duplication, BPE counting) is slower than the workers."""
-    if pool is None:
-        yield from map(_process_batch, batches)
-        return
-    in_flight = collections.deque()
-    for batch in batches:
-        if len(in_flight) == 2 * workers + 2:
-            yield in_flight.popleft().get()
-        in_flight.append(pool.apply_async(_process_batch, (batch,)))
-    while in_flight:
-        yield in_flight.popleft().get()
-
-
-# ---- the run ----------------------------------------------------------------------------------
 
 
 def prepare(config: PrepConfig) -> dict:
@@ -303,78 +206,3 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     )
     publish(work, config.output, manifest)
     return manifest
-
-
-def write_near_files(work: str, dedup: Deduplicator, written: dict, config: PrepConfig,
-                     chunk: int = 4096) -> None:
-    """Each split's signatures, shingles and band index (data_prep/across.py), from the
-    deduplicator's files of every kept document's signature and shingles."""
-    spooled, ends = dedup.signatures.sync(), dedup.shingle_ends.sync()
-    starts = np.concatenate([[0], ends[:-1]])
-    for split in SPLITS:
-        order = written[split].column("rows")
-        prefix = os.path.join(work, split)
-        signatures = np.lib.format.open_memmap(f"{prefix}.{SIGNATURES}", mode="w+",
-                                               dtype=np.uint32, shape=(len(order), config.num_perm))
-        for start in range(0, len(order), chunk):
-            signatures[start:start + chunk] = spooled[order[start:start + chunk]]
-        signatures.flush()
-        write_shingles(prefix, (dedup.shingles_of(row) for row in order),
-                       int((ends[order] - starts[order]).sum()), len(order))
-        write_band_index(prefix, signatures, config.jaccard_threshold, config.num_perm)
-        del signatures
-
-
-class Written:
-    """One split's documents as written, in order: their keys, places in the spool, sources
-    (indices), sentences and tokens, in compact columns (32 bytes a document)."""
-
-    TYPES = {"keys": "Q", "rows": "q", "sources": "I", "sentences": "I", "tokens": "Q"}
-
-    def __init__(self):
-        self.columns = {name: array.array(code) for name, code in self.TYPES.items()}
-
-    def add(self, **values) -> None:
-        for name, value in values.items():
-            self.columns[name].append(value)
-
-    def column(self, name: str) -> np.ndarray:
-        return np.array(self.columns[name], dtype=self.TYPES[name])
-
-
-def _encode(batch, tokenizer, config, builders, sources: dict, written: dict) -> None:
-    sentences = [s for document in batch for s in document["sentences"]]
-    encoded = iter(tokenizer.encode_batch(sentences, add_special_tokens=False))
-    for document in batch:
-        ids = [next(encoded).ids for _ in document["sentences"]]
-        split = "valid" if (document["key"] >> 11) / 2**53 < config.valid_fraction else "train"
-        # the document's token ids (made a numpy array there) and its sentence lengths
-        lengths = [len(s) for s in ids]
-        builders[split].add_document([t for s in ids for t in s], lengths)
-        written[split].add(keys=document["key"], rows=document["row"],
-                           sources=sources[document["source"]], sentences=len(ids),
-                           tokens=sum(lengths))
-
-
-def count_written(written: dict, sources: list, per_source: dict, removed: dict) -> dict:
-    """Each split's counts (documents, sentences, tokens) of the documents `written` and not
-    `removed` (split -> what --dedup-against took, or nothing), added to each source's counts
-    (`sources`: their names and the numbers `written` has for them) with what it lost to other
-    corpora."""
-    split_counts = {}
-    for split, documents in written.items():
-        source = documents.column("sources")
-        gone = removed.get(split)
-        kept = np.ones(len(source), bool) if gone is None else ~gone.any
-        sentences, tokens = documents.column("sentences"), documents.column("tokens")
-        for name, index in sources.items():
-            mine, counts = source == index, per_source[name]
-            if gone is not None:
-                counts["cross_corpus_exact_removed"] += int((mine & gone.any & gone.exact).sum())
-                counts["cross_corpus_near_removed"] += int((mine & gone.any & ~gone.exact).sum())
-            counts["documents_out"] += int((mine & kept).sum())
-            counts["sentences"] += int(sentences[mine & kept].sum())
-            counts["tokens"] += int(tokens[mine & kept].sum())
-        split_counts[split] = {"documents": int(kept.sum()), "sentences": int(sentences[kept].sum()),
-                               "tokens": int(tokens[kept].sum())}
-    return split_counts

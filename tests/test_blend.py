@@ -14,10 +14,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tupe_ds.data.blend import PERIOD, BlendedSamples, Schedule, parse_sources, whole_shares
+from tupe_ds.data.blend import BlendedSamples
+from tupe_ds.data.blend_schedule import PERIOD, Schedule, whole_shares
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.data.sources import parse_sources
 
 from runs import log, train
 from test_index_cache import write_corpus
@@ -304,7 +306,7 @@ def test_pretrain_script_passes_token_count_weights_and_named_folders(tmp_path):
 def test_a_blend_checkpoint_of_the_old_schedule_is_refused_naming_the_schedule():
     """A checkpoint of a blend recorded before the schedule was changed (samples per 10,000, no
     schedule recorded): a resume names the schedule and what to do; a single source is unaffected."""
-    from tupe_ds.data.blend import SCHEDULE
+    from tupe_ds.data.blend_schedule import SCHEDULE
     from tupe_ds.train.checkpoint.identity import differences
 
     old = {"data": {"blend": [{"per_period": 7000}, {"per_period": 3000}]}}

@@ -12,7 +12,8 @@ hundreds of faults (bench/README.md, "chaos.py")."""
 
 import pytest
 
-from bench.chaos import FILE_FAULTS, PROCESS_FAULTS, Chaos
+from bench.chaos_faults import FILE_FAULTS, PROCESS_FAULTS
+from bench.chaos_harness import Chaos
 
 STEPS = 26
 

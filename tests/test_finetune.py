@@ -19,7 +19,7 @@ import torch
 
 import tupe_ds
 from runs import EXIT_WORKER, environment, free_port
-from tupe_ds.export.write import save_exported
+from tupe_ds.export.formats import save_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.run import main as finetune
 from tupe_ds.finetune.tasks import TASKS, TaskDataError, read_examples

@@ -19,9 +19,9 @@ from tp_inputs import inputs
 from tupe_ds.data.loader import MaskedSamples, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.export.formats import save_exported
 from tupe_ds.export.read import load_exported
 from tupe_ds.export.write import main as export_main
-from tupe_ds.export.write import save_exported
 from tupe_ds.finetune.run import main as finetune_main
 from tupe_ds.model.config import ENCODINGS
 

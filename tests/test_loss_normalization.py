@@ -23,7 +23,7 @@ import torch
 from runs import ROOT, log, train
 from tupe_ds.data.loader import MaskedSamples, Vocabulary
 from tupe_ds.data.packing import PackedSentences
-from tupe_ds.export.write import consolidated_state
+from tupe_ds.export.consolidate import consolidated_state
 from tupe_ds.train.objectives import OBJECTIVES
 
 SEQ_LEN, STEPS = 64, 3

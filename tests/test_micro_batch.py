@@ -13,14 +13,16 @@ import torch
 
 from tupe_ds.compare import recipes
 from tupe_ds.distributed.parallel import accelerator_device, ensure_model_parallel
-from tupe_ds.train import auto_micro_batch, loop
-from tupe_ds.train.auto_micro_batch import Probe, largest_fitting
+from tupe_ds.train import auto_micro_batch
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint import ResumePlan
 from tupe_ds.train.config import load
 from tupe_ds.train.ds_config import BatchSplit, micro_batch_candidates
+from tupe_ds.train.engine import build_engine, build_model
 from tupe_ds.train.flags import Refused
+from tupe_ds.train.micro_batch_search import Probe, largest_fitting
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.start_record import write_run_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
@@ -89,7 +91,7 @@ def probed(data, tmp_path_factory):
     ensure_model_parallel(1)
     run = load(flags(data, tmp_path_factory.mktemp("auto") / "run"))
     assert run.ds_config["train_micro_batch_size_per_gpu"] == "auto"
-    model = loop.build_model(run, OBJECTIVES["mlm"])
+    model = build_model(run, OBJECTIVES["mlm"])
     state = torch.random.get_rng_state()
     chosen = auto_micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device())
     return run, model, chosen, torch.equal(torch.random.get_rng_state(), state)
@@ -98,7 +100,7 @@ def probed(data, tmp_path_factory):
 def test_a_probe_chooses_keeps_the_random_state_and_hands_deepspeed_a_count(probed):
     run, model, chosen, random_state_kept = probed
     with pytest.raises(RuntimeError, match="chosen before the engine is built"):
-        loop.build_engine(run, OBJECTIVES["mlm"], accelerator_device(), model)
+        build_engine(run, OBJECTIVES["mlm"], accelerator_device(), model)
     assert random_state_kept and all(p.grad is None for p in model.parameters())
     split = chosen.batch_split
     assert (split.micro_batch, split.accumulation) == (16, 1)  # the tiny model fits whole
@@ -127,7 +129,7 @@ def test_nothing_fits_says_what_to_change(probed):
 def test_a_start_keeps_run_jsons_choice_for_its_layout_and_probes_another(data, probed):
     run, model, chosen, _ = probed
     os.makedirs(run.out, exist_ok=True)
-    loop.write_run_description(chosen, lineage="test")
+    write_run_description(chosen, lineage="test")
     with open(os.path.join(run.out, "run.json")) as f:
         recorded = json.load(f)["micro_batch"]
     assert recorded == {"size": 16, "auto": chosen.batch_split.auto}

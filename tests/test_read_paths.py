@@ -14,7 +14,7 @@ import torch
 
 from test_checkpoint import LAYOUT
 from test_resume_errors import read_errors  # noqa: F401  (a fixture)
-from tupe_ds.export import write
+from tupe_ds.export import consolidate
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.train import monitor
 from tupe_ds.train.checkpoint import reads, reshard, safe_load
@@ -149,7 +149,7 @@ def checkpoint(tmp_path, zero_shards=True):
 
 
 def export_sees_zero_shards(step_dir):
-    return bool(write.files_named(step_dir, "*mp_rank_00_optim_states.pt"))
+    return bool(consolidate.files_named(step_dir, "*mp_rank_00_optim_states.pt"))
 
 
 @pytest.mark.parametrize("listing", [reshard.has_zero_shards, export_sees_zero_shards])
@@ -184,9 +184,9 @@ def test_safe_load_is_retried_then_unreadable_never_damage(tmp_path, read_errors
     step_dir = checkpoint(tmp_path, zero_shards=False)
     path = step_dir / "mp_rank_00_model_states.pt"
     read_errors("model_states.pt", times=2)
-    assert torch.equal(write.slice_state(str(step_dir), 0, 1)["weight"], torch.ones(2))
+    assert torch.equal(consolidate.slice_state(str(step_dir), 0, 1)["weight"], torch.ones(2))
     read_errors("model_states.pt")
     with pytest.raises(reads.Unreadable, match=f"could not read {path} "):
         safe_load.scan(str(path))
     with pytest.raises(reads.Unreadable, match=f"could not read {path} "):
-        write.slice_state(str(step_dir), 0, 1)
+        consolidate.slice_state(str(step_dir), 0, 1)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-from tupe_ds.tools.lock import this_holder
+from tupe_ds.tools.lock_holder import this_holder
 from tupe_ds.train import monitor, run_description, run_lock
 from tupe_ds.train.checkpoint import folder, identity, manifest, reshard, resume
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock

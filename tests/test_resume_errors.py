@@ -17,7 +17,7 @@ import torch
 from one_process import deepspeed_group  # noqa: F401
 from test_checkpoint import LAYOUT
 from tupe_ds.train import run_description
-from tupe_ds.train.checkpoint import folder, manifest, reads, resume, safe_load
+from tupe_ds.train.checkpoint import choice, folder, loading, manifest, reads, resume, safe_load
 from tupe_ds.train.flags import Refused
 
 
@@ -39,7 +39,7 @@ def plan(out, resume_from=None, fresh_start=False):
 
 def choose(out, **flags):
     said = []
-    return resume.choose(plan(out, **flags), 1, 1, 1, 2, said.append), said
+    return choice.choose(plan(out, **flags), 1, 1, 1, 2, said.append), said
 
 
 def everything_in(out):
@@ -140,7 +140,7 @@ def test_a_failed_deepspeed_load_stops_with_the_line_not_a_traceback(tmp_path, d
     with pytest.raises(reads.Unreadable, match=f"could not read {out}/checkpoints/step2/mp_rank_00"
                                                r"_model_states.pt \(\[Errno 116\] Stale file "
                                                "handle\\): nothing was moved or deleted"):
-        resume.load(Engine(), chosen, seed=1)
+        loading.load(Engine(), chosen, seed=1)
 
 
 class Renamed:

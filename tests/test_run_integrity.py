@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runs import CPU_CONFIG, ROOT, environment, free_port, log, losses
-from tupe_ds.train.checkpoint import manifest, resume, safe_load
+from tupe_ds.train.checkpoint import allowed_changes, manifest, safe_load
 
 FAULT_WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
 FLAGS = ["--steps", "12", "--save-interval", "2", "--eval-interval", "12", "--dropout", "0",
@@ -584,9 +584,9 @@ def test_resume_refusals_name_what_to_change_and_accept_it(data, reference, tmp_
     step12 = str(reference / "checkpoints" / "step12")
     changed = accepted(flags_of(data, reference, "--lr", "1e-3", "--allow-training-changes"))
     assert "optimizer.params.lr: 0.002 in the checkpoint, 0.001 now (--lr)" in \
-        "\n".join(resume.training_changes(step12, changed.training, allow=True))
+        "\n".join(allowed_changes.training_changes(step12, changed.training, allow=True))
     longer = accepted(flags_of(data, reference, "--steps", "14"))  # the decay follows --steps
-    assert resume.training_changes(step12, longer.training, allow=False) == []
+    assert allowed_changes.training_changes(step12, longer.training, allow=False) == []
     config["optimizer"]["params"].update(betas=[0.9, 0.999], amsgrad=True)
     amsgrad = tmp_path / "amsgrad.json"
     amsgrad.write_text(json.dumps(config))

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tupe_ds.tools import lock as lock_module
-from tupe_ds.tools.lock import process_start, this_holder
+from tupe_ds.tools.lock_holder import process_start, this_holder
 from tupe_ds.train import run_lock
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 

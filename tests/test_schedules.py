@@ -18,7 +18,7 @@ from runs import CPU_CONFIG, EXIT_WORKER, environment, free_port, log, train
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
-from tupe_ds.export.write import consolidated_state
+from tupe_ds.export.consolidate import consolidated_state
 from tupe_ds.train.batch_ramp import BatchRamp, RampSettings
 from tupe_ds.train.config import load
 from tupe_ds.train.schedule import WSD_TYPE, client_scheduler, decay_restart

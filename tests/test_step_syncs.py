@@ -32,7 +32,8 @@ from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.machine import doctor
 from tupe_ds.train import optimizer_boundary
 from tupe_ds.train.config import load
-from tupe_ds.train.loop import build_engine, datasets
+from tupe_ds.train.datasets import datasets
+from tupe_ds.train.engine import build_engine
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train import steps as steps_module
 from tupe_ds.train.steps import release

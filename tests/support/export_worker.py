@@ -17,7 +17,9 @@ from tupe_ds.distributed.parallel import (accelerator_device, end_distributed, g
                                           start_distributed)
 from tupe_ds.train.checkpoint.save import save
 from tupe_ds.train.config import load
-from tupe_ds.train.loop import build_engine, datasets, saved_layout, write_run_description
+from tupe_ds.train.datasets import datasets
+from tupe_ds.train.engine import build_engine
+from tupe_ds.train.start_record import saved_layout, write_run_description
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.tools import startup
 

@@ -124,7 +124,7 @@ def finetune_plan(args) -> dict:
 def absolute_data(values: list) -> tuple:
     """--data's values with its folders made absolute: a folder, or weights and folders, a
     NAME=FOLDER keeping its name."""
-    from tupe_ds.data.blend import named_folder  # imports torch: not for the other commands
+    from tupe_ds.data.sources import named_folder  # imports numpy: not for the other commands
 
     def absolute(value):
         try:

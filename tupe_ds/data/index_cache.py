@@ -8,7 +8,7 @@ others wait on the lock: `flock`, or where the filesystem has none (Lustre mount
 `-o flock`), a lock file that names its holder and is taken over once that holder is gone
 (tupe_ds/tools/lock.py). A training run does not rely on the lock alone (NFS with local_lock,
 BeeGFS and Lustre's localflock lock per node): its rank 0 builds while the other ranks wait at a
-barrier (tupe_ds/train/loop.py). An array is written to a temporary file named by host and
+barrier (tupe_ds/train/datasets.py). An array is written to a temporary file named by host and
 process and linked into place, the first copy staying where two nodes built at once, so a build
 that is killed leaves nothing that is read; the next builder on that host removes the remains of
 builders that are no longer running there, and never touches another host's.

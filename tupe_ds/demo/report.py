@@ -23,7 +23,7 @@ from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.read import load_exported
 from tupe_ds.export.write import export
-from tupe_ds.train.flags import index_cache
+from tupe_ds.train.data_folders import index_cache
 
 SENTENCES = 3  # held-out sentences filled
 SENTENCE_TOKENS = (8, 40)  # the lengths of the sentences eligible
@@ -53,7 +53,7 @@ def unigram_counts(data: str) -> torch.Tensor:
 
 def held_out_batch(data: str, out: str, seq_len: int):
     """Up to EVAL_SAMPLES valid samples, masked alike in every report; their sample index from
-    where the run keeps it (flags.index_cache)."""
+    where the run keeps it (data_folders.index_cache)."""
     vocab = Vocabulary.from_data_dir(data)
     cache = index_cache(argparse.Namespace(index_cache=None, out=out), data)
     packed = PackedSentences(os.path.join(data, "valid"), seq_len, vocab.cls, vocab.sep, cache)

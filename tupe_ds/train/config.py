@@ -1,11 +1,10 @@
 """A run's typed configuration: `load()` puts the command line (`flags.py`), the process layout,
 the DeepSpeed config (`ds_config.py`), the checkpoint to resume or start from (checked against
-this run: `checkpoint/`) and the model configs together in a `RunConfig`, all checked before any
-heavy work."""
+this run: `checkpoint/`, a decay branch's: `decay_branch.py`) and the model configs together in
+a `RunConfig`, all checked before any heavy work."""
 
 import argparse
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -19,14 +18,18 @@ from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
 from tupe_ds.train import (nonfinite, optimizer_boundary, recorded_settings, run_description,
                            run_lock)
-from tupe_ds.train.checkpoint import InitPlan, ResumePlan, manifest
+from tupe_ds.train.checkpoint import InitPlan, ResumePlan
 from tupe_ds.train.checkpoint.identity import run_identity
-from tupe_ds.train.checkpoint.resume import plan_init, plan_resume, refuse_another_run
+from tupe_ds.train.checkpoint.allowed_changes import refuse_another_run
+from tupe_ds.train.checkpoint.init_from import plan_init
+from tupe_ds.train.checkpoint.resume import plan_resume
+from tupe_ds.train.data_folders import data_sources
+from tupe_ds.train.decay_branch import branch_rate_change, check_branch, refuse_another_branch
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_config
-from tupe_ds.train.flags import (SHAPE_FLAGS, check_flags, data_sources, fail, masking_scheme,
-                                 parser)
+from tupe_ds.train.flags import SHAPE_FLAGS, check_flags, fail, parser
+from tupe_ds.train.masking_flags import masking_scheme
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.schedule import branch_rates, decay_restart
+from tupe_ds.train.schedule import decay_restart
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
 CPU_CONFIG = doctor.CPU_CONFIG
@@ -61,7 +64,7 @@ class RunConfig:
     """Everything a run needs, checked: what `load()` returns."""
     objective: str  # a key of tupe_ds.train.objectives.OBJECTIVES
     model: str  # the preset (or ELECTRA pair) name
-    sources: tuple  # (blend.Source,): --data, one folder or the blend's, each with its cache
+    sources: tuple  # (sources.Source,): --data, one folder or the blend's, each with its cache
     out: str
     steps: int
     seq_len: int
@@ -215,57 +218,6 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                      settings=recorded_settings.recordable(args))
 
 
-def refuse_another_branch(out: str, origin: str, plan: ResumePlan) -> None:
-    """--branch into an --out with checkpoints: only the same branch goes on there (the same
-    command again), never the run it branches from or another branch."""
-    recorded = run_description.branched_from(out)
-    if recorded == origin:
-        return
-    held = f"{plan.directory}/{plan.tag}"
-    if recorded is None:
-        fail(f"--branch: --out {out} holds checkpoints of a run that is not a branch ({held}); "
-             "a decay branch starts in a folder of its own: give another --out")
-    fail(f"--branch: --out {out} holds the branch of {recorded} ({held}), not of {origin}; give "
-         f"this branch another --out (--init-from {recorded} goes on with that one)")
-
-
-def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:
-    """A decay branch starts after its checkpoint's step, and its decay does not start before
-    it: the steps the stable run trained keep the rates they had."""
-    if steps <= plan.step:
-        fail(f"--branch from step {plan.step}: --steps {steps} leaves nothing to train; give "
-             f"--steps {plan.step} + the steps of the branch")
-    params = ds_config.get("scheduler", {}).get("params", {})
-    decay = params.get("decay_num_steps")
-    if decay is not None and steps - decay < plan.step:
-        fail(f"--branch from step {plan.step}: --steps {steps} with --decay-steps {decay} starts "
-             f"the decay at step {steps - decay}, before the checkpoint's; use --steps "
-             f"{plan.step + decay} (or fewer --decay-steps)")
-
-
-def branch_rate_change(plan: InitPlan, ds_config: dict, allow: bool) -> InitPlan:
-    """A decay branch whose first rate is not the one its checkpoint's last step ran at says both
-    (a line among the plan's changes); refused without --allow-training-changes where it is
-    higher: a branch from a run already decaying would warm back up."""
-    schedule = manifest.read(plan.step_dir).get("lr_schedule")  # as its start ran it
-    if schedule is None:
-        note = (f"tupe-pretrain: --branch: the rate step {plan.step} ran at is not known (its "
-                "manifest, written before tupe_ds recorded schedules, says none); the branch "
-                "starts at its own schedule's")
-        return dataclasses.replace(plan, changes=(*plan.changes, note))
-    last, first = branch_rates(schedule, plan.step, ds_config.get("scheduler"))
-    if math.isnan(last) or math.isnan(first) or math.isclose(first, last, rel_tol=1e-6,
-                                                             abs_tol=1e-12):
-        return plan
-    change = (f"--branch from step {plan.step}: its last step ran at learning rate {last:.4g}, "
-              f"this schedule's first (step {plan.step + 1}) at {first:.4g}")
-    if first > last and not allow:
-        fail(f"{change}: the rate would warm back up (the checkpoint's run was already "
-             "decaying). Branch from a checkpoint of the stable phase, or add "
-             "--allow-training-changes to go on so")
-    return dataclasses.replace(plan, changes=(*plan.changes, f"tupe-pretrain: {change}"))
-
-
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
     model_parallel = args.tp * args.pp
     if world_size % model_parallel:
@@ -314,4 +266,3 @@ def padded_vocab(data_dir: str, tp: int) -> int:
     size = Tokenizer.from_file(os.path.join(data_dir, "tokenizer.json")).get_vocab_size()
     multiple = 128 * tp
     return -(-size // multiple) * multiple
-

@@ -1,19 +1,17 @@
-"""tupe-pretrain's command line: the parser, and the checks each flag needs on its own (counts,
-the masking's shares, the --data folder, the model for the objective, the --index-cache
-folder)."""
+"""tupe-pretrain's command line: the parser, the checks each flag needs on its own (counts, flags
+that need another, the model for the objective), and how the command stops (`fail`, `Refused`,
+`TrainingStopped`). The masking's shares: masking_flags.py; the --data folders and their
+--index-cache: data_folders.py."""
 
 import argparse
-import dataclasses
-import os
 
-from tupe_ds.data import blend
-from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING, MaskingScheme
+from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING
 from tupe_ds.model.config import COMPILE, ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
-from tupe_ds.tools.files import file_digest
 from tupe_ds.tools.third_party_warnings import add_verbose_flag
 from tupe_ds.train import normalization, optimizer_boundary
+from tupe_ds.train.masking_flags import mask_rate, mask_split
 from tupe_ds.train.schedule import DECAY_SHAPES, SCHEDULES
 
 SHAPE_FLAGS = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
@@ -187,39 +185,6 @@ def micro_batch(text: str):
     return count
 
 
-def mask_rate(text: str) -> float:
-    rate = float(text)
-    if not 0 < rate < 1:
-        raise argparse.ArgumentTypeError(f"{text}: the share of tokens chosen must be above 0 "
-                                         f"and below 1 (BERT's is {BERT_MASKING.probability:g})")
-    return rate
-
-
-def mask_split(text: str) -> tuple:
-    """(mask, random) from "M,R"."""
-    try:
-        mask, random = (float(share) for share in text.split(","))
-    except ValueError:
-        bert = f"{BERT_MASKING.mask:g},{BERT_MASKING.random:g}"
-        raise argparse.ArgumentTypeError(f"{text}: give two shares, M,R (BERT's are {bert})") \
-            from None
-    if not (0 <= mask <= 1 and 0 <= random <= 1 and mask + random <= 1):
-        raise argparse.ArgumentTypeError(
-            f"{text}: each share must be between 0 and 1 and the two add up to at most 1 (the "
-            "rest of the chosen tokens stay as they were)")
-    return mask, random
-
-
-def masking_scheme(args: argparse.Namespace, objective_default: MaskingScheme) -> MaskingScheme:
-    """The objective's masking with what --mask-rate and --mask-split change."""
-    given = {}
-    if args.mask_rate is not None:
-        given["probability"] = args.mask_rate
-    if args.mask_split is not None:
-        given["mask"], given["random"] = args.mask_split
-    return dataclasses.replace(objective_default, **given)
-
-
 def fail(message: str):
     """Stops tupe-pretrain with `message`, which says what to change."""
     raise SystemExit(f"tupe-pretrain: error: {message}")
@@ -289,46 +254,3 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.pp > 1 and args.objective != "mlm":
         fail(f"--pp {args.pp}: pipeline parallelism is for BERT (--objective mlm); train "
              f"--objective {args.objective} with --tp and data parallelism")
-
-
-def data_sources(args: argparse.Namespace) -> list:
-    """--data as blend.Source's, each with its index cache: folders that hold what tupe-prep
-    writes, all encoded with one tokenizer."""
-    try:
-        sources = blend.parse_sources(args.data)
-    except ValueError as error:
-        fail(str(error))
-    for source in sources:
-        for name in ("train.idx", "valid.idx", "tokenizer.json"):
-            if not os.path.exists(os.path.join(source.folder, name)):
-                fail(f"--data {source.folder}: no {name}; run tupe-prep --out "
-                     f"{source.folder} first")
-        for split in ("train", "valid"):
-            if os.path.getsize(os.path.join(source.folder, f"{split}.bin")) == 0:
-                fail(f"--data {source.folder}: its {split} split holds no document; prepare it "
-                     "again with more text" + (" or a --valid-fraction above 0 (the default "
-                                               "is 0.01)" if split == "valid" else ""))
-    first = sources[0]
-    vocabulary = file_digest(os.path.join(first.folder, "tokenizer.json"))
-    for source in sources[1:]:
-        if file_digest(os.path.join(source.folder, "tokenizer.json")) != vocabulary:
-            fail(f"--data: {first.folder}/tokenizer.json and {source.folder}/tokenizer.json "
-                 "differ; a blend needs every folder prepared with one tokenizer (tupe-prep "
-                 f"--tokenizer {first.folder}/tokenizer.json)")
-    return [dataclasses.replace(source, index_cache=index_cache(args, source.folder))
-            for source in sources]
-
-
-def index_cache(args: argparse.Namespace, data: str) -> str:
-    """--index-cache, else the data folder where this process may write, else OUT/index-cache;
-    created, and checked writable."""
-    folder = args.index_cache or (data if os.access(data, os.W_OK)
-                                  else os.path.join(args.out, "index-cache"))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as error:
-        fail(f"--index-cache {folder}: cannot create it ({error.strerror}); choose another "
-             "folder with --index-cache")
-    if not os.access(folder, os.W_OK):
-        fail(f"--index-cache {folder}: not writable; choose another folder with --index-cache")
-    return folder

@@ -2,234 +2,37 @@
 process groups, engine, data, resume, then steps with logging, validation, positional images and
 checkpoints until --steps or a stop signal."""
 
-import dataclasses
 import os
-from typing import Optional
 
-import deepspeed
-import torch
-import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
-from tupe_ds.data import blend
-from tupe_ds.data.blend import BlendedSamples
-from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary, valid_batches
-from tupe_ds.data.packing import PackedSentences
-from tupe_ds.data.prefetch import made_ahead
-from tupe_ds.distributed.parallel import (MegatronMPU, accelerator_device, seed_tensor_parallel_rng,
-                                          share_cpu_cores, start_distributed)
+from tupe_ds.data.loader import TrainBatches, Vocabulary
+from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, start_distributed
 from tupe_ds.machine import doctor
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
-from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
-from tupe_ds.model.pipeline import BertPipeline, pipeline_topology
-from tupe_ds.train import (auto_micro_batch, optimizer_boundary, precision, recorded_settings,
-                           run_description, run_lock)
+from tupe_ds.train import (auto_micro_batch, optimizer_boundary, precision, run_description,
+                           run_lock)
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
-from tupe_ds.train.checkpoint import manifest, reshard, resume, safe_load
+from tupe_ds.train.checkpoint import (allowed_changes, choice, init_from, loading, manifest,
+                                      resume, safe_load)
 from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, on_rank_0, save
 from tupe_ds.train.config import RunConfig
-from tupe_ds.train.flags import Refused, TrainingStopped
-from tupe_ds.train.monitor import Monitor, run_flops_per_step
+from tupe_ds.train.datasets import datasets, reads_data
+from tupe_ds.train.engine import build_engine, build_model
+from tupe_ds.train.flags import TrainingStopped
+from tupe_ds.train.monitor import Monitor
 from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
-from tupe_ds.train.normalization import LossNormalization
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.optim import (apply_config, loaded_differences, parameter_groups,
-                                  rate_from_schedule)
-from tupe_ds.train.schedule import client_scheduler, follow_step, schedule_text
-from tupe_ds.train.steps import EngineSteps, PipelineLoss, PipelineSteps
+from tupe_ds.train.optim import apply_config, rate_from_schedule
+from tupe_ds.train.progress import started_by
+from tupe_ds.train.schedule import follow_step, schedule_text
+from tupe_ds.train.start_record import saved_layout, write_run_description
+from tupe_ds.train.starting_point import chosen_training_changes, unrecorded_training_changes
 from tupe_ds.train.stop_signal import StopSignal
-from tupe_ds.train.waits import announced
-
-
-def datasets(run: RunConfig, vocab: Vocabulary, objective) -> dict:
-    """"train": the stream of --data (the blend of its sources; one source is its own stream),
-    "valid": each source's valid samples, in --data's order. Global rank 0 opens the datasets
-    first, building the sample indexes that are missing, while the other ranks wait at a
-    barrier, then map them: the index cache's file lock alone would let every node build at once
-    on a filesystem whose locks hold per node (NFS with local_lock, BeeGFS, Lustre's
-    localflock)."""
-    def open_sources():
-        return [{split: PackedSentences(os.path.join(source.folder, split), run.seq_len,
-                                        vocab.cls, vocab.sep, source.index_cache)
-                 for split in ("train", "valid")} for source in run.sources]
-
-    def stream(packed):
-        return MaskedSamples(packed, vocab, run.masking, run.seed, run.vectorised_stream,
-                             objective.generator_draws)
-
-    first = dist.get_rank() == 0
-    packed = open_sources() if first else None
-    dist.barrier()
-    if not first:
-        packed = open_sources()
-    return {"train": BlendedSamples([stream(p["train"]) for p in packed],
-                                    [source.weight for source in run.sources]),
-            "valid": [stream(p["valid"]) for p in packed]}
-
-
-def reads_data(run: RunConfig) -> bool:
-    """Whether this rank's steps read batches (a pipeline's middle stages do not)."""
-    return run.layout.pp == 1 or parallel_state.is_pipeline_first_stage() \
-        or parallel_state.is_pipeline_last_stage()
-
-
-def evaluate(steps, valid: list, run: RunConfig, micro_batch: int, device) -> dict:
-    """The objective's metrics over the first --eval-samples valid samples of each source (the
-    same ones in every layout), as valid/NAME; for a blend also each source's, as
-    valid/SOURCE/NAME, and valid/NAME is their mean weighted as the blend is."""
-    dp, rank = run.dp_size, parallel_state.get_data_parallel_rank()
-    per_source = []
-    for samples in valid:
-        totals = {}
-        with made_ahead(valid_batches(samples, micro_batch, rank, dp, run.eval_samples),
-                        run.prefetch if reads_data(run) else 0,
-                        pin=device.type != "cpu") as batches:
-            steps.evaluate(batches, totals)
-        per_source.append(steps.reduce(totals))
-    if len(per_source) == 1:
-        return {f"valid/{name}": value for name, value in per_source[0].items()}
-    weights = blend.shares(run.sources)
-    blended = {f"valid/{name}": sum(weight * own[name] for weight, own in zip(weights, per_source))
-               for name in per_source[0]}
-    for source, own in zip(run.sources, per_source):
-        blended.update({f"valid/{source.name}/{name}": value for name, value in own.items()})
-    return blended
-
-
-def write_run_description(run: RunConfig, lineage: str, plan=None) -> None:
-    """OUT/run.json: the models, layout and lineage of the run, the checkpoint it resumed (its
-    newest now; `plan` None: a start from step 0) and the --resume-from it applied
-    (run_description.py)."""
-    batch = run.ds_config["train_batch_size"]
-    description = {"objective": run.objective, "lineage": lineage,
-                   "data": os.path.abspath(run.data),
-                   "sources": [{"folder": os.path.abspath(source.folder), "weight": source.weight,
-                                "name": source.name} for source in run.sources],
-                   "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
-                   "global_batch": batch, "seq_len": run.seq_len,
-                   "masking": dataclasses.asdict(run.masking),
-                   "rampup_batch_size": str(run.batch_split.ramp) if run.batch_split.ramp
-                   else None,
-                   "lr_schedule": run.ds_config.get("scheduler"),
-                   "branched_from": run.branch_origin or run_description.branched_from(run.out),
-                   "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
-                   "micro_batch": {"size": run.batch_split.micro_batch,  # auto_micro_batch.py
-                                   "auto": run.batch_split.auto},  # reads it at the next start
-                   "models": [dataclasses.asdict(config) for config in run.models],
-                   run_description.NEWEST_CHECKPOINT: plan.candidates[0] if plan else None,
-                   run_description.RESUME_FROM: resume_from_record(plan, run.out),
-                   recorded_settings.FIELD: run.settings}
-    run_description.write(run.out, description)
-
-
-def resume_from_record(plan, out: str) -> Optional[dict]:
-    """What OUT/run.json is to record of --resume-from (run_description.resume_from_record):
-    anew when this start applies the flag, the last start's when it resumes otherwise (a
-    requeued attempt, the flag applied earlier), none for a run that starts anew."""
-    if plan is None:
-        return None
-    if plan.by_hand:
-        return {"step": plan.candidates[0], "written": []}
-    return run_description.resume_from_record(out)
-
-
-def build_model(run: RunConfig, objective):
-    """The model this rank trains, from the run's seed: the objective's, or for --pp > 1 this
-    rank's pipeline stages (BertPipeline)."""
-    torch.manual_seed(run.seed)  # weights, and dropout alike on every tensor-parallel rank
-    seed_tensor_parallel_rng(run.seed)  # each tensor-parallel rank's heads: its own dropout
-    layout = run.layout
-    if layout.pp > 1:
-        topology = pipeline_topology(layout.pp, layout.tp, layout.dp)
-        return BertPipeline(run.models[0], topology, PipelineLoss(objective))
-    model = objective.build(run.models)
-    model.universal_checkpoint_info = reshard.universal_info(model)  # saved by DeepSpeed
-    return model
-
-
-def build_engine(run: RunConfig, objective, device, model=None):
-    """The model (build_model's unless given), its DeepSpeed engine and its steps."""
-    if run.batch_split.micro_batch is None:  # DeepSpeed must never read "auto"
-        raise RuntimeError("--micro-batch auto is chosen before the engine is built: "
-                           "auto_micro_batch.settled(run, model, ...) first")
-    model = build_model(run, objective) if model is None else model
-    normalization = LossNormalization(run.loss_normalization, objective, device)
-    weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    config, lr_scheduler = client_scheduler(run.ds_config)
-    pipeline = run.layout.pp > 1  # the pipeline's grid is its mpu
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=parameter_groups(model, weight_decay), config=config,
-        lr_scheduler=lr_scheduler, mpu=None if pipeline else MegatronMPU())
-    optimizer_boundary.install(engine.optimizer, run.optimizer_boundary)
-    if pipeline:
-        return model, engine, PipelineSteps(engine, model.loss_fn, normalization, device)
-    ramped = run.batch_split.ramp is not None
-    return model, engine, EngineSteps(engine, objective, normalization, device, ramped)
-
-
-def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
-    """This run's layout, as its checkpoints record it."""
-    return reshard.SavedLayout(
-        world_size=run.world_size, tp=run.layout.tp, pp=run.layout.pp, dp=run.layout.dp,
-        zero_stage=engine.zero_optimization_stage(),
-        micro_batch=engine.train_micro_batch_size_per_gpu(),
-        gradient_accumulation=engine.gradient_accumulation_steps(),
-        vocab_size=run.models[0].vocab_size)
-
-
-def chosen_training_changes(plan, run: RunConfig) -> list:
-    """How the checkpoint chosen (a fallback too) was trained otherwise, to say and apply;
-    Refused when the run may not change that (resume.training_changes)."""
-    if plan is None or not plan.verified:
-        return []
-    try:
-        return resume.training_changes(os.path.join(plan.directory, plan.tag), run.training,
-                                       run.allow_training_changes)
-    except ValueError as error:
-        raise Refused(str(error)) from None
-
-
-def unrecorded_training_changes(plan, run: RunConfig, engine) -> list:
-    """For a checkpoint that does not record its training settings (an earlier tupe_ds): how
-    the optimizer state it restored differs from the config, read from the state itself; Refused
-    as resume.training_changes would."""
-    differences = loaded_differences(engine, run.ds_config)
-    fixed = [line for line in differences if line.startswith("optimizer.params.amsgrad")]
-    if fixed or (differences and not run.allow_training_changes):
-        raise Refused(
-            f"{plan.directory}/{plan.tag} (written by an earlier tupe_ds, which did not record "
-            "its training settings) holds an optimizer state made otherwise: "
-            + "; ".join(differences) + (". A resumed run cannot change amsgrad: start a new run "
-                                       "from its weights with --init-from" if fixed else
-                                       ". Resume with its settings, or add "
-                                       "--allow-training-changes to go on with these"))
-    return [f"tupe-pretrain: resuming {plan.tag} with changed training settings "
-            f"(--allow-training-changes): {line}" for line in differences]
-
-
-def waiting_with_extensions(what: str):
-    """A wait during which DeepSpeed may also build or load an extension: its text, with the
-    state of every build lock at the time it is printed."""
-    def text() -> str:
-        locks = [lock_text(*lock) for lock in extension_locks()]
-        return (f"{what} (DeepSpeed may be building an extension in {extensions_root()})"
-                + "".join(f"; {lock}" for lock in locks))
-    return text
-
-
-def started_by(world_size: int, launcher: str) -> str:
-    return ("1 process, no launcher" if launcher == "single process"
-            else f"{world_size} processes from {launcher}")
-
-
-def rendezvous_text(world_size: int) -> str:
-    if world_size == 1:
-        return "the process group of this one process"
-    return (f"the rendezvous of {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
-            f"{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT): every process of the "
-            "run must start")
+from tupe_ds.train.validation import evaluate
+from tupe_ds.train.waits import announced, rendezvous_text, waiting_with_extensions
 
 
 def train(run: RunConfig, launcher: str) -> None:
@@ -254,12 +57,12 @@ def train(run: RunConfig, launcher: str) -> None:
         say(advice, flush=True)
     layout = run.layout
     # rank 0's plan, verified by every rank before the engine is built for it
-    plan = resume.choose(run.resume_plan, layout.world_size, layout.tp, layout.pp,
+    plan = choice.choose(run.resume_plan, layout.world_size, layout.tp, layout.pp,
                          run.ds_config.get("zero_optimization", {}).get("stage", 0),
                          lambda line: say(line, flush=True))
     changes = chosen_training_changes(plan, run)
     if plan is None and run.init_plan is not None:
-        resume.check_init(run.init_plan)
+        init_from.check_init(run.init_plan)
     convert = plan is not None and plan.resharding is not None and plan.resharding.convert
     run.ds_config.setdefault("checkpoint", {})["load_universal"] = convert
     lineage = resume.lineage_of(plan, run.out)
@@ -288,10 +91,10 @@ def train(run: RunConfig, launcher: str) -> None:
     with announced(f"the sample indexes of {folders} (seq-len {run.seq_len})", rank):
         data = datasets(run, vocab, objective)
     checkpoints = os.path.join(run.out, "checkpoints")
-    state = resume.load(engine, plan, run.seed) if plan is not None else None
+    state = loading.load(engine, plan, run.seed) if plan is not None else None
     if state is not None:
         rate_from_schedule(engine)
-    if state is not None and not resume.records_training(plan):
+    if state is not None and not allowed_changes.records_training(plan):
         changes = unrecorded_training_changes(plan, run, engine)
     if changes:
         apply_config(engine, run.ds_config)
@@ -299,12 +102,12 @@ def train(run: RunConfig, launcher: str) -> None:
             say(line, flush=True)
     branched = state is None and run.init_plan is not None and run.init_plan.branch
     if branched:
-        state = resume.branch_from(engine, run.init_plan)
+        state = init_from.branch_from(engine, run.init_plan)
         apply_config(engine, run.ds_config)  # the branch's schedule from its first step
         for line in run.init_plan.changes:
             say(line, flush=True)
     elif state is None and run.init_plan is not None:
-        resume.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
+        init_from.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
     step = state["step"] if state else 0
     micro_batch = engine.train_micro_batch_size_per_gpu()
     ramp = run.batch_split.ramp

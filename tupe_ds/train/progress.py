@@ -1,6 +1,6 @@
-"""The progress line rank 0 prints every --log-interval steps, its ETA and MFU, and the summary at
-the end of a start. Monitor.train (monitor.py) measures the figures and logs them; here they
-become text.
+"""The lines rank 0 prints of a start: what it starts, the progress line every --log-interval
+steps with its ETA and MFU, and the summary at its end. Monitor.train (monitor.py) measures the
+figures and logs them; here they become text.
 
 Nothing here waits for the device: the loss and the grad norm were read to the host by the time
 the line is made, and the memory figures are the caching allocator's host-side counters.
@@ -130,3 +130,8 @@ def summary(step: int, steps: int, first_step: int, valid_loss: float, best: tup
         f"newest checkpoint {newest}",
         f"log {os.path.join(out, 'train_log.jsonl')}",
         f"tensorboard --logdir {os.path.join(out, 'tensorboard')}"])
+
+
+def started_by(world_size: int, launcher: str) -> str:
+    return ("1 process, no launcher" if launcher == "single process"
+            else f"{world_size} processes from {launcher}")

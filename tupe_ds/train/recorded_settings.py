@@ -3,14 +3,14 @@
 command that lacks what a run needs (--data, --ds-config, --steps, from the flags or a --config
 file): a command complete on its own is taken as it is, as before. A flag or a --config file
 wins over them, and what then differs from the checkpoint goes through the same-run checks of
-any resume (checkpoint/resume.py)."""
+any resume (checkpoint/allowed_changes.py)."""
 
 import argparse
 import os
 import sys
 from typing import Optional
 
-from tupe_ds.data import blend
+from tupe_ds.data.sources import named_folder
 from tupe_ds.train import run_description
 
 FIELD = "settings"  # of run.json: {dest: value}
@@ -35,7 +35,7 @@ def recordable(args: argparse.Namespace) -> dict:
 
 def absolute_data(item: str) -> str:
     """A folder of --data made absolute, NAME=FOLDER named still."""
-    name, folder = blend.named_folder(item)
+    name, folder = named_folder(item)
     return f"{name}={os.path.abspath(folder)}" if folder != item else os.path.abspath(item)
 
 

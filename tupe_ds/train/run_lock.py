@@ -23,8 +23,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from tupe_ds.tools.lock import (LEASE_SECONDS, LinkLock, NotALockFile, describe, gone_because,
-                                lock_content, parse_holder, same_machine, write_record)
+from tupe_ds.tools.lock import LinkLock
+from tupe_ds.tools.lock_file import NotALockFile, lock_content, write_record
+from tupe_ds.tools.lock_holder import (LEASE_SECONDS, describe, gone_because, parse_holder,
+                                       same_machine)
 from tupe_ds.train.checkpoint import reads
 from tupe_ds.train.flags import Refused, TrainingStopped
 

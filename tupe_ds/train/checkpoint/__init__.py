@@ -13,23 +13,27 @@ The rules, each kept by one file of this package:
    --keep-checkpoints, never the one just written, never another lineage's. A folder that is in
    the way (an incomplete save, a checkpoint newer than the one resumed, one that failed
    verification) is moved into CHECKPOINTS/set-aside/UTC-TIME/, said in one line, and kept.
-3. **Verified at resume, with a fallback** (`resume.py`). The newest complete checkpoint (or
-   --resume-from stepN) is verified by all ranks (each checks a share of the files: size,
-   checksum, and a `weights_only` read of every pickle, `safe_load.py`); one that fails is
-   reported, file by file, and the run resumes from the previous complete one of its lineage.
-   Only damage falls back: a file the filesystem does not give is retried, then stops the run
-   with nothing moved (`reads.py`); a file of other software versions is a refusal; with no
-   checkpoint left the run is refused unless --fresh-start. --resume-from applies once (run.json
-   records the steps the resumed run wrote). Set-aside folders are never resumed or deleted.
-4. **The same run, or a refusal** (`identity.py`). The manifest records what defines the stream
-   and the model; a resume with any of it changed is refused before any process starts, naming
-   each difference. A deliberate change is a new run: --init-from CHECKPOINT.
+3. **Verified at resume, with a fallback** (`resume.py` plans it, `choice.py` chooses). The
+   newest complete checkpoint (or --resume-from stepN) is verified by all ranks (each checks a
+   share of the files: size, checksum, and a `weights_only` read of every pickle,
+   `safe_load.py`); one that fails is reported, file by file, and the run resumes from the
+   previous complete one of its lineage. Only damage falls back: a file the filesystem does not
+   give is retried, then stops the run with nothing moved (`reads.py`); a file of other software
+   versions is a refusal; with no checkpoint left the run is refused unless --fresh-start.
+   --resume-from applies once (`resume_from.py`: run.json records the steps the resumed run
+   wrote). Set-aside folders are never resumed or deleted. The one chosen is loaded by
+   `loading.py`.
+4. **The same run, or a refusal** (`identity.py`, `allowed_changes.py`). The manifest records what
+   defines the stream and the model; a resume with any of it changed is refused before any
+   process starts, naming each difference. A deliberate change is a new run: --init-from
+   CHECKPOINT (`init_from.py`).
 5. **Layout changes are planned before any process starts** (`reshard.py`), and a universal
    conversion is tied to the manifest of the checkpoint it came from.
 6. **Every wait says what it waits for** (`tupe_ds.train.waits.announced`).
 """
 
 from tupe_ds.train.checkpoint.folder import latest_step
-from tupe_ds.train.checkpoint.resume import InitPlan, ResumePlan
+from tupe_ds.train.checkpoint.init_from import InitPlan
+from tupe_ds.train.checkpoint.resume import ResumePlan
 
 __all__ = ["latest_step", "InitPlan", "ResumePlan"]

@@ -11,8 +11,9 @@ import os
 import re
 from typing import List, Sequence
 
-from tupe_ds.data.blend import SCHEDULE, Source, whole_shares
+from tupe_ds.data.blend_schedule import SCHEDULE, whole_shares
 from tupe_ds.data.packing import dataset_digest
+from tupe_ds.data.sources import Source
 from tupe_ds.tools.files import file_digest
 
 # ModelConfig fields that choose how the same model is computed or split, not what it is

@@ -1,0 +1,88 @@
+"""Stage 5, writing: each kept document's token ids into its split's indexed dataset, and what
+was written (`Written`) for the counts and the near-duplicate files of each split."""
+
+import array
+import os
+
+import numpy as np
+
+from data_prep.across import SIGNATURES, write_band_index
+from data_prep.config import PrepConfig
+from data_prep.dedup import Deduplicator
+from data_prep.near import write_shingles
+from data_prep.output import SPLITS
+
+
+def write_near_files(work: str, dedup: Deduplicator, written: dict, config: PrepConfig,
+                     chunk: int = 4096) -> None:
+    """Each split's signatures, shingles and band index (data_prep/across.py), from the
+    deduplicator's files of every kept document's signature and shingles."""
+    spooled, ends = dedup.signatures.sync(), dedup.shingle_ends.sync()
+    starts = np.concatenate([[0], ends[:-1]])
+    for split in SPLITS:
+        order = written[split].column("rows")
+        prefix = os.path.join(work, split)
+        signatures = np.lib.format.open_memmap(f"{prefix}.{SIGNATURES}", mode="w+",
+                                               dtype=np.uint32, shape=(len(order), config.num_perm))
+        for start in range(0, len(order), chunk):
+            signatures[start:start + chunk] = spooled[order[start:start + chunk]]
+        signatures.flush()
+        write_shingles(prefix, (dedup.shingles_of(row) for row in order),
+                       int((ends[order] - starts[order]).sum()), len(order))
+        write_band_index(prefix, signatures, config.jaccard_threshold, config.num_perm)
+        del signatures
+
+
+class Written:
+    """One split's documents as written, in order: their keys, places in the spool, sources
+    (indices), sentences and tokens, in compact columns (32 bytes a document)."""
+
+    TYPES = {"keys": "Q", "rows": "q", "sources": "I", "sentences": "I", "tokens": "Q"}
+
+    def __init__(self):
+        self.columns = {name: array.array(code) for name, code in self.TYPES.items()}
+
+    def add(self, **values) -> None:
+        for name, value in values.items():
+            self.columns[name].append(value)
+
+    def column(self, name: str) -> np.ndarray:
+        return np.array(self.columns[name], dtype=self.TYPES[name])
+
+
+def _encode(batch, tokenizer, config, builders, sources: dict, written: dict) -> None:
+    sentences = [s for document in batch for s in document["sentences"]]
+    encoded = iter(tokenizer.encode_batch(sentences, add_special_tokens=False))
+    for document in batch:
+        ids = [next(encoded).ids for _ in document["sentences"]]
+        split = "valid" if (document["key"] >> 11) / 2**53 < config.valid_fraction else "train"
+        # the document's token ids (made a numpy array there) and its sentence lengths
+        lengths = [len(s) for s in ids]
+        builders[split].add_document([t for s in ids for t in s], lengths)
+        written[split].add(keys=document["key"], rows=document["row"],
+                           sources=sources[document["source"]], sentences=len(ids),
+                           tokens=sum(lengths))
+
+
+def count_written(written: dict, sources: list, per_source: dict, removed: dict) -> dict:
+    """Each split's counts (documents, sentences, tokens) of the documents `written` and not
+    `removed` (split -> what --dedup-against took, or nothing), added to each source's counts
+    (`sources`: their names and the numbers `written` has for them) with what it lost to other
+    corpora."""
+    split_counts = {}
+    for split, documents in written.items():
+        source = documents.column("sources")
+        gone = removed.get(split)
+        kept = np.ones(len(source), bool) if gone is None else ~gone.any
+        sentences, tokens = documents.column("sentences"), documents.column("tokens")
+        for name, index in sources.items():
+            mine, counts = source == index, per_source[name]
+            if gone is not None:
+                counts["cross_corpus_exact_removed"] += int((mine & gone.any & gone.exact).sum())
+                counts["cross_corpus_near_removed"] += int((mine & gone.any & ~gone.exact).sum())
+            counts["documents_out"] += int((mine & kept).sum())
+            counts["sentences"] += int(sentences[mine & kept].sum())
+            counts["tokens"] += int(tokens[mine & kept].sum())
+        split_counts[split] = {"documents": int(kept.sum()), "sentences": int(sentences[kept].sum()),
+                               "tokens": int(tokens[kept].sum())}
+    return split_counts

@@ -1,0 +1,44 @@
+"""The run's datasets: each --data source's packed samples, opened by global rank 0 first, masked
+into a stream; the training stream their blend, and which ranks read batches at all."""
+
+import os
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from tupe_ds.data.blend import BlendedSamples
+from tupe_ds.data.loader import MaskedSamples, Vocabulary
+from tupe_ds.data.packing import PackedSentences
+from tupe_ds.train.config import RunConfig
+
+
+def datasets(run: RunConfig, vocab: Vocabulary, objective) -> dict:
+    """"train": the stream of --data (the blend of its sources; one source is its own stream),
+    "valid": each source's valid samples, in --data's order. Global rank 0 opens the datasets
+    first, building the sample indexes that are missing, while the other ranks wait at a
+    barrier, then map them: the index cache's file lock alone would let every node build at once
+    on a filesystem whose locks hold per node (NFS with local_lock, BeeGFS, Lustre's
+    localflock)."""
+    def open_sources():
+        return [{split: PackedSentences(os.path.join(source.folder, split), run.seq_len,
+                                        vocab.cls, vocab.sep, source.index_cache)
+                 for split in ("train", "valid")} for source in run.sources]
+
+    def stream(packed):
+        return MaskedSamples(packed, vocab, run.masking, run.seed, run.vectorised_stream,
+                             objective.generator_draws)
+
+    first = dist.get_rank() == 0
+    packed = open_sources() if first else None
+    dist.barrier()
+    if not first:
+        packed = open_sources()
+    return {"train": BlendedSamples([stream(p["train"]) for p in packed],
+                                    [source.weight for source in run.sources]),
+            "valid": [stream(p["valid"]) for p in packed]}
+
+
+def reads_data(run: RunConfig) -> bool:
+    """Whether this rank's steps read batches (a pipeline's middle stages do not)."""
+    return run.layout.pp == 1 or parallel_state.is_pipeline_first_stage() \
+        or parallel_state.is_pipeline_last_stage()

@@ -1,0 +1,58 @@
+"""What a start of tupe-pretrain records of the run: OUT/run.json's description (models, layout,
+data, lineage, the checkpoint resumed), and the layout its checkpoints carry."""
+
+import dataclasses
+import os
+from typing import Optional
+
+from tupe_ds.train import recorded_settings, run_description
+from tupe_ds.train.checkpoint import reshard
+from tupe_ds.train.config import RunConfig
+from tupe_ds.train.monitor import run_flops_per_step
+
+
+def write_run_description(run: RunConfig, lineage: str, plan=None) -> None:
+    """OUT/run.json: the models, layout and lineage of the run, the checkpoint it resumed (its
+    newest now; `plan` None: a start from step 0) and the --resume-from it applied
+    (run_description.py)."""
+    batch = run.ds_config["train_batch_size"]
+    description = {"objective": run.objective, "lineage": lineage,
+                   "data": os.path.abspath(run.data),
+                   "sources": [{"folder": os.path.abspath(source.folder), "weight": source.weight,
+                                "name": source.name} for source in run.sources],
+                   "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps,
+                   "global_batch": batch, "seq_len": run.seq_len,
+                   "masking": dataclasses.asdict(run.masking),
+                   "rampup_batch_size": str(run.batch_split.ramp) if run.batch_split.ramp
+                   else None,
+                   "lr_schedule": run.ds_config.get("scheduler"),
+                   "branched_from": run.branch_origin or run_description.branched_from(run.out),
+                   "flops_per_step": run_flops_per_step(run.models, batch, run.seq_len),
+                   "micro_batch": {"size": run.batch_split.micro_batch,  # auto_micro_batch.py
+                                   "auto": run.batch_split.auto},  # reads it at the next start
+                   "models": [dataclasses.asdict(config) for config in run.models],
+                   run_description.NEWEST_CHECKPOINT: plan.candidates[0] if plan else None,
+                   run_description.RESUME_FROM: resume_from_record(plan, run.out),
+                   recorded_settings.FIELD: run.settings}
+    run_description.write(run.out, description)
+
+
+def resume_from_record(plan, out: str) -> Optional[dict]:
+    """What OUT/run.json is to record of --resume-from (run_description.resume_from_record):
+    anew when this start applies the flag, the last start's when it resumes otherwise (a
+    requeued attempt, the flag applied earlier), none for a run that starts anew."""
+    if plan is None:
+        return None
+    if plan.by_hand:
+        return {"step": plan.candidates[0], "written": []}
+    return run_description.resume_from_record(out)
+
+
+def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
+    """This run's layout, as its checkpoints record it."""
+    return reshard.SavedLayout(
+        world_size=run.world_size, tp=run.layout.tp, pp=run.layout.pp, dp=run.layout.dp,
+        zero_stage=engine.zero_optimization_stage(),
+        micro_batch=engine.train_micro_batch_size_per_gpu(),
+        gradient_accumulation=engine.gradient_accumulation_steps(),
+        vocab_size=run.models[0].vocab_size)
