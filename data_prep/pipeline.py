@@ -18,19 +18,18 @@ from dataclasses import asdict
 from typing import List
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import DType
 from tqdm import tqdm
 
 from data_prep.config import PrepConfig
 from data_prep.dedup import KEPT, Deduplicator
 from data_prep.merge import filter_against, near_settings
-from data_prep.output import DEDUP_STATE, SPLITS, SPOOL, publish, work_folder
+from data_prep.output import DEDUP_STATE, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
 from data_prep.workers import PASS1_BATCH_DOCS, _map, worker_pool
-from data_prep.write import Written, _encode, count_written, write_near_files
+from data_prep.write import count_written, encode_spool, write_near_files
 
-ENCODE_BATCH_DOCS = 256
 SOURCE_COUNTS = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
                  "near_duplicates_removed", "cross_corpus_exact_removed",
                  "cross_corpus_near_removed", "documents_out", "sentences", "tokens")
@@ -68,55 +67,15 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
         that BPE training counts words while the workers clean and split."""
         with open(spool_path, "w", encoding="utf-8") as spool:
             waiting = collections.deque()  # each batch's sources, until its results are back
-
-            def batches():
-                """The texts of PASS1_BATCH_DOCS documents at a time (only texts go to the
-                workers)."""
-                sources, texts = [], []
-                for path in files:
-                    for document in reader.documents([path]):
-                        sources.append(source_of[path])
-                        texts.append(document.text)
-                        if len(texts) == PASS1_BATCH_DOCS:
-                            waiting.append(sources)
-                            yield texts
-                            sources, texts = [], []
-                if texts:
-                    waiting.append(sources)
-                    yield texts
-
             progress = tqdm(desc="clean, dedup, split", unit=" docs", disable=config.quiet)
-            for packed in _map(pool, config.workers, batches()):
-                results = packed["results"]
-                sources = waiting.popleft()
+            for packed in _map(pool, config.workers, _batches(files, reader, source_of, waiting)):
+                results, sources = packed["results"], waiting.popleft()
                 progress.update(len(results))
-                counts["documents_in"] += len(results)
-                for source, result in zip(sources, results):
-                    per_source[source]["documents_in"] += 1
-                    for stage, value in result["seconds"].items():
-                        seconds[stage] += value
-                    if "drop" in result:
-                        counts[f"{result['drop']}_dropped"] += 1
-                        per_source[source][f"{result['drop']}_dropped"] += 1
-                live = [(source, result) for source, result in zip(sources, results)
-                        if "key" in result]
+                live = _count_results(results, sources, counts, per_source, seconds)
                 start = time.perf_counter()
-                verdicts = dedup.judge(
-                    [result["key"] for _, result in live], packed.get("signatures"),
-                    np.split(packed["shingles"], packed["shingle_ends"][:-1])
-                    if "shingles" in packed else None, packed.get("bands"))
+                verdicts = _judge(dedup, packed, live)
                 seconds["dedup"] += time.perf_counter() - start
-                kept = []  # the batch's kept sentences: one item for the BPE trainer
-                for (source, result), verdict in zip(live, verdicts):
-                    if verdict != KEPT:
-                        per_source[source][f"{verdict}_duplicates_removed"] += 1
-                        continue
-                    counts["documents_out"] += 1
-                    counts["sentences"] += len(result["sentences"])
-                    spool.write(json.dumps({"key": result["key"], "source": source,
-                                            "sentences": result["sentences"]}) + "\n")
-                    kept += result["sentences"]
-                yield kept
+                yield _spool_kept(live, verdicts, spool, counts, per_source)
             progress.close()
         seconds["read_clean_dedup_split_wall"] = time.perf_counter() - pass_start
         if not config.tokenizer and not config.quiet:  # what the wait after the pass is
@@ -140,35 +99,14 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                          f"({counts['documents_in']} read, {counts['empty_dropped']} empty, "
                          f"{counts['short_dropped']} shorter than --min-words {config.min_words})")
 
-    def spooled():
-        with open(spool_path, encoding="utf-8") as f:
-            for row, line in enumerate(f):
-                yield {**json.loads(line), "row": row}
-
     tokenizer.save(os.path.join(work, "tokenizer.json"))
 
     start = time.perf_counter()
     vocab = tokenizer.get_vocab_size()
     dtype = DType.optimal_dtype(vocab)
-    builders = {split: IndexedDatasetBuilder(os.path.join(work, f"{split}.bin"), dtype=dtype)
-                for split in SPLITS}
     sources = {name: index for index, name in enumerate(per_source)}
-    written = {split: Written() for split in SPLITS}
-    progress = tqdm(total=counts["documents_out"], desc="encode", unit=" docs",
-                    disable=config.quiet)
-    batch = []
-    for document in spooled():
-        batch.append(document)
-        if len(batch) == ENCODE_BATCH_DOCS:
-            _encode(batch, tokenizer, config, builders, sources, written)
-            progress.update(len(batch))
-            batch = []
-    _encode(batch, tokenizer, config, builders, sources, written)
-    progress.update(len(batch))
-    progress.close()
-    for split in SPLITS:
-        builders[split].finalize(os.path.join(work, f"{split}.idx"))
-        np.save(os.path.join(work, f"{split}.keys.npy"), written[split].column("keys"))
+    written = encode_spool(spool_path, tokenizer, dtype, config, work, sources,
+                           counts["documents_out"])
     if config.dedup == "minhash":
         write_near_files(work, dedup, written, config)
     seconds["encode_write"] = time.perf_counter() - start
@@ -206,3 +144,61 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     )
     publish(work, config.output, manifest)
     return manifest
+
+
+def _batches(files: List[str], reader: Reader, source_of: dict, waiting: collections.deque):
+    """The texts of PASS1_BATCH_DOCS documents at a time (only texts go to the workers); each
+    batch's sources are appended to `waiting`."""
+    sources, texts = [], []
+    for path in files:
+        for document in reader.documents([path]):
+            sources.append(source_of[path])
+            texts.append(document.text)
+            if len(texts) == PASS1_BATCH_DOCS:
+                waiting.append(sources)
+                yield texts
+                sources, texts = [], []
+    if texts:
+        waiting.append(sources)
+        yield texts
+
+
+def _count_results(results: list, sources: list, counts: dict, per_source: dict,
+                   seconds: dict) -> list:
+    """A batch's documents counted in, and dropped, in all and by source, with their stages'
+    seconds; returns the (source, result) of those left to de-duplicate."""
+    counts["documents_in"] += len(results)
+    for source, result in zip(sources, results):
+        per_source[source]["documents_in"] += 1
+        for stage, value in result["seconds"].items():
+            seconds[stage] += value
+        if "drop" in result:
+            counts[f"{result['drop']}_dropped"] += 1
+            per_source[source][f"{result['drop']}_dropped"] += 1
+    return [(source, result) for source, result in zip(sources, results) if "key" in result]
+
+
+def _judge(dedup: Deduplicator, packed: dict, live: list) -> list:
+    """The de-duplicator's verdicts on the `live` documents of a batch that _process_batch
+    packed (workers.py)."""
+    return dedup.judge(
+        [result["key"] for _, result in live], packed.get("signatures"),
+        np.split(packed["shingles"], packed["shingle_ends"][:-1])
+        if "shingles" in packed else None, packed.get("bands"))
+
+
+def _spool_kept(live: list, verdicts: list, spool, counts: dict, per_source: dict) -> list:
+    """The kept documents written to the spool (a JSON line each) and counted, and the removed
+    ones counted by source; returns the kept documents' sentences: one item for the BPE
+    trainer."""
+    kept = []
+    for (source, result), verdict in zip(live, verdicts):
+        if verdict != KEPT:
+            per_source[source][f"{verdict}_duplicates_removed"] += 1
+            continue
+        counts["documents_out"] += 1
+        counts["sentences"] += len(result["sentences"])
+        spool.write(json.dumps({"key": result["key"], "source": source,
+                                "sentences": result["sentences"]}) + "\n")
+        kept += result["sentences"]
+    return kept

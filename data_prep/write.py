@@ -2,15 +2,51 @@
 was written (`Written`) for the counts and the near-duplicate files of each split."""
 
 import array
+import json
 import os
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tqdm import tqdm
 
 from data_prep.across import SIGNATURES, write_band_index
 from data_prep.config import PrepConfig
 from data_prep.dedup import Deduplicator
 from data_prep.near import write_shingles
 from data_prep.output import SPLITS
+
+ENCODE_BATCH_DOCS = 256
+
+
+def encode_spool(spool_path: str, tokenizer, dtype, config: PrepConfig, work: str, sources: dict,
+                 total: int) -> dict:
+    """Pass 2: the spooled documents encoded, ENCODE_BATCH_DOCS at a time, into each split's
+    indexed dataset and its keys (WORK/{split}.bin, .idx, .keys.npy); returns each split's
+    `Written`."""
+
+    def spooled():
+        with open(spool_path, encoding="utf-8") as f:
+            for row, line in enumerate(f):
+                yield {**json.loads(line), "row": row}
+
+    builders = {split: IndexedDatasetBuilder(os.path.join(work, f"{split}.bin"), dtype=dtype)
+                for split in SPLITS}
+    written = {split: Written() for split in SPLITS}
+    progress = tqdm(total=total, desc="encode", unit=" docs", disable=config.quiet)
+    batch = []
+    for document in spooled():
+        batch.append(document)
+        if len(batch) == ENCODE_BATCH_DOCS:
+            _encode(batch, tokenizer, config, builders, sources, written)
+            progress.update(len(batch))
+            batch = []
+    _encode(batch, tokenizer, config, builders, sources, written)
+    progress.update(len(batch))
+    progress.close()
+    for split in SPLITS:
+        builders[split].finalize(os.path.join(work, f"{split}.idx"))
+        np.save(os.path.join(work, f"{split}.keys.npy"), written[split].column("keys"))
+    return written
 
 
 def write_near_files(work: str, dedup: Deduplicator, written: dict, config: PrepConfig,
@@ -83,6 +119,7 @@ def count_written(written: dict, sources: list, per_source: dict, removed: dict)
             counts["documents_out"] += int((mine & kept).sum())
             counts["sentences"] += int(sentences[mine & kept].sum())
             counts["tokens"] += int(tokens[mine & kept].sum())
-        split_counts[split] = {"documents": int(kept.sum()), "sentences": int(sentences[kept].sum()),
+        split_counts[split] = {"documents": int(kept.sum()),
+                               "sentences": int(sentences[kept].sum()),
                                "tokens": int(tokens[kept].sum())}
     return split_counts

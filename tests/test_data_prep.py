@@ -175,7 +175,7 @@ def test_truncated_gzip_is_an_error_and_leaves_nothing(tmp_path, capsys):
 
 def test_a_crash_leaves_no_partial_output_and_a_rerun_finishes(tmp_path, monkeypatch):
     source = write_txt(tmp_path / "in.txt", [unique_document(random.Random(i)) for i in range(20)])
-    import data_prep.pipeline as pipeline
+    import data_prep.write as pipeline
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
