@@ -1,15 +1,19 @@
 """The run's datasets: each --data source's packed samples, opened by global rank 0 first, masked
-into a stream; the training stream their blend, and which ranks read batches at all."""
+into a stream; the training stream their blend, this rank's batches of it, and which ranks read
+batches at all."""
 
 import os
+from typing import Optional
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tupe_ds.data.blend import BlendedSamples
-from tupe_ds.data.loader import MaskedSamples, Vocabulary
+from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.config import RunConfig
+from tupe_ds.train.waits import announced
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, objective) -> dict:
@@ -42,3 +46,26 @@ def reads_data(run: RunConfig) -> bool:
     """Whether this rank's steps read batches (a pipeline's middle stages do not)."""
     return run.layout.pp == 1 or parallel_state.is_pipeline_first_stage() \
         or parallel_state.is_pipeline_last_stage()
+
+
+def open_datasets(run: RunConfig, objective, rank: int) -> dict:
+    """datasets(), saying what it waits for while the sample indexes are built."""
+    vocab = Vocabulary.from_data_dir(run.data)
+    folders = ", ".join(source.folder for source in run.sources)
+    with announced(f"the sample indexes of {folders} (seq-len {run.seq_len})", rank):
+        return datasets(run, vocab, objective)
+
+
+def train_batches(run: RunConfig, train: BlendedSamples, engine, state: Optional[dict],
+                  device) -> TrainBatches:
+    """This rank's batches of the training stream, from the sample the resumed `state` reached
+    (None: the first), in batches that grow as --rampup-batch-size says."""
+    micro_batch = engine.train_micro_batch_size_per_gpu()
+    ramp = run.batch_split.ramp
+    return TrainBatches(train, micro_batch, engine.gradient_accumulation_steps(),
+                        parallel_state.get_data_parallel_rank(), run.layout.dp,
+                        consumed=state["consumed"] if state else 0,
+                        prefetch=run.prefetch if reads_data(run) else 0,
+                        pin=device.type != "cpu",
+                        ramp=BatchRamp(ramp, run.batch_split.global_batch, micro_batch,
+                                       run.layout.dp) if ramp else None)

@@ -54,3 +54,13 @@ def every_rank_machine() -> list:
     machines = [None] * dist.get_world_size()
     dist.all_gather_object(machines, doctor.probe())
     return machines
+
+
+def of_run(ds_config: dict, say) -> str:
+    """The run's precision (doctor.precision). Collective: in fp16 where every rank's GPU has
+    bf16, it first says the line that says so (bf16_advice)."""
+    dtype = doctor.precision(ds_config)
+    advice = dtype == "fp16" and bf16_advice(every_rank_machine(), dtype)
+    if advice:
+        say(advice, flush=True)
+    return dtype

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from tupe_ds.train.schedule import schedule_text
+
 # Peak dense bf16/fp16 tensor-core TFLOPS by a part of torch.cuda.get_device_name(), the most
 # specific first (NVIDIA's datasheets, whose headline figures are with 2:4 sparsity: twice these).
 # No fp32 entries: a run in fp32 shows no MFU.
@@ -135,3 +137,16 @@ def summary(step: int, steps: int, first_step: int, valid_loss: float, best: tup
 def started_by(world_size: int, launcher: str) -> str:
     return ("1 process, no launcher" if launcher == "single process"
             else f"{world_size} processes from {launcher}")
+
+
+def start_line(run, step: int, plan, branched: bool, launcher: str, train) -> str:
+    """The line that says what a start trains as its steps begin: from where (resumed at `step`
+    of `plan`'s checkpoint, branched, or from step 0), the models, the processes, the batch,
+    the samples, the loss, the masking, the learning rate, and the training stream `train`."""
+    start = ("resumed at" if plan else f"branched from {run.init_plan.step_dir} at" if branched
+             else "starting")
+    return (f"{start} step {step} of {run.steps}: {run.objective} "
+            f"{run.model} {run.models[0].pos_encoding}, {started_by(run.world_size, launcher)} "
+            f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
+            f"{run.loss_normalization}, {run.masking}, learning rate "
+            f"{schedule_text(run.ds_config)}, {train.description(run.sources)}")

@@ -1,12 +1,13 @@
 """What a start of tupe-pretrain records of the run: OUT/run.json's description (models, layout,
-data, lineage, the checkpoint resumed), and the layout its checkpoints carry."""
+data, lineage, the checkpoint resumed), and what each of its checkpoints carries (its layout, and
+the record in its manifest)."""
 
 import dataclasses
 import os
 from typing import Optional
 
 from tupe_ds.train import recorded_settings, run_description
-from tupe_ds.train.checkpoint import reshard
+from tupe_ds.train.checkpoint import reshard, resume, safe_load
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.monitor import run_flops_per_step
 
@@ -56,3 +57,22 @@ def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
         micro_batch=engine.train_micro_batch_size_per_gpu(),
         gradient_accumulation=engine.gradient_accumulation_steps(),
         vocab_size=run.models[0].vocab_size)
+
+
+def describe_run(run: RunConfig, lineage: str, plan, say) -> None:
+    """Rank 0: OUT/run.json written (write_run_description), saying so where the one there was
+    damaged."""
+    damage = run_description.damage(run.out)
+    if damage:
+        say(f"tupe-pretrain: {damage}: written anew", flush=True)
+    write_run_description(run, lineage, plan)
+
+
+def checkpoint_record(run: RunConfig, lineage: str, plan=None) -> dict:
+    """What the manifest of each checkpoint this start saves records of it (save.py)."""
+    return {"lineage": lineage, "identity": run.identity,  # for the manifests
+            "training": run.training, "resumed_from": plan.tag if plan else None,
+            "resume_from_applied": resume.applied_tag(plan),
+            "init_from": run.init_plan.step_dir if run.init_plan else None,
+            "software": safe_load.software_versions(),  # what a resume can load: safe_load
+            "lr_schedule": run.ds_config.get("scheduler")}  # its steps ran under: a --branch

@@ -1,12 +1,67 @@
-"""Where a start of tupe-pretrain goes on from: the training settings a resumed checkpoint was
-trained with that this start changes, said and checked against --allow-training-changes."""
+"""Where a start of tupe-pretrain goes on from: the checkpoint it resumes (rank 0's plan, agreed
+by every rank) with the training settings it changes, or the weights it begins with
+(--init-from, --branch)."""
 
+import dataclasses
 import os
+from typing import Optional
 
-from tupe_ds.train.checkpoint import allowed_changes
+from tupe_ds.train.checkpoint import allowed_changes, choice, init_from, loading, resume
+from tupe_ds.train.checkpoint.resume import ResumePlan
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.flags import Refused
-from tupe_ds.train.optim import loaded_differences
+from tupe_ds.train.optim import apply_config, loaded_differences, rate_from_schedule
+
+
+@dataclasses.dataclass
+class Start:
+    """What a start goes on from, agreed by every rank before its engine is built."""
+    plan: Optional[ResumePlan]  # the checkpoint it resumes (None: none)
+    training_changes: list  # the lines that say how it trains otherwise than that checkpoint
+    lineage: str  # resume.lineage_of
+
+
+def agreed(run: RunConfig, say) -> Start:
+    """Collective: the checkpoint the start resumes, the first of rank 0's plan whose files
+    every rank verifies, with what it changes; or the --init-from checked. The engine is to
+    load it through a universal checkpoint where the plan converts it to a new layout."""
+    layout = run.layout
+    # rank 0's plan, verified by every rank before the engine is built for it
+    plan = choice.choose(run.resume_plan, layout.world_size, layout.tp, layout.pp,
+                         run.ds_config.get("zero_optimization", {}).get("stage", 0),
+                         lambda line: say(line, flush=True))
+    training_changes = chosen_training_changes(plan, run)
+    if plan is None and run.init_plan is not None:
+        init_from.check_init(run.init_plan)
+    convert = plan is not None and plan.resharding is not None and plan.resharding.convert
+    run.ds_config.setdefault("checkpoint", {})["load_universal"] = convert
+    return Start(plan, training_changes, resume.lineage_of(plan, run.out))
+
+
+def load_or_initialise(run: RunConfig, engine, start: Start, say) -> tuple:
+    """Into the engine: the checkpoint the start resumes, its training changes said and applied;
+    else --branch's checkpoint (the run going on from its step) or --init-from's weights. Returns
+    the state the checkpoint held (its step, samples consumed, ...; None: from step 0) and
+    whether the run branched."""
+    plan, training_changes = start.plan, start.training_changes
+    state = loading.load(engine, plan, run.seed) if plan is not None else None
+    if state is not None:
+        rate_from_schedule(engine)
+    if state is not None and not allowed_changes.records_training(plan):
+        training_changes = unrecorded_training_changes(plan, run, engine)
+    if training_changes:
+        apply_config(engine, run.ds_config)
+        for line in training_changes:
+            say(line, flush=True)
+    branched = state is None and run.init_plan is not None and run.init_plan.branch
+    if branched:
+        state = init_from.branch_from(engine, run.init_plan)
+        apply_config(engine, run.ds_config)  # the branch's schedule from its first step
+        for line in run.init_plan.changes:
+            say(line, flush=True)
+    elif state is None and run.init_plan is not None:
+        init_from.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
+    return state, branched
 
 
 def chosen_training_changes(plan, run: RunConfig) -> list:
