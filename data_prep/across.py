@@ -9,15 +9,16 @@ signatures), SPLIT.shingles.npy and .shingle_offsets.npy (each document's shingl
 its LSH index: SPLIT.band_keys.npy ([bands, documents] uint64, each band's keys sorted) with
 SPLIT.band_order.npy (the documents in that order).
 
-A document of a later part is removed when its true Jaccard with a kept document of an earlier
-part reaches the threshold, that document being among the CANDIDATES_PER_BUCKET earliest of a
-bucket it shares. The folders being merged get one in-memory table per band (12 bytes a
-document and band, the keys recomputed from the signatures); the corpora de-duplicated against
-are searched in their stored indexes, memory-mapped, so they cost no memory however large.
-Candidate pairs are at most bands x CANDIDATES_PER_BUCKET a document, made a chunk of
-documents at a time. No library does this over files of signatures: datatrove's and
-NeMo-Curator's pipelines are for their own formats and runtimes, datasketch's LSH holds Python
-objects per key.
+A document of a later folder is removed when its true Jaccard with a kept document of an
+earlier folder reaches the threshold, that document being among the CANDIDATES_PER_BUCKET
+earliest of a bucket it shares (the splits of one folder are not compared with each other: the
+run that wrote it did that, in input order). The folders being merged get one in-memory table
+per band (12 bytes a document and band, the keys recomputed from the signatures); the corpora
+de-duplicated against are searched in their stored indexes, memory-mapped, so they cost no
+memory however large. Candidate pairs are at most bands x CANDIDATES_PER_BUCKET a document,
+made a chunk of documents at a time. No library does this over files of signatures:
+datatrove's and NeMo-Curator's pipelines are for their own formats and runtimes, datasketch's
+LSH holds Python objects per key.
 """
 
 import os
@@ -57,10 +58,13 @@ def write_band_index(prefix: str, signatures: np.ndarray, threshold: float,
 @dataclass
 class Part:
     """One split of one prepared folder, in the collection's order. `fixed`: a corpus
-    de-duplicated against, whose documents all stay (and count as kept)."""
+    de-duplicated against, whose documents all stay (and count as kept). `same_folder`: another
+    split of the previous part's folder, so not compared with it: the run that wrote the folder
+    de-duplicated all its splits together, in input order."""
 
     prefix: str
     fixed: bool = False
+    same_folder: bool = False
 
     def keys(self) -> np.ndarray:
         return np.load(f"{self.prefix}.keys.npy")
@@ -119,9 +123,9 @@ def check_near_files(parts: Sequence[Part], num_perm: int, bands: int) -> None:
 
 def duplicates(parts: List[Part], threshold: float = 0.0, num_perm: int = 128,
                near: bool = True, quiet: bool = False) -> List[Removed]:
-    """What to remove from each part: exact duplicates of any earlier part's document, then
+    """What to remove from each part: exact duplicates of any earlier folder's document, then
     (`near`) documents whose signature agrees on at least `threshold` of its values with a kept
-    document of an earlier part that shares an LSH band with it. Fixed parts lose nothing.
+    document of an earlier folder that shares an LSH band with it. Fixed parts lose nothing.
     `quiet`: no progress bar (else one on stderr for the near duplicates, most of the time)."""
     keys = [part.keys() for part in parts]
     sizes = [len(part_keys) for part_keys in keys]
@@ -129,14 +133,24 @@ def duplicates(parts: List[Part], threshold: float = 0.0, num_perm: int = 128,
     fixed = np.repeat([part.fixed for part in parts], sizes)
     first_copy = first_copies(np.concatenate(keys))
     result = []
-    for part, first, size in zip(parts, offsets[:-1], sizes):
+    starts = folder_starts(parts, offsets)
+    for part, before, first, size in zip(parts, starts, offsets[:-1], sizes):
         copy = first_copy[first:first + size]
-        exact = (copy < first) & (not part.fixed)
+        exact = (copy < before) & (not part.fixed)
         result.append(Removed(exact=exact, near=np.zeros(size, dtype=bool),
                               exact_by_fixed=int(fixed[copy[exact]].sum())))
     if near:
         find_near(parts, offsets, result, threshold, fixed, num_perm, quiet)
     return result
+
+
+def folder_starts(parts: List[Part], offsets: np.ndarray) -> List[int]:
+    """Each part's first position in the collection, or its folder's when it is `same_folder`:
+    a part is compared with the documents before that."""
+    starts = []
+    for part, first in zip(parts, offsets[:-1]):
+        starts.append(starts[-1] if part.same_folder else int(first))
+    return starts
 
 
 def first_copies(keys: np.ndarray) -> np.ndarray:
@@ -234,6 +248,7 @@ def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], thr
     gone = np.concatenate([removed.exact for removed in result])  # grows part by part
     signatures = [part.signatures() for part in parts]
     shingles = [ShingleFile(part.prefix) for part in parts]
+    starts = folder_starts(parts, offsets)
     for index, (part, removed) in enumerate(zip(parts, result)):
         if part.fixed:
             continue
@@ -243,7 +258,7 @@ def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], thr
         for start in range(0, len(queried), QUERY_CHUNK):
             documents = queried[start:start + QUERY_CHUNK]
             queries = band_keys(np.asarray(signatures[index][documents]), *tables.shape)
-            query, candidate = tables.candidates(queries, first, gone)
+            query, candidate = tables.candidates(queries, starts[index], gone)
             pairs = np.unique(np.stack([documents[query], candidate]), axis=1)
             document, candidate = pairs[0], pairs[1]
             checked = to_verify(document, agreement(signatures, offsets, index, document,

@@ -1,4 +1,10 @@
-"""Stage 1, cleaning: NFKC, Moses punctuation normalisation, control characters, URLs, e-mails.
+"""Stage 1, cleaning: invisible format characters, NFKC, Moses punctuation normalisation, control
+characters, URLs, e-mails.
+
+Format characters (Unicode category Cf: zero-width space, soft hyphen, word joiner, BOM, bidi
+marks, ...) are invisible: each one is removed, nothing put in its place, so that a word holding
+one stays whole, except where the text needs it (`remove_format`). The exact key and the shingles
+of de-duplication ignore every one of them (`without_format`).
 
 Moses' normalizer calls re.sub for each of its ~30 rules on every text (each call looks the
 pattern up in re's cache). The default path (`moses="gated"`) applies the same rules in the same
@@ -8,6 +14,7 @@ order, compiled once, and skips a rule when a text lacks a substring every match
 """
 
 import re
+import sys
 import unicodedata
 
 from sacremoses import MosesPunctNormalizer
@@ -17,10 +24,87 @@ EMAIL_TOKEN = "[EMAIL]"
 
 EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
 URL = re.compile(r"\b(?:https?://|ftp://|www\.)[^\s<>\"']+[^\s<>\"'.,;:!?)\]}]", re.IGNORECASE)
-# Cc (NUL, escapes, ...) and Cf/Cs/Co (format, surrogates, private use) go; whitespace stays.
-CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f"
-                     r"\ufeff\ud800-\udfff\ue000-\uf8ff]")
+# Cc (NUL, escapes, ...), line and paragraph separators, Cs/Co (surrogates, private use) become
+# spaces; whitespace stays.
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ue000-\uf8ff]")
 WHITESPACE = re.compile(r"\s+")
+
+
+def _char_class(member) -> re.Pattern:
+    """A character class of every code point for which member(character) holds, written as
+    ranges of consecutive ones (re tests a character against each range in turn)."""
+    ranges = []
+    for point in range(sys.maxunicode + 1):
+        if member(chr(point)):
+            if ranges and ranges[-1][1] == point - 1:
+                ranges[-1][1] = point
+            else:
+                ranges.append([point, point])
+    return re.compile("[" + "".join(f"{re.escape(chr(first))}-{re.escape(chr(last))}"
+                                    for first, last in ranges) + "]")
+
+
+# Cf characters that are visible, not invisible: Unicode's Prepended_Concatenation_Mark (the
+# Arabic number and year signs, the end of ayah, ...), which unicodedata does not list
+VISIBLE_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891"
+                           "\u08e2\U000110bd\U000110cd")
+FORMAT = _char_class(lambda char: unicodedata.category(char) == "Cf"
+                     and char not in VISIBLE_FORMAT)
+ZWNJ, ZWJ = "\u200c", "\u200d"  # Unicode's Join_Control
+# Unicode's Bidi_Control: ALM, LRM, RLM, embeddings and overrides, isolates
+BIDI_CONTROL = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+RIGHT_TO_LEFT = ("R", "AL")  # bidi classes
+EMOJI_PRESENTATION = "\ufe0f"  # the variation selector that ends many emoji before a ZWJ
+BLACK_FLAG = "\U0001f3f4"  # with tag characters after it: a subdivision's flag (England)
+TAGS = "".join(map(chr, range(0xE0020, 0xE0080)))
+
+
+def without_format(text: str) -> str:
+    """The text without any format character (Cf): what the exact key and the shingles are
+    computed from, so that copies differing only in invisible characters are duplicates."""
+    return text if text.isascii() else FORMAT.sub("", text)
+
+
+def joins(before: str, joiner: str, after: str) -> bool:
+    """Whether a script needs the ZWNJ or ZWJ between these two characters: letters or marks (L,
+    M) of which one is right-to-left (Arabic, Persian, Syriac, ...: the joined or unjoined form)
+    or a virama (combining class 9; Indic and other Brahmic scripts: a conjunct, half or
+    ligature form), or a ZWJ in an emoji sequence: a symbol (So) after it, a symbol, a skin tone
+    (Sk) or the emoji variation selector before it."""
+    if unicodedata.category(before)[0] in "LM" and unicodedata.category(after)[0] in "LM":
+        return any(unicodedata.bidirectional(char) in RIGHT_TO_LEFT
+                   or unicodedata.combining(char) == 9 for char in (before, after))
+    return (joiner == ZWJ and unicodedata.category(after) == "So"
+            and (unicodedata.category(before) in ("So", "Sk") or before == EMOJI_PRESENTATION))
+
+
+def holds_right_to_left_letter(text: str) -> bool:
+    return any(unicodedata.category(char)[0] == "L" and unicodedata.bidirectional(char)
+               in RIGHT_TO_LEFT for char in set(text))
+
+
+def remove_format(text: str) -> str:
+    """The text without its format characters (Cf), nothing put in their place, but for those
+    it needs: ZWNJ and ZWJ where `joins` says so, the tags of an emoji tag sequence, and the
+    bidi controls (BIDI_CONTROL) in bidi text, here a text that holds a right-to-left letter
+    (bidi class R or AL). A text without any
+    costs one scan (none when it is ASCII); only the format characters found are looked at."""
+    found = () if text.isascii() else set(FORMAT.findall(text))
+    if not found:
+        return text
+    bidi_text = not BIDI_CONTROL.isdisjoint(found) and holds_right_to_left_letter(text)
+
+    def kept(match: re.Match) -> str:
+        char, at = match.group(), match.start()
+        if char in BIDI_CONTROL:
+            return char if bidi_text else ""
+        if char in (ZWNJ, ZWJ) and 0 < at < len(text) - 1:
+            return char if joins(text[at - 1], char, text[at + 1]) else ""
+        if char in TAGS:  # an emoji tag sequence's: the flag, then tags to a cancel tag
+            return char if text[:at].rstrip(TAGS).endswith(BLACK_FLAG) else ""
+        return ""
+
+    return FORMAT.sub(kept, text)
 
 
 # A substring that every match of a rule's pattern holds, for the patterns with regular
@@ -70,7 +154,7 @@ class Cleaner:
             self.moses = GatedMoses(self.moses)
 
     def normalize(self, text: str) -> str:
-        text = unicodedata.normalize("NFKC", text)
+        text = unicodedata.normalize("NFKC", remove_format(text))
         text = CONTROL.sub(" ", text)
         if "@" in text:  # the cheap test spares most documents the regular expression
             text = EMAIL.sub(EMAIL_TOKEN, text)  # before URLs: an address is no URL

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from data_prep.clean import without_format
 from data_prep.near import CANDIDATES_PER_BUCKET, band_keys, jaccards, lsh_shape, to_verify
 from data_prep.spill import KeyRuns, Records
 from tupe_ds.data.counter_random import absorb
@@ -14,8 +15,10 @@ KEPT, EXACT, NEAR = "kept", "exact", "near"
 
 
 def exact_key(text: str) -> int:
-    """64-bit hash of the cleaned text (whitespace and case as cleaned)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+    """64-bit hash of the cleaned text (whitespace and case as cleaned) without its format
+    characters (the joiners and bidi controls that cleaning keeps: data_prep/clean.py)."""
+    return int.from_bytes(hashlib.blake2b(without_format(text).encode("utf-8"),
+                                          digest_size=8).digest(), "little")
 
 
 class Deduplicator:

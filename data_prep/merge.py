@@ -90,12 +90,13 @@ def near_settings(folders: Sequence[str], manifests: List[dict], against: Sequen
 
 
 def parts_of(shards: Sequence[str], against: Sequence[str], near) -> List[across.Part]:
-    """Every split of the corpora de-duplicated against, then each split of the shards in
-    order, split by split (the order of a merged folder's own parts: so merging one again
-    removes what one merge of all its shards removes)."""
-    parts = [across.Part(os.path.join(folder, split), fixed=True)
-             for folder in against for split in SPLITS]
-    parts += [across.Part(os.path.join(shard, split)) for split in SPLITS for shard in shards]
+    """The splits of each folder together: the corpora de-duplicated against, then the shards
+    in order. So a document goes when an earlier folder has it, in whichever split: the first
+    copy in input order stays, as in one run over all the inputs (the shards hold consecutive
+    inputs, in order, and each run de-duplicated its own splits together)."""
+    folders = [(folder, True) for folder in against] + [(shard, False) for shard in shards]
+    parts = [across.Part(os.path.join(folder, split), fixed=fixed, same_folder=split != SPLITS[0])
+             for folder, fixed in folders for split in SPLITS]
     for part in parts:
         if not os.path.exists(f"{part.prefix}.keys.npy"):
             raise ValueError(f"{part.prefix}.keys.npy: missing; name folders written by tupe-prep")

@@ -23,6 +23,7 @@ import re
 import numpy as np
 from datasketch import MinHash
 
+from data_prep.clean import without_format
 from tupe_ds.data.counter_random import absorb
 
 WORD = re.compile(r"\w+")
@@ -53,10 +54,11 @@ def _sketch(num_perm: int) -> MinHash:
 
 
 def shingle_hashes(text: str, shingle: int) -> np.ndarray:
-    """Sorted, distinct uint32 hashes of the text's lower-cased word `shingle`-grams: the first 4
-    bytes of each one's SHA-1, little-endian (datasketch's sha1_hash32, without its call per
-    gram)."""
-    words = WORD.findall(text.lower())  # none: no shingle, so no near duplicate of anything
+    """Sorted, distinct uint32 hashes of the text's lower-cased word `shingle`-grams, its format
+    characters ignored (data_prep/clean.py): the first 4 bytes of each one's SHA-1, little-endian
+    (datasketch's sha1_hash32, without its call per gram)."""
+    # no words: no shingle, so no near duplicate of anything
+    words = WORD.findall(without_format(text).lower())
     grams = {" ".join(words[i:i + shingle]) for i in range(max(1 if words else 0,
                                                                 len(words) - shingle + 1))}
     digests = b"".join(hashlib.sha1(g.encode("utf-8")).digest()[:4] for g in grams)

@@ -1,15 +1,19 @@
 """An output folder that appears whole or not at all: a run (prepare or merge) writes its files
-in OUTPUT/.tmp-prep and `publish` moves them into OUTPUT, the manifest last."""
+in a work folder of its own, OUTPUT/.tmp-prep.HOST.PID.TOKEN, and `publish` moves them into
+OUTPUT, the manifest last."""
 
 import contextlib
 import json
 import os
 import shutil
 
-from tupe_ds.tools.files import fresh_folder, locked
+from tupe_ds.tools.files import locked, write_atomically
+from tupe_ds.tools.lock_file import HOLDER_SUFFIX, lock_content
+from tupe_ds.tools.lock_holder import (describe, gone_because, parse_holder, same_machine,
+                                       this_holder)
 
 SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy} and near-duplicate files
-WORK_DIR = ".tmp-prep"
+WORK_DIR = ".tmp-prep"  # a run's work folder is OUTPUT/.tmp-prep.HOST.PID.TOKEN
 LOCK = ".tupe-prep.lock"
 SPOOL = "documents.jsonl"  # prepare's kept documents, from pass 1 to pass 2: not published
 DEDUP_STATE = "dedup"  # prepare's de-duplicator's files (data_prep/dedup.py), likewise
@@ -26,17 +30,74 @@ def read_manifest(folder: str) -> dict:
 
 @contextlib.contextmanager
 def work_folder(output: str):
-    """OUTPUT/.tmp-prep, empty, for a run's files until `publish` moves them into OUTPUT; removed
-    if the run fails (a killed process leaves it to the next run, which removes it first). Runs
-    into one OUTPUT take turns (OUTPUT/.tupe-prep.lock): the later one waits, then replaces
-    the earlier one's output."""
+    """An empty folder of this run's own, OUTPUT/.tmp-prep.HOST.PID.TOKEN, for its files until
+    `publish` moves them into OUTPUT; removed when the block ends, published or failed. Beside
+    it, FOLDER.holder records its run (tupe_ds/tools/lock_holder.py), so that a later run can
+    remove what a killed one left (`remove_abandoned_work`). Runs into one OUTPUT take turns
+    (OUTPUT/.tupe-prep.lock): the later one waits, then replaces the earlier one's output; where
+    the lock holds on one node only (Lustre's localflock, NFS with local locks), runs on two
+    nodes still never touch each other's work."""
     os.makedirs(output, exist_ok=True)
-    with locked(os.path.join(output, LOCK)), fresh_folder(os.path.join(output, WORK_DIR)) as work:
-        yield work
+    with locked(os.path.join(output, LOCK)):
+        remove_abandoned_work(output)
+        holder = this_holder()
+        work = os.path.join(output, f"{WORK_DIR}.{holder['host']}.{holder['pid']}."
+                                    f"{holder['token'][:8]}")
+        write_atomically(work + HOLDER_SUFFIX, json.dumps(holder, indent=1))  # before the folder
+        try:
+            os.makedirs(work)
+            yield work
+        finally:
+            remove_work(work)
+
+
+def remove_work(work: str) -> None:
+    """The work folder, then its record: a removal cut short leaves the record, so that a later
+    run can judge what remains."""
+    shutil.rmtree(work, ignore_errors=True)
+    if not os.path.exists(work):
+        with contextlib.suppress(FileNotFoundError):  # removed by another node's run meanwhile
+            os.remove(work + HOLDER_SUFFIX)
+
+
+def remove_abandoned_work(output: str) -> None:
+    """Removes the work folders in `output` whose run is gone by the rules of the lock files'
+    holders (tupe_ds/tools/lock_holder.py: its process of this machine has ended, it is this
+    Slurm job before a requeue, or its record is damaged), saying so; says which it leaves and
+    why. A run on another machine is never judged gone by age: its record is not renewed, as a
+    run may take hours, so only the requeue rule can find it gone."""
+    for name in sorted(os.listdir(output)):
+        folder = os.path.join(output, name)
+        if not (name == WORK_DIR or name.startswith(WORK_DIR + ".")):
+            continue
+        if name.endswith(HOLDER_SUFFIX):
+            judge_work(folder[:-len(HOLDER_SUFFIX)])
+        elif os.path.isdir(folder) and not os.path.exists(folder + HOLDER_SUFFIX):
+            print(f"tupe-prep: left {folder}: no record of the run that wrote it beside it (an "
+                  "earlier version's work folder?); remove it once no tupe-prep run writes it",
+                  flush=True)
+
+
+def judge_work(folder: str) -> None:
+    """Removes the work folder `folder` if its run is gone, saying so; else says it is left."""
+    record = lock_content(folder + HOLDER_SUFFIX)
+    if record is None:
+        return  # its run finished meanwhile
+    holder = parse_holder(record)
+    run = f"the work folder of {describe(holder)}" if holder else "a work folder"
+    why = gone_because(holder, lease_age=0.0)
+    if why:
+        remove_work(folder)
+        print(f"tupe-prep: removed {folder}, {run}: {why}", flush=True)
+    else:
+        where = ("a live process of this machine" if same_machine(holder) else
+                 "which may still be running on another machine; remove it once that process "
+                 "has ended")
+        print(f"tupe-prep: left {folder}, {run}, {where}", flush=True)
 
 
 def publish(work: str, output: str, manifest: dict) -> None:
-    """Move the finished files of `work` into `output`, the manifest last, then drop `work`.
+    """Move the finished files of `work` into `output`, the manifest last.
 
     An output folder is complete when it has a manifest.json; an older one goes first.
     """
@@ -49,4 +110,3 @@ def publish(work: str, output: str, manifest: dict) -> None:
                    if n not in (SPOOL, DEDUP_STATE, "manifest.json"))
     for name in names + ["manifest.json"]:
         os.replace(os.path.join(work, name), os.path.join(output, name))
-    shutil.rmtree(work)

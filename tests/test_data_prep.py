@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -16,9 +17,13 @@ from tokenizers import Tokenizer
 
 from data_prep.clean import Cleaner
 from data_prep.cli import main
+from data_prep.dedup import EXACT, KEPT, Deduplicator, exact_key
 from data_prep.merge import merge
+from data_prep.near import shingle_hashes
+from data_prep.output import WORK_DIR, work_folder
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.read import InputError
+from tupe_ds.tools import lock_holder
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sample")
 WORDS = ("time house river light garden letter morning friend answer window evening carriage "
@@ -111,10 +116,72 @@ def test_exact_and_near_duplicates_are_removed_and_nothing_unique(tmp_path):
     assert manifest["documents_out"] == 35
 
 
+PERSIAN = ("\u06a9\u062a\u0627\u0628\u200c\u0647\u0627 \u0631\u0627 "  # "the books", a ZWNJ
+           "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645")  # "I want", a ZWNJ
+FAMILY = "\U0001f468\u200d\U0001f469\u200d\U0001f467"  # an emoji ZWJ sequence
+
+
+@pytest.mark.parametrize("text, cleaned", [
+    pytest.param("As\u200bsociation", "Association", id="zero-width space"),
+    pytest.param("co\u00adoperation", "cooperation", id="soft hyphen"),
+    pytest.param("word\u2060joiner", "wordjoiner", id="word joiner"),
+    pytest.param("\ufeffA by\ufeffte order mark", "A byte order mark", id="BOM"),
+    pytest.param("Paris\u200e, \u202aFrance\u202c and Ly\u2066o\u2069n", "Paris, France and Lyon",
+                 id="bidi controls outside bidi text"),
+    pytest.param("Z\u200dW\u200cJ", "ZWJ", id="joiners between Latin letters"),
+    pytest.param("x\u2062y \U000e0074ag", "xy ag", id="invisible times, tag"),
+])
+def test_format_characters_without_meaning_go_and_leave_no_space(text, cleaned):
+    assert Cleaner().normalize(text) == cleaned
+
+
+@pytest.mark.parametrize("text", [
+    pytest.param(PERSIAN, id="ZWNJ in Persian"),
+    pytest.param("\u0915\u094d\u200d\u0937", id="ZWJ after a Devanagari virama"),
+    pytest.param(FAMILY, id="ZWJ in an emoji sequence"),
+    pytest.param("\U0001f3f3\ufe0f\u200d\U0001f308", id="ZWJ after an emoji variation selector"),
+    pytest.param("\u05e9\u05dc\u05d5\u05dd\u200f (shalom)", id="RLM in bidi text"),
+    pytest.param("\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",
+                 id="tags of England's flag"),
+    pytest.param("\u0600\u0661\u0662 \u06dd\u0663", id="Arabic number sign, end of ayah"),
+])
+def test_format_characters_a_script_needs_stay(text):
+    assert Cleaner().normalize(text) == text
+
+
+def test_copies_differing_only_in_format_characters_are_exact_duplicates(tmp_path):
+    """Issue 59: copies with a format character inside every fifth word split no word, and
+    copies differing only in format characters, kept ones too, have the same key and shingles."""
+    rng = random.Random(59)
+    originals = [unique_document(rng) for _ in range(3)] + [f"{PERSIAN} {FAMILY} {PERSIAN}."]
+    invisible = "\u200b\u00ad\u2060\ufeff\u200e\u200d\u200c\u2062"
+
+    def hidden(text):
+        return " ".join(word[:1] + invisible[i // 5 % len(invisible)] + word[1:] if i % 5 == 0
+                        else word for i, word in enumerate(text.split()))
+
+    copies = [hidden(text) for text in originals[:3]]
+    copies.append(hidden(originals[3].replace("\u200c", "").replace("\u200d", "")))
+    clean = Cleaner().normalize
+    documents = [clean(text) for text in originals + copies]
+    assert documents[4:7] == documents[:3]  # not a word split
+    assert documents[7] != documents[3] and "\u200c" in documents[3]
+    keys = [exact_key(text) for text in documents]
+    assert Deduplicator("exact", folder=str(tmp_path)).judge(keys) == [KEPT] * 4 + [EXACT] * 4
+    shingles = [shingle_hashes(text, 5).tolist() for text in documents]
+    assert shingles[4:] == shingles[:4]
+
+
 def assert_no_output(folder):
     left = set(os.listdir(folder)) if os.path.exists(folder) else set()
     assert not left & {"train.bin", "train.idx", "valid.bin", "valid.idx", "manifest.json",
-                       "tokenizer.json", ".tmp-prep"}, left
+                       "tokenizer.json"}, left
+    assert not any(name.startswith(WORK_DIR) for name in left), left  # nor work folders
+
+
+def work_left(folder):
+    """The work folders, and their records, that runs left in `folder`."""
+    return sorted(name for name in os.listdir(folder) if name.startswith(WORK_DIR))
 
 
 def test_invalid_utf8_nul_and_empty_files(tmp_path):
@@ -187,7 +254,74 @@ def test_a_crash_leaves_no_partial_output_and_a_rerun_finishes(tmp_path, monkeyp
     monkeypatch.undo()
     manifest = run([source], tmp_path / "out")
     assert manifest["documents_out"] == 20
-    assert not os.path.exists(tmp_path / "out" / ".tmp-prep")
+    assert not work_left(tmp_path / "out")
+
+
+def test_a_run_works_in_a_folder_of_its_own_and_removes_it_when_it_fails(tmp_path):
+    with pytest.raises(RuntimeError):
+        with work_folder(str(tmp_path)) as work:
+            assert os.path.basename(work).startswith(
+                f"{WORK_DIR}.{socket.gethostname()}.{os.getpid()}.")
+            with open(f"{work}.holder", "rb") as record:
+                assert lock_holder.parse_holder(record.read())["pid"] == os.getpid()
+            with open(os.path.join(work, "train.bin"), "wb") as half:
+                half.write(b"half")
+            raise RuntimeError("failed mid-way")
+    assert not work_left(tmp_path)
+
+
+def left_work(output, name, record):
+    """A work folder with a file in it, as a run killed mid-way leaves it, and its run's record
+    (bytes: a damaged one)."""
+    os.makedirs(output / name)
+    (output / name / "train.bin").write_bytes(b"half")
+    if record is not None:
+        (output / f"{name}.holder").write_bytes(
+            record if isinstance(record, bytes) else json.dumps(record).encode())
+
+
+def test_a_later_run_removes_the_work_folders_of_ended_runs_only(tmp_path, monkeypatch, capsys):
+    """Runs on two nodes share OUTPUT where flock holds on one node only (Lustre's localflock):
+    a run removes only the work folders whose run is gone by the lock holders' rules."""
+    for name in lock_holder.SLURM_FIELDS.values():
+        monkeypatch.delenv(name, raising=False)
+    here = {k: v for k, v in lock_holder.this_holder().items()
+            if k not in lock_holder.SLURM_FIELDS}
+    killed = subprocess.Popen(["sleep", "60"])
+    killed_start = lock_holder.process_start(killed.pid)
+    killed.kill()
+    killed.wait()
+    left = {
+        "killed": ({**here, "pid": killed.pid, "pid_start": killed_start},
+                   "its process has ended"),
+        "pid_reused": ({**here, "pid_start": here["pid_start"] + 1}, "its process has ended"),
+        "damaged": (b'{"host": "node-b"', "damaged"),
+        "requeued": ({**here, "host": "node-b", "slurm_job_id": "77",
+                      "slurm_restart_count": "0"}, "this Slurm job (77) before it was requeued"),
+        "running": (here, "a live process of this machine"),  # this test's process
+        "elsewhere": ({**here, "host": "node-b"}, "may still be running on another machine"),
+        "unrecorded": (None, "no record of the run that wrote it"),
+    }
+    for name, (record, _) in left.items():
+        left_work(tmp_path, f"{WORK_DIR}.{name}", record)
+    (tmp_path / WORK_DIR).mkdir()  # an earlier version's
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+
+    kept = ["elsewhere", "running", "unrecorded"]
+    with work_folder(str(tmp_path)) as work:
+        own = os.path.basename(work)
+        assert work_left(tmp_path) == sorted(
+            [WORK_DIR, f"{WORK_DIR}.unrecorded", f"{WORK_DIR}.elsewhere",
+             f"{WORK_DIR}.elsewhere.holder", f"{WORK_DIR}.running", f"{WORK_DIR}.running.holder",
+             own, f"{own}.holder"])
+    said = {line.split()[2].rstrip(",:"): line for line in capsys.readouterr().out.splitlines()}
+    for name, (_, why) in left.items():
+        line = said[str(tmp_path / f"{WORK_DIR}.{name}")]
+        assert line.startswith(f"tupe-prep: {'left' if name in kept else 'removed'} ") \
+            and why in line, line
+    assert "no record" in said[str(tmp_path / WORK_DIR)]
+    assert not os.path.exists(work)
 
 
 def test_inputs_of_every_kind(tmp_path):
@@ -278,13 +412,12 @@ def test_near_duplicates_across_shards_and_corpora_go_the_first_copy_stays(tmp_p
     assert merged["sources"][shards[1]]["cross_shard_near_removed"] == 3
     assert sorted(kept_texts(tmp_path / "merged")) == sorted(clean(t) for t in originals)
     backwards = merge(shards[::-1], str(tmp_path / "backwards"), quiet=True)
-    # now shard 1 comes first: of each pair the copy in the earlier place stays (train splits
-    # before valid ones), so shard 0 loses the originals but one in its valid split
-    copies = {clean(t): clean(near_copy(t)) for t in originals[:3]}
-    kept = kept_texts(tmp_path / "backwards")
-    assert backwards["cross_shard_near_duplicates_removed"] == 3 and len(kept) == 40
-    assert all((original in kept) != (copy in kept) for original, copy in copies.items())
-    assert backwards["sources"][shards[0]]["cross_shard_near_removed"] >= 2
+    # now shard 1 comes first: it keeps the copies, one in its valid split whose original is in
+    # shard 0's train split, as one run over the files in that order does
+    one_run = run(files[::-1], tmp_path / "one-run", **options)
+    assert kept_texts(tmp_path / "backwards") == kept_texts(tmp_path / "one-run")
+    assert backwards["splits"] == one_run["splits"]
+    assert backwards["sources"][shards[0]]["cross_shard_near_removed"] == 3
 
     others = [unique_document(rng, words=200) for _ in range(10)]
     other = write_txt(tmp_path / "other.txt", others + [near_copy(t) for t in originals[3:6]]

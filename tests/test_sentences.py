@@ -49,6 +49,10 @@ def test_fast_splitter_gives_the_sentencizer_sentences_on_the_tests_corpora(spli
         "Write to jane@example.org or see https://example.com/austen?id=3 for more text here.",
         "Ünïcödé ﬁne ligatures and full-width ＡＢＣ survive NFKC. Short. Sentences are joined.",
         "Broken \ufffd\ufffd bytes in this line of text here.",
+        # format characters that cleaning keeps (ZWNJ, ZWJ, RLM) and one it removes (ZWSP)
+        "Persian \u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645. A family "
+        "\U0001f468\u200d\U0001f469\u200d\U0001f467! Hebrew \u05e9\u05dc\u05d5\u05dd\u200f. "
+        "(shalom) As\u200bsociation.",
         " ".join(unique_document(rng, words=30) for _ in range(1000)),  # cut in CHUNK_CHARS
     ]
     assert len(documents[-1]) > 2 * CHUNK_CHARS
