@@ -99,10 +99,10 @@ def test_a_lock_file_held_elsewhere_is_waited_for_then_taken_over_when_its_lease
         time.sleep(0.01)
     assert said == [f"tupe_ds: waiting for {path}, held by process 4242 on node-elsewhere, "
                     "started 2026-11-26T00:00:00+00:00 (its lease renewed 0 s ago, taken over "
-                    f"once not renewed for {lock.LEASE_SECONDS:.0f} s); if that process is gone, "
-                    f"remove {path}"]
+                    f"once not renewed for {lock_holder.LEASE_SECONDS:.0f} s); "
+                    f"if that process is gone, remove {path}"]
     assert not taken
-    old = time.time() - lock.LEASE_SECONDS - 60
+    old = time.time() - lock_holder.LEASE_SECONDS - 60
     os.utime(path, (old, old))  # its holder stopped renewing it
     waiter.join(timeout=30)
     assert taken and said[1].startswith(f"tupe_ds: took over {path} from process 4242 on "

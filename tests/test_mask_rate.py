@@ -94,7 +94,7 @@ def test_a_run_streams_and_records_its_masking_and_a_resume_with_another_is_name
     both values (what allowed_changes.refuse_another_run says)."""
     run = start(data, tmp_path, monkeypatch, *CHANGED_FLAGS, "--objective", "electra")
     assert run.masking == CHANGED and run.identity["masking"] == dataclasses.asdict(CHANGED)
-    monkeypatch.setattr(dist, "get_rank", lambda: 0)  # loop.datasets' rank 0, no process group
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)  # datasets.datasets' rank 0, no process group
     monkeypatch.setattr(dist, "barrier", lambda: None)
     streams = datasets(run, Vocabulary.from_data_dir(data), OBJECTIVES[run.objective])
     assert {samples.scheme for samples in [*streams["train"].sources, *streams["valid"]]} == \

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tupe_ds.tools import lock as lock_module
+from tupe_ds.tools import lock_file, lock_holder
 from tupe_ds.tools.lock_holder import process_start, this_holder
 from tupe_ds.train import run_lock
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
@@ -267,7 +267,7 @@ def test_a_fifo_at_run_lock_is_refused_without_waiting(tmp_path):
 
 
 def test_the_renewal_thread_finds_a_take_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
     lock = RunLock.acquire(str(tmp_path))
     plant(tmp_path, host="node-elsewhere", pid=4242)
     deadline = time.time() + 10
@@ -283,10 +283,10 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
     """EIO on run.lock (an NFS or Lustre hiccup): the checks before each write retry it, and the
     renewal thread tries again at its next period; only a lock unreadable for the whole retry
     window stops the run (reads.Unreadable, exit 3)."""
-    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
     monkeypatch.setenv("TUPE_DS_READ_RETRY_SECONDS", "1")
     lock = RunLock.acquire(str(tmp_path))
-    content, failures = lock_module.lock_content, [0]
+    content, failures = lock_file.lock_content, [0]
 
     def eio_first(path):
         if failures[0]:
@@ -294,7 +294,7 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
             raise OSError(5, "Input/output error", path)
         return content(path)
 
-    monkeypatch.setattr(lock_module, "lock_content", eio_first)
+    monkeypatch.setattr(lock_file, "lock_content", eio_first)
     failures[0] = 3
     assert lock.still_held() is None
     failures[0] = 3

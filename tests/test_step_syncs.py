@@ -1,7 +1,7 @@
 """What waits for the device in tupe_ds's optimizer step (issue 55.2), counted on the CPU:
 `get_accelerator().synchronize()` calls and host reads of tensor values (tests/support/
 host_reads.py), per optimizer step of EngineSteps.train, the tiny model under the DeepSpeed
-engine tupe-pretrain builds (config.load, loop.build_engine), ZeRO 1 as shipped
+engine tupe-pretrain builds (config.load, engine.build_engine), ZeRO 1 as shipped
 (ds_configs/bert_large_fp16.json), 4 micro-batches, in fp32, bf16 (--bf16) and fp16 (DeepSpeed's
 CPU accelerator refuses fp16 unless `is_fp16_supported` says yes, and tupe-doctor unless the
 machine has a GPU: both are told so; torch's CPU kernels run the tiny model in fp16).

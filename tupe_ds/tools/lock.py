@@ -59,10 +59,11 @@ import threading
 import time
 from typing import Optional
 
-from tupe_ds.tools.lock_file import (NO_HARD_LINKS, NotALockFile, link_exclusively, lock_content,
-                                     renewed_ago, replace_lock, write_record)
-from tupe_ds.tools.lock_holder import (LEASE_SECONDS, describe, gone_because, parse_holder,
-                                       same_machine, this_holder)
+from tupe_ds.tools import lock_file, lock_holder
+from tupe_ds.tools.lock_file import (NO_HARD_LINKS, NotALockFile, link_exclusively, renewed_ago,
+                                     replace_lock, write_record)
+from tupe_ds.tools.lock_holder import (describe, gone_because, parse_holder, same_machine,
+                                       this_holder)
 
 WAIT_NOTICE_SECONDS = 30.0
 
@@ -123,7 +124,7 @@ class LinkLock:
                 raise OSError(f"{self.path}: this filesystem can lock files neither with flock "
                               f"nor with hard links ({error.strerror}); {fix}") from error
             raise
-        judged = lock_content(self.path)
+        judged = lock_file.lock_content(self.path)
         age = renewed_ago(own, self.path)
         if judged is None or age is None:
             return False
@@ -143,19 +144,19 @@ class LinkLock:
         for."""
 
     def _say_what_it_waits_for(self, own: str, say) -> bool:
-        holder = parse_holder(lock_content(self.path) or b"")
+        holder = parse_holder(lock_file.lock_content(self.path) or b"")
         age = renewed_ago(own, self.path)
         if holder is None or age is None:
             return False  # changed meanwhile: said at the next try
         state = ("a live process of this machine" if same_machine(holder) else
                  f"its lease renewed {age:.0f} s ago, taken over once not renewed for "
-                 f"{LEASE_SECONDS:.0f} s")
+                 f"{lock_holder.LEASE_SECONDS:.0f} s")
         say(f"{self.speaker}: waiting for {self.path}, held by {describe(holder)} ({state}); if "
             f"that process is gone, remove {self.path}")
         return True
 
     def _renew(self) -> None:
-        while not self._stop.wait(LEASE_SECONDS / 10):
+        while not self._stop.wait(lock_holder.LEASE_SECONDS / 10):
             try:
                 if self.lost_because():
                     return
@@ -166,7 +167,7 @@ class LinkLock:
     def check(self) -> Optional[str]:
         """None while the lock file is this process's; else what holds it now."""
         try:
-            data = lock_content(self.path)
+            data = lock_file.lock_content(self.path)
         except NotALockFile as error:
             return str(error)
         if data is None:
