@@ -7,7 +7,8 @@ import os
 import numpy as np
 
 from data_prep.clean import without_format
-from data_prep.near import CANDIDATES_PER_BUCKET, band_keys, jaccards, lsh_shape, to_verify
+from data_prep.near import (WITHIN_RUN_CANDIDATES_PER_BUCKET, band_keys, jaccards, lsh_shape,
+                            to_verify)
 from data_prep.spill import KeyRuns, Records
 from tupe_ds.data.counter_random import absorb
 
@@ -30,7 +31,7 @@ class Deduplicator:
     `folder` (data_prep/spill.py), so its memory does not grow with the documents: the exact
     keys seen, and with minhash the kept documents' signatures (SIGNATURES, in order: prep
     publishes them), shingle hashes (SHINGLES, read back only to check candidates) and LSH
-    buckets, each of which holds at most CANDIDATES_PER_BUCKET of them.
+    buckets, each of which holds at most WITHIN_RUN_CANDIDATES_PER_BUCKET of them.
     """
 
     SIGNATURES, SHINGLES = "signatures.spool", "shingles.spool"
@@ -117,14 +118,15 @@ class Deduplicator:
     def _add(self, tagged_keys: list, in_runs: np.ndarray, signature,
              shingles: np.ndarray) -> None:
         """Keeps a document: its signature, its shingles, and its place in each of its buckets
-        that has fewer than CANDIDATES_PER_BUCKET (`in_runs` of them in the runs)."""
+        that has fewer than WITHIN_RUN_CANDIDATES_PER_BUCKET (`in_runs` of them in the runs)."""
         document = self.kept
         self.kept += 1
         self.signatures.append(signature)
         os.pwrite(self.shingles.fileno(), shingles.tobytes(), self.shingle_total * 4)
         self.shingle_total += len(shingles)
         self.shingle_ends.append(self.shingle_total)
-        self.buckets.add_below(tagged_keys, in_runs.tolist(), document, CANDIDATES_PER_BUCKET)
+        self.buckets.add_below(tagged_keys, in_runs.tolist(), document,
+                               WITHIN_RUN_CANDIDATES_PER_BUCKET)
 
     def shingles_of(self, document: int) -> np.ndarray:
         start = int(self.shingle_ends[document - 1]) if document else 0

@@ -20,7 +20,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from tqdm import tqdm
 
 from data_prep import across
-from data_prep.near import ShingleFile, write_shingles
+from data_prep.band_index import write_band_index
+from data_prep.near import ShingleFile, lsh_shape, write_shingles
 from data_prep.output import SPLITS, publish, read_manifest, work_folder
 from tupe_ds.tools.files import file_digest
 
@@ -102,7 +103,7 @@ def parts_of(shards: Sequence[str], against: Sequence[str], near) -> List[across
             raise ValueError(f"{part.prefix}.keys.npy: missing; name folders written by tupe-prep")
     if near is not None:
         threshold, num_perm = near
-        across.check_near_files(parts, num_perm, across.lsh_shape(threshold, num_perm)[0])
+        across.check_near_files(parts, num_perm, lsh_shape(threshold, num_perm)[0])
     return parts
 
 
@@ -202,7 +203,7 @@ def write_kept_near_files(sources, kept_rows, prefix: str, threshold: float, num
                                 unit=" docs", disable=quiet),
                    sum(int((file.offsets[rows + 1] - file.offsets[rows]).sum())
                        for file, rows in shingles), total)
-    across.write_band_index(prefix, signatures, threshold, num_perm)
+    write_band_index(prefix, signatures, threshold, num_perm)
 
 
 def across_counts(kept, split_counts, against, near) -> dict:

@@ -9,7 +9,8 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from tqdm import tqdm
 
-from data_prep.across import SIGNATURES, write_band_index
+from data_prep.across import SIGNATURES
+from data_prep.band_index import write_band_index
 from data_prep.config import PrepConfig
 from data_prep.dedup import Deduplicator
 from data_prep.near import write_shingles

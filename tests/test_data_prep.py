@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from data_prep.clean import Cleaner
 from data_prep.cli import main
-from data_prep.dedup import EXACT, KEPT, Deduplicator, exact_key
+from data_prep.dedup import EXACT, KEPT, NEAR, Deduplicator, exact_key
 from data_prep.merge import merge
 from data_prep.near import shingle_hashes
 from data_prep.output import WORK_DIR, work_folder
@@ -528,7 +528,8 @@ def web_pages(folder, documents, shards, planted=0.1):
     from bench import dedup_across
 
     dedup_across.make(SimpleNamespace(documents=documents, shards=shards, boilerplate=120,
-                                      templates=1, unique=20, planted=planted, seed=0,
+                                      templates=1, slots=0, slot_values=1, unique=20,
+                                      planted=planted, seed=0,
                                       levels=list(dedup_across.LEVELS), folder=str(folder)))
     return dedup_across
 
@@ -563,12 +564,39 @@ def test_pages_sharing_a_block_are_kept_and_their_near_copies_removed(tmp_path, 
     assert_precise_at_the_threshold(bench.measure_within(str(tmp_path)))
 
 
+def test_a_templated_pages_copy_is_found_through_its_templates_full_buckets(tmp_path):
+    """20 pages of one template (a 120-shingle block and 20 of their own: pairwise Jaccard
+    0.75) fill its buckets, then a page P, then its copy C at Jaccard 0.87 that shares with P
+    only the template's bands: C goes within one run, P being among the buckets' earliest
+    WITHIN_RUN_CANDIDATES_PER_BUCKET (at 8, the earliest 8 siblings were C's only candidates)."""
+    from data_prep.near import band_keys, lsh_shape, signature
+
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, 2**32, 120, dtype=np.uint32)
+    siblings = [np.unique(np.concatenate([block, rng.integers(0, 2**32, 20, dtype=np.uint32)]))
+                for _ in range(21)]
+    page = siblings.pop()
+    shape = lsh_shape(0.8, 128)
+    bands = band_keys(np.stack([signature(s, 128) for s in siblings + [page]]), *shape)
+    while True:  # a copy that shares bands with P, but only those its siblings share
+        copy = np.unique(np.concatenate([block, np.setdiff1d(page, block)[:10],
+                                         rng.integers(0, 2**32, 10, dtype=np.uint32)]))
+        shared = band_keys(signature(copy, 128)[None], *shape)[:, 0] == bands[:, -1]
+        if shared.any() and (bands[shared, :1] == bands[shared, -1:]).all():
+            break
+    pages = siblings + [page, copy]
+    dedup = Deduplicator("minhash", 0.8, 128, str(tmp_path))
+    verdicts = dedup.judge(list(range(len(pages))), np.stack([signature(p, 128) for p in pages]),
+                           pages)
+    assert verdicts == [KEPT] * 21 + [NEAR]
+
+
 
 
 def hand_made_part(prefix, sets):
     """A prepared split of documents given as sets of shingle hashes (keys, signatures,
     shingles, LSH index, as tupe-prep writes them)."""
-    from data_prep import across
+    from data_prep import across, band_index
     from data_prep.near import signature, write_shingles
 
     hashes = [np.array(sorted(s), np.uint32) for s in sets]
@@ -576,15 +604,34 @@ def hand_made_part(prefix, sets):
     signatures = np.stack([signature(h, 128) for h in hashes])
     np.save(f"{prefix}.minhash.npy", signatures)
     write_shingles(str(prefix), hashes, sum(map(len, hashes)), len(hashes))
-    across.write_band_index(str(prefix), signatures, 0.8, 128)
+    band_index.write_band_index(str(prefix), signatures, 0.8, 128)
     return across.Part(str(prefix))
+
+
+def test_a_buckets_heads_span_the_merged_parts_read_from_their_stored_indexes(tmp_path):
+    """One page in a fixed part (10 copies) and in merged parts A (5), B (5) and C (1): C's
+    copy gets, in every band, the 8 earliest of the fixed part and the 8 earliest of A then B
+    together, all read from the parts' memory-mapped indexes (none held in memory)."""
+    from data_prep import across, band_index
+
+    page = set(range(200))
+    parts = [hand_made_part(tmp_path / name, [page] * count)
+             for name, count in (("fixed", 10), ("a", 5), ("b", 5), ("c", 1))]
+    parts[0].fixed = True
+    offsets = np.array([0, 10, 15, 20, 21])
+    tables = band_index.BandTables(parts, offsets, 0.8, 128)
+    assert all(isinstance(index, np.memmap) for group in tables.groups
+               for table in group for index in table[:2])
+    queries = across.band_keys(parts[3].signatures(), *tables.shape)
+    _, heads = tables.candidates(queries, 20, np.zeros(21, dtype=bool))
+    assert sorted(heads) == sorted([*range(8), *range(10, 18)] * tables.shape[0])
 
 
 def test_removed_documents_take_no_place_among_a_buckets_candidates(tmp_path):
     """30 documents W, each removed as a near-copy of one of A's, fill the buckets they share
     with Y (J(W, Y) = 0.995) before Y; X is a near-copy of Y (0.95) and of no kept one else: it
     goes in one merge as in a merge of the merge (a removed document is no bucket head)."""
-    from data_prep import across
+    from data_prep import across, near
 
     y = set(range(400))
     w = [(y - {i}) | {1000 + i} for i in range(30)]
@@ -600,7 +647,7 @@ def test_removed_documents_take_no_place_among_a_buckets_candidates(tmp_path):
         if left == crowd:
             break
         crowd = left
-    assert len(crowd) > across.CANDIDATES_PER_BUCKET
+    assert len(crowd) > near.CANDIDATES_PER_BUCKET
     parts = [first, *parts, hand_made_part(tmp_path / "y", [y]),
              hand_made_part(tmp_path / "x", [x])]
     removed = across.duplicates(parts, 0.8, 128)
