@@ -1,5 +1,7 @@
-"""The within-run de-duplicator's key store (data_prep/spill.py's KeyRuns) against sqlite3 from
-the standard library, on the same replay: time, peak memory and disk (issue 58, item 3).
+"""The within-run de-duplicator's key store (data_prep/spill.py's KeyStore, on sqlite3) on a
+replay of prep's calls: time, peak memory and disk (issue 58, item 3). At 6a4ad5b this bench also
+ran the hand-written sorted runs (KeyRuns) KeyStore replaced, on the same replay, with parity of
+every lookup; the figures and the decision are in bench/README.md.
 
 The replay is Deduplicator.judge itself (data_prep/dedup.py), a batch of PASS1_BATCH_DOCS pages
 at a time as prep calls it, on its two stores, `seen` (exact keys) and `buckets` (LSH band keys
@@ -15,7 +17,7 @@ can be rebuilt without keeping the stream: per page an exact key and `bands` ban
 web-like pages: each page belongs to a template (a site: one per --pages-per-template pages)
 whose 120 boilerplate shingles of the page's 140 hold all 7 minima of a band with chance
 (6/7)^7 = 0.34, and then the band's key is the template's (its buckets fill to
-CANDIDATES_PER_BUCKET at once and are asked for ever after); its other bands are its own.
+the bucket bound at once and are asked for ever after); its other bands are its own.
 --exact-share of the pages are exact copies of an earlier page, --near-share near copies of an
 earlier original page at one of dedup_across.py's Jaccard levels, sharing each of its band keys
 with chance J^7 (the LSH's chance for a band at Jaccard J). A near copy at or above the threshold
@@ -24,22 +26,19 @@ is judged a duplicate when its source is among its candidates, as the true-Jacca
 hits and full buckets all come often; a web crawl's share is of that order or more.
 
 Each store runs in its own process, the stores taking turns (--rounds): wall and CPU seconds of
-the replay, the CPU seconds in `in_runs` and `settle` (where the stores differ: `.recent`, `add`
-and `add_below` are KeyRuns' own in both), peak RSS (the process's own, VmHWM: file pages it
-maps count, so KeyRuns' mapped runs do; sqlite's reads through the page cache do not), the work
-folder's bytes at the end and the entries stored. Parity: the verdicts, the entries and every
-lookup's answer must be the same for every store, else the run fails.
+the replay, the CPU seconds in `in_runs` and `settle`, peak RSS (the process's own, VmHWM;
+sqlite's reads through the page cache do not count), the work folder's bytes at the end and the
+entries stored. Parity: the verdicts, the entries and every lookup's answer must be the same in
+every round, else the run fails.
 
     .venv/bin/python bench/dedup_store.py --pages 100000 --rounds 2
     nice -n 5 .venv/bin/python bench/dedup_store.py --pages 10000000 --json /tmp/dedup-10m.json
 """
 
 import argparse
-import array
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -55,8 +54,8 @@ sys.path.insert(0, ROOT)
 
 from data_prep.config import PrepConfig  # noqa: E402
 from data_prep.dedup import EXACT, KEPT, NEAR, Deduplicator  # noqa: E402
-from data_prep.near import CANDIDATES_PER_BUCKET, lsh_shape  # noqa: E402
-from data_prep.spill import RECENT_ENTRIES, KeyRuns  # noqa: E402
+from data_prep.near import WITHIN_RUN_CANDIDATES_PER_BUCKET, lsh_shape  # noqa: E402
+from data_prep.spill import KeyStore  # noqa: E402
 from tupe_ds.data.counter_random import bits, sample_keys, uniform  # noqa: E402
 
 THRESHOLD, NUM_PERM = PrepConfig.jaccard_threshold, PrepConfig.num_perm
@@ -68,49 +67,7 @@ CACHE_KIB = 64 * 1024  # sqlite's page cache per store
 GENERATED_BATCHES = 1024  # batches of pages generated at once
 
 
-class SqliteKeys(KeyRuns):
-    """KeyRuns on a sqlite3 table of one row a key, its values a blob of uint32 in the order
-    added. The newest entries are in `.recent` as KeyRuns keeps them (its `add` and
-    `add_below`), written by `settle` in one transaction; `in_runs` is one query a batch."""
-
-    def __init__(self, folder: str, name: str):
-        super().__init__(folder, name)
-        self.db = sqlite3.connect(os.path.join(folder, f"{name}.sqlite"), isolation_level=None)
-        self.db.executescript(  # a work folder, rebuilt after a crash: no journal, no syncs
-            f"PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF; PRAGMA cache_size=-{CACHE_KIB};"
-            "CREATE TABLE entries (key INTEGER PRIMARY KEY, vals BLOB) WITHOUT ROWID")
-
-    def in_runs(self, keys: np.ndarray) -> tuple:
-        keys = np.asarray(keys, np.uint64).view(np.int64)  # sqlite's integers are signed
-        rows = self.db.execute(
-            "SELECT key, vals FROM entries WHERE key IN (SELECT value FROM json_each(?))"
-            " ORDER BY key", (json.dumps(np.unique(keys).tolist()),)).fetchall()
-        if not rows:
-            return np.zeros(0, np.int64), np.zeros(0, np.uint32)
-        found, blobs = zip(*rows)
-        found = np.array(found, np.int64)
-        held = np.array([len(blob) // 4 for blob in blobs])
-        at = np.minimum(np.searchsorted(found, keys), len(found) - 1)
-        count = np.where(found[at] == keys, held[at], 0)
-        first = (np.cumsum(held) - held)[at]
-        values = np.frombuffer(b"".join(blobs), np.uint32)
-        return (np.repeat(np.arange(len(keys)), count),
-                values[np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())])
-
-    def settle(self) -> None:
-        if self.recent_entries < RECENT_ENTRIES:
-            return
-        self.db.execute("BEGIN")
-        self.db.executemany(
-            "INSERT INTO entries VALUES (?, ?)"
-            " ON CONFLICT (key) DO UPDATE SET vals = CAST(vals || excluded.vals AS BLOB)",
-            ((key - (key >> 63 << 64), array.array("I", values).tobytes())
-             for key, values in self.recent.items()))
-        self.db.execute("COMMIT")
-        self.recent, self.recent_entries = {}, 0
-
-
-STORES = {"spill": KeyRuns, "sqlite": SqliteKeys}
+STORES = {"sqlite": KeyStore}
 
 
 def timed(store_class):
@@ -205,13 +162,14 @@ class Replay(Deduplicator):
     """Deduplicator.judge on a store class, its `signatures` argument the pages' numbers: the
     two checks that would read signatures and shingles are decided by the generated pages."""
 
-    def __init__(self, store_class, folder: str, pages: int):
+    def __init__(self, store_class, folder: str, pages: int, bucket_bound: int):
         self.mode, self.threshold = "minhash", THRESHOLD
         self.exact_removed = self.near_removed = self.kept = 0
         self.bands, self.rows = BANDS, ROWS
         self.seen, self.buckets = store_class(folder, "exact"), store_class(folder, "buckets")
         self.document_of = np.full(pages, -1, np.int32)  # a kept page's number in the store
         self.batch = None
+        self.bucket_bound = bucket_bound
 
     def judge_batch(self, batch: dict) -> list:
         self.batch = batch
@@ -225,15 +183,12 @@ class Replay(Deduplicator):
 
     def _add(self, tagged_keys, in_runs, page, shingles) -> None:
         self.document_of[page] = self.kept
-        self.buckets.add_below(tagged_keys, in_runs.tolist(), self.kept, CANDIDATES_PER_BUCKET)
+        self.buckets.add_below(tagged_keys, in_runs.tolist(), self.kept, self.bucket_bound)
         self.kept += 1
 
 
 def entries(store) -> int:
-    if isinstance(store, SqliteKeys):
-        stored = "SELECT coalesce(sum(length(vals)), 0) / 4 FROM entries"
-        return store.db.execute(stored).fetchone()[0] + store.recent_entries
-    return sum(len(keys) for keys, _ in store.runs) + store.recent_entries
+    return store.stored() + store.recent_entries
 
 
 def peak_rss_kib() -> int:
@@ -251,7 +206,7 @@ def run_store(args) -> dict:
     """One store through the whole replay, in this process."""
     store_class = timed(STORES[args.child])
     pages = Pages(args.seed, args.pages, args)
-    replay = Replay(store_class, args.folder, args.pages)
+    replay = Replay(store_class, args.folder, args.pages, args.bucket_bound)
     baseline_kib = peak_rss_kib()
     counts = {KEPT: 0, EXACT: 0, NEAR: 0}
     planted = {"exact copies": 0, "near copies": 0, "near copies >= threshold": 0}
@@ -290,7 +245,7 @@ def run_store(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=100_000)
-    parser.add_argument("--stores", default="spill,sqlite", help=f"of {', '.join(STORES)}")
+    parser.add_argument("--stores", default="sqlite", help=f"of {', '.join(STORES)}")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each store, taking turns (each round starts with the next)")
     parser.add_argument("--work", default=None,
@@ -302,6 +257,9 @@ def main() -> None:
     parser.add_argument("--pages-per-template", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=None,
                         help="pages per judge call (default: prep's PASS1_BATCH_DOCS)")
+    parser.add_argument("--bucket-bound", type=int, default=WITHIN_RUN_CANDIDATES_PER_BUCKET,
+                        help="documents a bucket keeps (default: prep's within a run; the "
+                             "figures in bench/README.md were taken at 8)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", choices=sorted(STORES), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -331,7 +289,8 @@ def main() -> None:
                            "--folder", folder, "--pages", str(args.pages), "--seed",
                            str(args.seed), "--batch", str(args.batch), "--exact-share",
                            str(args.exact_share), "--near-share", str(args.near_share),
-                           "--pages-per-template", str(args.pages_per_template)]
+                           "--pages-per-template", str(args.pages_per_template),
+                           "--bucket-bound", str(args.bucket_bound)]
                 out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
                 results.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 shutil.rmtree(folder)
@@ -359,15 +318,6 @@ def report(results: list, args) -> None:
               f"| {r['peak_rss_mib']:,.0f} ({r['baseline_rss_mib']:,.0f}) "
               f"| {r['disk_mib']:,.0f} | {r['entries']['exact']:,} + {r['entries']['buckets']:,} "
               f"| {v[KEPT]:,} / {v[EXACT]:,} / {v[NEAR]:,} |")
-    by_store = {}
-    for r in results:
-        by_store.setdefault(r["store"], []).append(r)
-    if "spill" in by_store and "sqlite" in by_store:
-        def median(store, field):
-            return float(np.median([r[field] for r in by_store[store]]))
-        print("sqlite / spill (medians): " + ", ".join(
-            f"{field} {median('sqlite', field) / median('spill', field):.2f}x"
-            for field in ("seconds", "cpu_seconds", "store_seconds", "peak_rss_mib", "disk_mib")))
     parity = [(r["verdicts"], r["verdict_crc32"], r["entries"], r["lookups_crc32"])
               for r in results]
     if any(p != parity[0] for p in parity):

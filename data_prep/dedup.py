@@ -9,7 +9,7 @@ import numpy as np
 from data_prep.clean import without_format
 from data_prep.near import (WITHIN_RUN_CANDIDATES_PER_BUCKET, band_keys, jaccards, lsh_shape,
                             to_verify)
-from data_prep.spill import KeyRuns, Records
+from data_prep.spill import KeyStore, Records
 from tupe_ds.data.counter_random import absorb
 
 KEPT, EXACT, NEAR = "kept", "exact", "near"
@@ -45,10 +45,10 @@ class Deduplicator:
         self.kept = 0
         if mode == "none":
             return
-        self.seen = KeyRuns(folder, "exact")
+        self.seen = KeyStore(folder, "exact")
         if mode == "minhash":
             self.bands, self.rows = lsh_shape(threshold, num_perm)
-            self.buckets = KeyRuns(folder, "buckets")  # keys: band keys tagged with their band
+            self.buckets = KeyStore(folder, "buckets")  # keys: band keys tagged with their band
             self.signatures = Records(os.path.join(folder, self.SIGNATURES), np.uint32,
                                       (num_perm,))
             self.shingle_ends = Records(os.path.join(folder, "shingle_ends.spool"), np.int64)
