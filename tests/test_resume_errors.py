@@ -16,25 +16,40 @@ import torch
 
 from one_process import deepspeed_group  # noqa: F401
 from test_checkpoint import LAYOUT
-from tupe_ds.train import run_description
-from tupe_ds.train.checkpoint import choice, folder, loading, manifest, reads, resume, safe_load
+from tupe_ds.train.checkpoint import (choice, folder, history, loading, manifest, reads, resume,
+                                      safe_load)
 from tupe_ds.train.flags import Refused
 
 
-def checkpoint(out, step, lineage="mine", software=None):
+def checkpoint(out, step, lineage="mine", software=None, consents=()):
     """OUT/checkpoints/stepN whose one file, a pickle of a tensor, its manifest lists."""
     step_dir = out / "checkpoints" / f"step{step}"
     step_dir.mkdir(parents=True)
     torch.save({"step": torch.tensor(step)}, step_dir / "mp_rank_00_model_states.pt")
     manifest.write(str(step_dir), {
-        "tag": f"step{step}", "step": step, "lineage": lineage, "identity": {}, "layout": LAYOUT,
-        "files": manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"]),
-        "software": software or safe_load.software_versions()})
+        "tag": f"step{step}", "step": step, "id": history.new_id(), "lineage": lineage,
+        "identity": {}, "layout": LAYOUT, "files": manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"]),
+        "software": software or safe_load.software_versions(), "consents": list(consents)})
     return step_dir
 
 
-def plan(out, resume_from=None, fresh_start=False):
-    return resume.plan_resume(str(out), "auto", resume_from, 1, 1, 1, 2, fresh_start=fresh_start)
+def commit(out, step, **fields):
+    """checkpoint(), recorded in the run's history as a save records it (save.py)."""
+    step_dir = checkpoint(out, step, **fields)
+    record = manifest.read(str(step_dir))
+    history.append(str(out), history.read(str(out)) or [], [history.record(
+        "committed", id=history.checkpoint_id(record), step=step, lineage=record["lineage"],
+        files=record["files"])])
+    return step_dir
+
+
+def newest_id(out, step):
+    return history.checkpoint_id(manifest.read(str(out / "checkpoints" / f"step{step}")))
+
+
+def plan(out, resume_from=None, fresh_start=False, giving_up=None):
+    return resume.plan_resume(str(out), "auto", resume_from, 1, 1, 1, 2, fresh_start=fresh_start,
+                              giving_up=giving_up)
 
 
 def choose(out, **flags):
@@ -197,8 +212,8 @@ def test_checkpoints_none_of_which_verify_are_refused_unless_fresh_start(tmp_pat
         f"rewritten); step2: {checkpoints}/step2/mp_rank_00_model_states.pt: 1 bytes where the "
         f"manifest says {size[2]} (truncated or rewritten). Nothing was moved or deleted. Mend "
         "them (restore their files) and run the same command; or, to start this run over from "
-        f"step 0, add --fresh-start (they are then set aside in {checkpoints}/set-aside, not "
-        "deleted)")
+        f"step 0, add --fresh-start --giving-up {newest_id(out, 4)} (they are then set aside in "
+        f"{checkpoints}/set-aside, not deleted)")
     assert everything_in(out) == before
     chosen, said = choose(out, fresh_start=True)
     assert chosen is None
@@ -207,6 +222,9 @@ def test_checkpoints_none_of_which_verify_are_refused_unless_fresh_start(tmp_pat
                         "deleted")
     assert folder.step_folders(str(checkpoints)) == []
     assert len(os.listdir(checkpoints / "set-aside")) == 1
+    consent = [r for r in history.read(str(out)) if r["kind"] == "consent"]
+    assert [(r["flag"], r["outcome"], len(r["gives_up"])) for r in consent] == [
+        ("--fresh-start", "applied", 2)]
 
 
 def test_damaged_manifests_alone_are_refused_before_any_process_starts(tmp_path):
@@ -222,28 +240,23 @@ def test_damaged_manifests_alone_are_refused_before_any_process_starts(tmp_path)
     assert plan(out) is None  # only saves cut short, and run.json records no commit
 
 
-def describe_run(out, **record):
-    run_description.write(str(out), {"objective": "mlm", "data": "d", "tp": 1, "pp": 1,
-                                     "models": [], "lineage": "mine", **record})
-
-
 def test_a_run_that_committed_checkpoints_never_starts_over_when_they_are_gone(tmp_path,
                                                                                read_errors):
-    """run.json records the newest checkpoint committed: a folder that then shows none (moved,
-    or a listing that failed) is refused unless --fresh-start; one whose manifest the filesystem
+    """The history records the checkpoints committed: a folder that then shows none (moved, or
+    a listing that failed) is refused unless --fresh-start; one whose manifest the filesystem
     hides for a moment (ENOENT) is waited for."""
     out = tmp_path / "run"
-    checkpoint(out, 2)
-    describe_run(out)
-    run_description.record_written(str(out), 2)
-    assert run_description.newest_checkpoint(str(out)) == 2
+    commit(out, 2)
+    id_2 = newest_id(out, 2)
     os.rename(out / "checkpoints", out / "moved")
     with pytest.raises(ValueError) as refused:
         plan(out)
-    assert str(refused.value).startswith(
-        f"{out}/checkpoints holds no checkpoint, though {out}/run.json records step2 as committed "
-        "by this run (were they moved?). Nothing was moved or deleted.")
-    assert plan(out, fresh_start=True).candidates == ()
+    assert str(refused.value) == (
+        f"the run's history records step2 as committed (id {id_2}), but the folder holds none "
+        "of it, nor its set-aside folder (was it moved or lost?). Nothing was moved or deleted. "
+        f"Put it back and run the same command; or start over from step 0: --fresh-start "
+        f"--giving-up {id_2}")
+    assert plan(out, fresh_start=True, giving_up=id_2).candidates == ()
     os.rename(out / "moved", out / "checkpoints")
     manifest_of_2 = str(out / "checkpoints" / "step2" / "manifest.json")
     stat = os.stat
@@ -261,20 +274,29 @@ def test_a_run_that_committed_checkpoints_never_starts_over_when_they_are_gone(t
         assert plan(out).candidates == (2,)
 
 
-def test_resume_from_applied_is_told_by_the_manifests_when_run_json_is_gone(tmp_path):
-    """A kill between a commit and run.json, or a run.json damaged or removed between attempts:
-    the checkpoints the resumed run wrote record the --resume-from it applied."""
+def test_resume_from_spent_is_told_by_the_manifests_when_the_history_is_gone(tmp_path,
+                                                                           deepspeed_group):
+    """A history lost between attempts is made again from the manifests, which carry every
+    consent spent: the job's --resume-from step2, repeated, does not send the run back twice."""
     out = tmp_path / "run"
     for step in (2, 4):
-        checkpoint(out, step)
-    assert plan(out, "step2").candidates == (2,)  # no run.json: applied the first time
-    record = manifest.read(str(checkpoint(out, 6)))
-    manifest.write(str(out / "checkpoints" / "step6"), {**record, "resume_from_applied": "step2"})
-    assert plan(out, "step2").candidates == (6, 2)
-    describe_run(out, resume_from={"step": 2, "written": []})  # killed before record_written
-    assert plan(out, "step2").candidates == (6, 2)
-    describe_run(out)  # a whole run.json without the flag's record: applied anew
-    assert plan(out, "step2").candidates == (2,)
+        commit(out, step)
+    chosen, said = choose(out, resume_from="step2")
+    assert chosen.candidates == (2,) and chosen.by_hand
+    spent = history.consents(history.read(str(out)))
+    assert [(c["flag"], c["outcome"]) for c in spent] == [("--resume-from step2", "applied")]
+    commit(out, 4, consents=spent)  # the resumed run's next checkpoints carry it
+    commit(out, 6, consents=spent)
+    os.remove(out / history.FILE)
+    again = plan(out, "step2")
+    assert again.candidates == (6, 4, 2) and not again.by_hand
+    assert again.notes[0] == (f"tupe-pretrain: {out}/history.jsonl is not there: the run's "
+                              "history is made again from its checkpoints' manifests")
+    assert again.notes[1].startswith("tupe-pretrain: --resume-from step2 was spent by an earlier "
+                                     "attempt")
+    assert again.notes[1].endswith(": not applied again. To apply it to the run as it is now: "
+                                   f"--resume-from step2 --giving-up {newest_id(out, 6)}")
+    assert plan(out, "step2", giving_up=newest_id(out, 6)).candidates == (2,)
 
 
 def test_check_only_lists_what_is_where_and_what_a_run_would_resume(tmp_path):
@@ -299,23 +321,26 @@ def test_check_only_lists_what_is_where_and_what_a_run_would_resume(tmp_path):
         f"{tmp_path}/new/checkpoints: no checkpoint", "a run would start from step 0"]
 
 
-def test_resume_from_applies_once(tmp_path):
-    """run.json records --resume-from step2 and the steps written since: the same flag again
-    resumes the newest of them, saying why; another --resume-from applies."""
+def test_resume_from_applies_once_to_the_state_it_was_given_on(tmp_path, deepspeed_group):
+    """--resume-from step2 spent: the same flag again resumes the newest checkpoint, saying
+    why and the exact command that goes back once more; another --resume-from applies; a
+    --giving-up that names no longer the newest is not applied."""
     out = tmp_path / "run"
     for step in (2, 4, 6):
-        checkpoint(out, step)
-    describe_run(out, resume_from={"step": 2, "written": []})
+        commit(out, step)
+    chosen, _ = choose(out, resume_from="step2")
+    assert chosen.candidates == (2,)
+    assert folder.step_folders(str(out / "checkpoints")) == [2]
     assert plan(out, "step2").candidates == (2,)  # nothing written since
-    run_description.record_written(str(out), 4)
-    run_description.record_written(str(out), 6)
+    for step in (4, 6):
+        commit(out, step)
     again = plan(out, "step2")
     assert again.candidates == (6, 4, 2) and not again.by_hand
-    assert again.notes == (
-        f"tupe-pretrain: --resume-from step2 was applied by an earlier attempt, which then wrote "
-        f"step4, step6: resuming from step6, the newest (to go back to step2 once more, move the "
-        f"newer checkpoints out of {out}/checkpoints first)",)
+    assert again.notes[0].endswith(f"not applied again. To apply it to the run as it is now: "
+                                   f"--resume-from step2 --giving-up {newest_id(out, 6)}")
     assert plan(out, "step4").candidates == (4,)
+    stale = plan(out, "step4", giving_up=newest_id(out, 2))
+    assert stale.candidates == (6, 4, 2) and "is step2, not the run's newest" in stale.notes[0]
 
 
 def test_fresh_start_and_resume_from_are_refused_together():
@@ -359,31 +384,40 @@ def test_a_listed_file_the_filesystem_hides_for_a_moment_is_waited_for_not_missi
         f"{step_dir}/mp_rank_00_model_states.pt: missing"]
 
 
-def test_the_newest_checkpoint_run_json_records_gone_is_refused_not_an_older_one_resumed(
+def test_the_newest_checkpoint_the_history_records_gone_is_refused_not_an_older_one_resumed(
         tmp_path):
-    """A run never goes back quietly: run.json's newest checkpoint missing while older ones are
-    there is refused, naming --resume-from as the deliberate way back; set aside by tupe_ds, it
-    is accounted for. --resume never refuses over a folder whose run.json records a commit."""
+    """A run never goes back quietly: the history's newest checkpoint missing while older ones
+    are there is refused, naming the deliberate way back; a folder of the same step number set
+    aside does not stand in for it (checkpoints are told by id); set aside with its id, it is
+    accounted for. --resume never refuses over a folder whose history records a commit."""
     out = tmp_path / "run"
     for step in (2, 4):
-        checkpoint(out, step)
-    describe_run(out, newest_checkpoint=4)
+        commit(out, step)
+    id_4 = newest_id(out, 4)
     os.rename(out / "checkpoints" / "step4", tmp_path / "step4")
+    refusal = (f"the run's history records step4 as committed (id {id_4}), but the folder holds "
+               "none of it, nor its set-aside folder (was it moved or lost?). Nothing was moved or "
+               "deleted. Put it back and run the same command; or go on from step2 deliberately, "
+               f"giving up step4: --resume-from step2 --giving-up {id_4}")
     with pytest.raises(ValueError) as refused:
         plan(out)
-    assert str(refused.value) == (
-        f"{out}/run.json records step4 as committed by this run, but {out}/checkpoints does not "
-        "hold it, nor its set-aside folder (was it moved?); its newest is step2. Nothing was "
-        "moved or deleted. Put it back and run the same command; or go on from step2 "
-        "deliberately: --resume-from step2")
-    assert plan(out, "step2").candidates == (2,)
+    assert str(refused.value) == refusal
+    assert plan(out, "step2", giving_up=id_4).candidates == (2,)
+    other_4 = tmp_path / "other" / "checkpoints" / "step4"
+    checkpoint(tmp_path / "other", 4)
     (out / "checkpoints" / "set-aside" / "20261127T000000Z").mkdir(parents=True)
-    os.rename(tmp_path / "step4", out / "checkpoints" / "set-aside" / "20261127T000000Z" / "step4")
+    os.rename(other_4, out / "checkpoints" / "set-aside" / "20261127T000000Z" / "step4")
+    with pytest.raises(ValueError) as refused:
+        plan(out)  # another step4 set aside: still not the one committed
+    assert str(refused.value) == refusal
+    (out / "checkpoints" / "set-aside" / "20261128T000000Z").mkdir(parents=True)
+    os.rename(tmp_path / "step4", out / "checkpoints" / "set-aside" / "20261128T000000Z" / "step4")
     assert plan(out).candidates == (2,)
     with pytest.raises(ValueError, match="--resume never, and it holds checkpoints"):
         resume.plan_resume(str(out), "never", None, 1, 1, 1, 2)
     shutil.rmtree(out / "checkpoints")
-    with pytest.raises(ValueError, match=f"--resume never, and {out}/run.json records step4"):
+    with pytest.raises(ValueError, match="--resume never, and it holds checkpoints of a run "
+                                         r"\(its history records step2, step4\)"):
         resume.plan_resume(str(out), "never", None, 1, 1, 1, 2)
 
 

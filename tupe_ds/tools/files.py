@@ -2,13 +2,14 @@
 of a new one."""
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import shutil
 import socket
 import stat
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from tupe_ds.tools.lock import LinkLock
 from tupe_ds.tools.lock_file import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, file_kind
@@ -51,9 +52,38 @@ def temporary_name(path: str, pid: Optional[int] = None) -> str:
     return f"{path}.tmp-{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
+def sync_folder(path: str) -> None:
+    """Flushes to disk the names in folder `path`: files created, renamed or removed in it."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        # some filesystems (CIFS, 9p, vboxsf) cannot fsync a folder and say so; PostgreSQL's
+        # fsync_fname passes these over too: failing every write there would help no one
+        if error.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def make_durable(paths: Iterable[str]) -> None:
+    """Flushes each file of `paths` to disk, then each folder holding them (their names): after
+    a crash of the node they hold what was written, never less. OSError when the disk or
+    filesystem fails to."""
+    paths = list(paths)
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)  # Linux: fsync flushes whichever descriptor asks
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    for folder in sorted({os.path.dirname(os.path.abspath(path)) for path in paths}):
+        sync_folder(folder)
+
+
 def write_atomically(path: str, text: Union[str, bytes]) -> None:
     """`text` (or bytes) to `path` through a temporary file of this host and process, flushed to
-    disk before it replaces `path`."""
+    disk before it replaces `path`; the replacement is flushed too."""
     temporary = temporary_name(path)
     try:
         with open(temporary, "wb" if isinstance(text, bytes) else "w") as f:
@@ -61,6 +91,7 @@ def write_atomically(path: str, text: Union[str, bytes]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
+        sync_folder(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)

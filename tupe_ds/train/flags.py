@@ -140,6 +140,12 @@ def parser() -> argparse.ArgumentParser:
                         "failing verification), start from step 0 and set them aside in "
                         "OUT/checkpoints/set-aside/, deleting nothing; without it such a run is "
                         "refused. A checkpoint that can be resumed still is")
+    p.add_argument("--giving-up", metavar="ID",
+                   help="with --resume-from or --fresh-start: the id of the run's newest "
+                        "checkpoint (the line that suggests it prints it), which the flag gives up "
+                        "with every checkpoint after the one it resumes. Each flag applies once, "
+                        "to the state it is first given on: repeated by a requeued job's script, "
+                        "it is spent; with --giving-up it applies to the state that id names")
     p.add_argument("--allow-training-changes", action="store_true",
                    help="resume even though the optimizer or schedule settings (--lr, "
                         "--warmup-steps, the config's optimizer, scheduler, gradient clipping) "
@@ -214,6 +220,8 @@ def check_flags(args: argparse.Namespace) -> None:
             fail(f"--{name.replace('_', '-')} must be at least 1")
     if args.resume_from and args.resume == "never":
         fail("--resume-from with --resume never: choose one")
+    if args.giving_up and not (args.resume_from or args.fresh_start):
+        fail("--giving-up names what --resume-from or --fresh-start gives up: give one of them")
     if args.resume_from and args.fresh_start:
         fail("--resume-from with --fresh-start: choose one (--resume-from never starts from "
              "step 0)")

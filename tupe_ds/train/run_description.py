@@ -1,10 +1,8 @@
 """OUT/run.json: what a run is (its models, layout, data and lineage), written by rank 0 at every
 start (atomically), read by tupe-export, tupe-compare and the next start of the same run.
 
-It also records the newest checkpoint the run committed (`newest_checkpoint`: a folder that
-holds none of its checkpoints then is refused, not started over) and the last --resume-from
-applied with the checkpoints the run wrote since (`resume_from_record`), so that the flag, left
-in a requeued job's command, applies once.
+It is a description for other tools, written anew at each start: where a start goes on from is
+decided from the run's history (checkpoint/history.py), never from it.
 
 The lineage names the run: every checkpoint it writes carries it (checkpoint/manifest.py), so a
 checkpoint of another run copied into OUT/checkpoints is told apart from the run's own however
@@ -71,15 +69,6 @@ def branched_from(out: str) -> Optional[str]:
         return None
 
 
-def exists_whole(out: str) -> bool:
-    """Whether OUT/run.json is there and reads as a run description."""
-    try:
-        read(out)
-    except ValueError:
-        return False
-    return True
-
-
 def damage(out: str) -> Optional[str]:
     """What is wrong with an existing OUT/run.json (None: none there, or a good one)."""
     if not os.path.exists(os.path.join(out, FILE)):
@@ -89,42 +78,3 @@ def damage(out: str) -> Optional[str]:
     except ValueError as error:
         return str(error)
     return None
-
-
-RESUME_FROM = "resume_from"  # {"step": N, "written": [steps saved since]}
-NEWEST_CHECKPOINT = "newest_checkpoint"  # the step of the last checkpoint the run committed
-
-
-def resume_from_record(out: str) -> Optional[dict]:
-    """What OUT/run.json records of the last --resume-from applied: {"step": the step it chose,
-    "written": the steps of the checkpoints the run saved since}; None when it records none (or
-    there is no readable run.json)."""
-    try:
-        record = read(out).get(RESUME_FROM)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or type(record.get("step")) is not int or not isinstance(
-            record.get("written"), list) or not all(type(s) is int for s in record["written"]):
-        return None
-    return record
-
-
-def newest_checkpoint(out: str) -> Optional[int]:
-    """The step of the last checkpoint OUT/run.json records as committed (None: none, or no
-    readable run.json)."""
-    try:
-        step = read(out).get(NEWEST_CHECKPOINT)
-    except ValueError:
-        return None
-    return step if type(step) is int else None
-
-
-def record_written(out: str, step: int) -> None:
-    """Rank 0, once checkpoint `step` is committed: records it as the run's newest, and adds it
-    to the steps written since the --resume-from that OUT/run.json records."""
-    description = read(out)
-    description[NEWEST_CHECKPOINT] = step
-    record = resume_from_record(out)
-    if record is not None:
-        description[RESUME_FROM] = {**record, "written": [*record["written"], step]}
-    write(out, description)

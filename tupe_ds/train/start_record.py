@@ -4,18 +4,16 @@ the record in its manifest)."""
 
 import dataclasses
 import os
-from typing import Optional
 
 from tupe_ds.train import recorded_settings, run_description
-from tupe_ds.train.checkpoint import reshard, resume, safe_load
+from tupe_ds.train.checkpoint import history, reshard, safe_load
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.monitor import run_flops_per_step
 
 
-def write_run_description(run: RunConfig, lineage: str, plan=None) -> None:
-    """OUT/run.json: the models, layout and lineage of the run, the checkpoint it resumed (its
-    newest now; `plan` None: a start from step 0) and the --resume-from it applied
-    (run_description.py)."""
+def write_run_description(run: RunConfig, lineage: str) -> None:
+    """OUT/run.json: the models, layout, lineage and settings of the run, for other tools
+    (run_description.py); decisions are the history's (checkpoint/history.py)."""
     batch = run.ds_config["train_batch_size"]
     description = {"objective": run.objective, "lineage": lineage,
                    "data": os.path.abspath(run.data),
@@ -32,21 +30,8 @@ def write_run_description(run: RunConfig, lineage: str, plan=None) -> None:
                    "micro_batch": {"size": run.batch_split.micro_batch,  # auto_micro_batch.py
                                    "auto": run.batch_split.auto},  # reads it at the next start
                    "models": [dataclasses.asdict(config) for config in run.models],
-                   run_description.NEWEST_CHECKPOINT: plan.candidates[0] if plan else None,
-                   run_description.RESUME_FROM: resume_from_record(plan, run.out),
                    recorded_settings.FIELD: run.settings}
     run_description.write(run.out, description)
-
-
-def resume_from_record(plan, out: str) -> Optional[dict]:
-    """What OUT/run.json is to record of --resume-from (run_description.resume_from_record):
-    anew when this start applies the flag, the last start's when it resumes otherwise (a
-    requeued attempt, the flag applied earlier), none for a run that starts anew."""
-    if plan is None:
-        return None
-    if plan.by_hand:
-        return {"step": plan.candidates[0], "written": []}
-    return run_description.resume_from_record(out)
 
 
 def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
@@ -59,20 +44,20 @@ def saved_layout(run: RunConfig, engine) -> reshard.SavedLayout:
         vocab_size=run.models[0].vocab_size)
 
 
-def describe_run(run: RunConfig, lineage: str, plan, say) -> None:
+def describe_run(run: RunConfig, lineage: str, say) -> None:
     """Rank 0: OUT/run.json written (write_run_description), saying so where the one there was
     damaged."""
     damage = run_description.damage(run.out)
     if damage:
         say(f"tupe-pretrain: {damage}: written anew", flush=True)
-    write_run_description(run, lineage, plan)
+    write_run_description(run, lineage)
 
 
 def checkpoint_record(run: RunConfig, lineage: str, plan=None) -> dict:
     """What the manifest of each checkpoint this start saves records of it (save.py)."""
     return {"lineage": lineage, "identity": run.identity,  # for the manifests
             "training": run.training, "resumed_from": plan.tag if plan else None,
-            "resume_from_applied": resume.applied_tag(plan),
+            "consents": history.consents(history.read(run.out) or []),  # a lost history's
             "init_from": run.init_plan.step_dir if run.init_plan else None,
             "software": safe_load.software_versions(),  # what a resume can load: safe_load
             "lr_schedule": run.ds_config.get("scheduler")}  # its steps ran under: a --branch

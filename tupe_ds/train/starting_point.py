@@ -6,7 +6,8 @@ import dataclasses
 import os
 from typing import Optional
 
-from tupe_ds.train.checkpoint import allowed_changes, choice, init_from, loading, resume
+from tupe_ds.train.checkpoint import (allowed_changes, choice, history, init_from, loading,
+                                      resume)
 from tupe_ds.train.checkpoint.resume import ResumePlan
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.flags import Refused
@@ -27,15 +28,17 @@ def agreed(run: RunConfig, say) -> Start:
     load it through a universal checkpoint where the plan converts it to a new layout."""
     layout = run.layout
     # rank 0's plan, verified by every rank before the engine is built for it
+    lineage = resume.lineage_of(run.resume_plan, run.out)
+    attempt = (run.out, history.attempt_fields(lineage, run.settings, run.setting_sources))
     plan = choice.choose(run.resume_plan, layout.world_size, layout.tp, layout.pp,
                          run.ds_config.get("zero_optimization", {}).get("stage", 0),
-                         lambda line: say(line, flush=True))
+                         lambda line: say(line, flush=True), attempt)
     training_changes = chosen_training_changes(plan, run)
     if plan is None and run.init_plan is not None:
         init_from.check_init(run.init_plan)
     convert = plan is not None and plan.resharding is not None and plan.resharding.convert
     run.ds_config.setdefault("checkpoint", {})["load_universal"] = convert
-    return Start(plan, training_changes, resume.lineage_of(plan, run.out))
+    return Start(plan, training_changes, lineage)
 
 
 def load_or_initialise(run: RunConfig, engine, start: Start, say) -> tuple:

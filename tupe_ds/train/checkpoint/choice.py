@@ -6,6 +6,7 @@ candidate's files are verified by all ranks, each checking a share (`verify`); o
 said file by file and the next is tried, and the step folders newer than the one chosen are set
 aside (`choose`)."""
 
+import dataclasses
 import os
 import socket
 from typing import List, Optional
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from tupe_ds.tools.files import NotRegularFile
 from tupe_ds.train.checkpoint import folder as folders
-from tupe_ds.train.checkpoint import manifest, reads, reshard, safe_load
+from tupe_ds.train.checkpoint import history, manifest, reads, reshard, safe_load
 from tupe_ds.train.checkpoint.resume import ResumePlan, none_resumable, plan_layout
 from tupe_ds.train.flags import Refused
 
@@ -99,15 +100,20 @@ def seen(plan: Optional[ResumePlan]) -> tuple:
 
 
 def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_stage: int,
-           say) -> Optional[ResumePlan]:
+           say, attempt: Optional[tuple] = None) -> Optional[ResumePlan]:
     """Collective: the first of rank 0's plan's candidates whose files verify, as a plan of its
     own (None: a fresh start); what failed is said file by file, and every step folder newer
     than the one chosen (failed, damaged, incomplete, or beyond --resume-from) is set aside.
     When none verifies: Refused, naming each, with nothing moved (for --resume-from, or without
     --fresh-start); with --fresh-start, from step 0 with them set aside. A file the filesystem
-    does not give stops every rank before anything is moved (reads.Unreadable)."""
+    does not give stops every rank before anything is moved (reads.Unreadable). Rank 0 then
+    records in the run's history what the start spent and moved, and `attempt` ((OUT, fields):
+    this start)."""
     plan = agree_with_rank_0(plan)
     if plan is None:
+        if attempt is not None:
+            reads.gathered(lambda: record_start(attempt, None, None, []) if dist.get_rank() == 0
+                           else None, "rank 0 to record the start in the run's history")
         return None
     for line in plan.passed_over:
         say(f"tupe-pretrain: checkpoint {line}: not complete, not resumed")
@@ -121,10 +127,9 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
         step_dir = os.path.join(plan.directory, folders.tag_of(step))
         problems = verify(step_dir) if plan.verified else []
         if not problems:
-            chosen = plan if not failed else ResumePlan(
-                plan.directory, plan.candidates[len(failed):],
-                fallback_layout(plan.directory, step, world_size, tp, pp, zero_stage),
-                plan.by_hand)
+            chosen = plan if not failed else dataclasses.replace(
+                plan, candidates=plan.candidates[len(failed):], resharding=fallback_layout(
+                    plan.directory, step, world_size, tp, pp, zero_stage))
             break
         say(f"tupe-pretrain: checkpoint {folders.tag_of(step)} failed verification: "
             + "; ".join(problems))
@@ -132,27 +137,35 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
         if plan.by_hand:
             raise Refused(f"--resume-from {folders.tag_of(step)}: the checkpoint does not "
                           "verify (above); restore its files or choose another")
+    newest_id = history.live([*plan.records, *plan.appends])
+    newest_id = newest_id[-1].id if newest_id else "none"
     if chosen is not None and plan.fresh_start:
         say(f"tupe-pretrain: --fresh-start not taken: {chosen.tag} can be resumed (a fresh start "
-            "is only for a folder none of whose checkpoints can)")
+            "is only for a folder none of whose checkpoints can; the flag is now spent: a later "
+            f"attempt that needs it says so)")
     if chosen is not None and failed:
         say(f"tupe-pretrain: resuming from {chosen.tag}, the previous complete checkpoint")
     elif chosen is None and plan.candidates and not plan.fresh_start:
         raise Refused(none_resumable(plan.directory, [
             (folders.tag_of(step), problems[0] + (f" (and {len(problems) - 1} more, above)"
                                                   if len(problems) > 1 else ""))
-            for step, problems in sorted(failed.items(), reverse=True)]))
-    elif chosen is None:
+            for step, problems in sorted(failed.items(), reverse=True)], newest_id))
+    elif chosen is None and (plan.candidates or plan.passed_over):
         say(f"tupe-pretrain: no checkpoint of {plan.directory} can be resumed (above): starting "
             "anew from step 0 (--fresh-start); they are set aside, not deleted")
 
     def set_aside_newer():
         keep_from = chosen.candidates[0] if chosen else -1
         # starting anew: another run's complete checkpoints stay where they are
-        others = set() if chosen else set(folders.complete_steps(plan.directory)) - set(
-            plan.candidates)
+        complete = folders.survey(plan.directory)[0]
+        others = set() if chosen else {s for s, m in complete.items()
+                                       if m["lineage"] != plan.lineage}
         newer = [s for s in folders.step_folders(plan.directory) if s > keep_from
                  and s not in others]
+        moved = [history.record("set_aside", step=s, id=history.checkpoint_id(complete[s])
+                                if s in complete else None, why="newer than the checkpoint "
+                                "resumed" if chosen else "--fresh-start") for s in newer]
+        record_start(attempt or (os.path.dirname(plan.directory), None), plan, chosen, moved)
         said = folders.set_aside(plan.directory, newer, (
             f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
             "none could be resumed, --fresh-start") + ": failed, damaged, incomplete or left by "
@@ -163,6 +176,24 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
     reads.gathered(set_aside_newer if dist.get_rank() == 0 else lambda: None,
                    "rank 0 to set aside the folders newer than the checkpoint resumed")
     return chosen
+
+
+def record_start(attempt: tuple, plan: Optional[ResumePlan], chosen: Optional[ResumePlan],
+                 moved: list) -> None:
+    """Rank 0: appends to the run's history, before anything is moved, what the plan rebuilt,
+    adopted and spent, this start (`attempt`: (OUT, its fields, or None)), --fresh-start's
+    outcome, and the folders about to be set aside (`moved`)."""
+    out, fields = attempt
+    records = list(plan.records) if plan else history.read(out) or []
+    new = list(plan.appends) if plan else []
+    if fields is not None:
+        new.append(history.record("attempt", **fields))
+    if plan is not None and plan.fresh_start:
+        taken = chosen is None and bool(plan.candidates or plan.passed_over or moved)
+        live = [c.id for c in history.live([*records, *new])]
+        new.append({**plan.fresh_start, "outcome": "applied" if taken else "not taken",
+                    "gives_up": live if taken else []})
+    history.append(out, records, [*new, *moved])
 
 
 def fallback_layout(directory: str, step: int, world_size: int, tp: int, pp: int,

@@ -16,8 +16,8 @@ import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
-from tupe_ds.tools.files import NotRegularFile, write_atomically
-from tupe_ds.train.checkpoint import manifest, reads, reshard
+from tupe_ds.tools.files import NotRegularFile, sync_folder, write_atomically
+from tupe_ds.train.checkpoint import history, manifest, reads, reshard
 
 TAG = re.compile(r"^step(\d+)$")
 SET_ASIDE = "set-aside"
@@ -78,11 +78,19 @@ def inventory(directory: str) -> List[str]:
     return lines
 
 
-def set_aside_steps(directory: str) -> List[int]:
-    """Steps of the stepN folders in CHECKPOINTS/set-aside/*/, in ascending order."""
-    kept = os.path.join(directory, SET_ASIDE)
-    return sorted({int(m.group(1)) for when in reads.list_folder(kept)
-                   for m in map(TAG.match, reads.list_folder(os.path.join(kept, when))) if m})
+def set_aside_manifests(directory: str) -> Dict[str, dict]:
+    """The manifests of the complete checkpoints in CHECKPOINTS/set-aside/*/, by their id
+    (history.checkpoint_id); those whose manifest does not read are not counted."""
+    kept, found = os.path.join(directory, SET_ASIDE), {}
+    for when in sorted(reads.list_folder(kept)):
+        for name in sorted(reads.list_folder(os.path.join(kept, when))):
+            if TAG.match(name) and manifest.exists(os.path.join(kept, when, name)):
+                try:
+                    record = manifest.read(os.path.join(kept, when, name))
+                except ValueError:
+                    continue
+                found[history.checkpoint_id(record)] = record
+    return found
 
 
 def complete_steps(directory: str) -> List[int]:
@@ -141,19 +149,23 @@ def set_aside(directory: str, steps: List[int], why: str) -> Optional[str]:
     return f"tupe-pretrain: {names} ({why}) moved to {target}; nothing was deleted"
 
 
-def retire(directory: str, step: int, lineage: str, keep: int) -> List[int]:
+def retire(directory: str, step: int, lineage: str, keep: int,
+           before=lambda manifests: None) -> List[int]:
     """Rank 0, after step `step` was committed: removes the complete checkpoints of `lineage`
     older than `step` beyond the newest `keep` (the new one counts), and finishes deletions a
-    kill cut short. A folder is renamed before it is removed, so that a deletion cut short never
-    leaves a stepN folder that looks like a checkpoint. Returns the steps removed."""
+    kill cut short. `before` is given their manifests first (the history records them retired
+    before any is touched). A folder is renamed before it is removed, so that a deletion cut
+    short never leaves a stepN folder that looks like a checkpoint. Returns the steps removed."""
     finish_deletions(directory)
     complete, _ = survey(directory)
     older = [s for s, record in sorted(complete.items())
              if s < step and record["lineage"] == lineage]
     removed = older[:max(len(older) - (keep - 1), 0)]
+    before([complete[old] for old in removed])
     for old in removed:
         doomed = os.path.join(directory, DELETING + tag_of(old))
         os.replace(os.path.join(directory, tag_of(old)), doomed)
+        sync_folder(directory)  # on disk before any removal: never a stepN missing files
         remove_tree(doomed)
     return removed
 

@@ -1,21 +1,20 @@
 """The resume plan: which checkpoint a run resumes and, should its files not verify, which older
-ones in turn, decided before any process starts (`plan_resume`, from config.load).
+ones in turn, decided before any process starts (`plan_resume`, from config.load) from the run's
+history and what its folder holds (`history.decide`).
 
-From the step folders' manifests, the run's lineage (OUT/run.json), --resume-from (applied
-once: `resume_from.py`) and the layout (`reshard.py`). Every rank then verifies the plan
-(`choice.py`) before the engine is built and the checkpoint loaded (`loading.py`). Also what
---out holds for --check-only (`what_is_where`), and the lineage and --resume-from that the run's
-own checkpoints record (`lineage_of`, `applied_tag`)."""
+Every rank then verifies the plan (`choice.py`) before the engine is built and the checkpoint
+loaded (`loading.py`); rank 0 appends to the history what the start spent and moved. Also what
+--out holds for --check-only (`what_is_where`)."""
 
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
 from typing import List, Optional
 
-from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train import run_description
-from tupe_ds.train.checkpoint import manifest, reads, reshard
-from tupe_ds.train.checkpoint.resume_from import applied_earlier, resume_from_step
+from tupe_ds.train.checkpoint import folder as folders
+from tupe_ds.train.checkpoint import history, manifest, reads, reshard
 
 
 @dataclass(frozen=True)
@@ -27,8 +26,12 @@ class ResumePlan:
     by_hand: bool  # --resume-from: that one or none
     verified: bool = True  # False: written by an earlier tupe_ds, without a manifest
     passed_over: tuple = ()  # lines: newer step folders that are not resumed, and why
-    notes: tuple = ()  # lines to say: what the choice rests on where run.json could not tell
-    fresh_start: bool = False  # --fresh-start: from step 0 when no checkpoint can be resumed
+    notes: tuple = ()  # lines to say
+    fresh_start: Optional[dict] = None  # --fresh-start's consent: from step 0 if none verifies
+    records: tuple = ()  # the run's history as read (or rebuilt from the manifests)
+    appends: tuple = ()  # what the start records before it acts (rank 0): rebuilt, adopted, spent
+    lineage: str = ""  # the run's
+    giving_up: Optional[str] = None  # the id --giving-up names: lines suggest the flag with it
 
     @property
     def tag(self) -> str:
@@ -39,150 +42,145 @@ def describe_steps(steps) -> str:
     return ", ".join(folders.tag_of(s) for s in sorted(steps))
 
 
+def listing(directory: str, complete: dict, damaged: dict) -> history.Listing:
+    """What CHECKPOINTS holds, as history.decide reads it."""
+    return history.Listing(
+        tuple(history.Folder(step, history.checkpoint_id(complete[step]), complete[step][
+            "lineage"]) if step in complete else history.Folder(step, problem=damaged.get(step))
+              for step in folders.step_folders(directory)),
+        frozenset(folders.set_aside_manifests(directory)))
+
+
 def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: int, tp: int,
-                pp: int, zero_stage: int, fresh_start: bool = False) -> Optional[ResumePlan]:
+                pp: int, zero_stage: int, fresh_start: bool = False,
+                giving_up: Optional[str] = None) -> Optional[ResumePlan]:
     """What --out holds to resume (None: nothing, a fresh start); ValueError saying what to do
-    when it cannot be resumed on this layout, when --resume never meets checkpoints, when a
-    newer checkpoint of another run is in the way, or when it holds checkpoints of which none
-    reads and the run would start from step 0 without --fresh-start. A checkpoint whose
-    manifest does not read is not complete: passed over (and set aside by `choose`) when newer,
-    never a fallback. --resume-from applies once: a later attempt that finds the checkpoints
-    the run resumed from it wrote since resumes the newest of them (`applied_earlier`)."""
+    when it cannot be resumed on this layout, when --resume never meets checkpoints, when the
+    history records a checkpoint the folder has lost, when a newer checkpoint of another run is
+    in the way, or when it holds checkpoints of which none reads and the run would start from
+    step 0 without --fresh-start. A checkpoint whose manifest does not read is not complete:
+    passed over (and set aside by `choose`) when newer, never a fallback."""
     directory = os.path.join(out, "checkpoints")
     complete, damaged = folders.survey(directory)
-    recorded = run_description.newest_checkpoint(out)
-    if recorded is not None and recorded not in complete and recorded not in damaged and \
-            manifest_appears(directory, recorded):
-        complete, damaged = folders.survey(directory)
-    own = run_description.lineage(out)
-    legacy = folders.legacy_step(directory) if own is None else None
+    records = history.read(out)
+    appends, notes = [], ()
+    if records is None:
+        records = []
+        kept = folders.set_aside_manifests(directory)
+        if complete or kept:
+            appends = history.rebuilt({history.checkpoint_id(m): m for m in complete.values()},
+                                      kept)
+            notes = (f"tupe-pretrain: {out}/{history.FILE} is not there: the run's history is "
+                     "made again from its checkpoints' manifests",)
+    run_lineage = (history.lineage([*records, *appends]) or run_description.lineage(out)
+                   or (complete[max(complete)]["lineage"] if complete else uuid.uuid4().hex))
+    legacy = folders.legacy_step(directory) if not records and not appends else None
+    live = history.live([*records, *appends])
     if resume == "never":
         held = sorted(set(complete) | set(damaged) | ({legacy} if legacy else set()))
-        if held:
+        if held or live:
             raise ValueError(
-                f"--resume never, and it holds checkpoints of a run ({describe_steps(held)}): "
-                f"nothing is overwritten. To continue that run leave out --resume never; to "
-                f"start over give another --out; to start a new run from its weights, --out NEW "
-                f"--init-from {os.path.join(directory, folders.tag_of(held[-1]))}")
-        if recorded is not None:
-            raise ValueError(
-                f"--resume never, and {out}/run.json records {folders.tag_of(recorded)} as "
-                f"committed by a run in this folder, though {directory} holds none (were they "
-                "moved?): nothing is overwritten. Start over in another --out")
+                f"--resume never, and it holds checkpoints of a run "
+                f"({describe_steps(held) or 'its history records ' + describe_steps(c.step for c in live)}"
+                f"): nothing is overwritten. To continue that run leave out --resume never; to "
+                f"start over give another --out" + (
+                    f"; to start a new run from its weights, --out NEW --init-from "
+                    f"{os.path.join(directory, folders.tag_of(held[-1]))}" if held else ""))
         return None
-    verified, notes = legacy is None, ()
     step = resume_from_step(directory, resume_from) if resume_from is not None else None
-    resumed_since = applied_earlier(out, step, complete, own) if step is not None else ()
-    if resumed_since:
-        candidates, by_hand = resumed_since, False
-        notes = (f"tupe-pretrain: --resume-from {folders.tag_of(step)} was applied by an earlier "
-                 f"attempt, which then wrote {describe_steps(s for s in resumed_since if s > step)}"
-                 f": resuming from {folders.tag_of(resumed_since[0])}, the newest (to go back to "
-                 f"{folders.tag_of(step)} once more, move the newer checkpoints out of "
-                 f"{directory} first)",)
-    elif step is not None:
-        if step in damaged:
-            raise ValueError(f"--resume-from {resume_from}: {damaged[step]}; choose another "
-                             f"(complete ones: {describe_steps(complete) or 'none'})")
-        if step not in complete and step != legacy:
-            raise ValueError(f"--resume-from {resume_from}: {directory}/{folders.tag_of(step)} "
-                             f"is not a complete checkpoint (no manifest.json); complete ones: "
-                             f"{describe_steps(complete) or 'none'}")
-        candidates, by_hand = (step,), True
-    elif complete:
-        if own is None:  # no record of the run: the newest checkpoint's lineage is the run's
-            own = complete[max(complete)]["lineage"]
-            notes = unknown_lineage_notes(out, directory, complete, own)
-        ours = [s for s in sorted(complete) if complete[s]["lineage"] == own]
-        if not ours:
-            raise ValueError(
-                f"{directory} holds no checkpoint of this run (lineage {own} in "
-                f"{out}/run.json), only another run's ({describe_steps(complete)}): to continue "
-                f"that run here, --resume-from {folders.tag_of(max(complete))}; else move them "
-                "out of the folder")
-        foreign = [s for s in complete if s > ours[-1] and complete[s]["lineage"] != own]
-        if foreign:
-            raise ValueError(
-                f"{directory}/{folders.tag_of(foreign[-1])} is another run's checkpoint (lineage "
-                f"{complete[foreign[-1]]['lineage']}; this run's is {own}), newer than this "
-                f"run's newest, {folders.tag_of(ours[-1])}: move {describe_steps(foreign)} out of "
-                f"{directory}, or resume this run's own with --resume-from "
-                f"{folders.tag_of(ours[-1])} (newer folders are then set aside, not deleted)")
-        candidates, by_hand = tuple(reversed(ours)), False
-    elif legacy:
-        candidates, by_hand = (legacy,), False
-    else:
-        candidates, by_hand = (), False
-    newest = candidates[0] if candidates else -1
-    if candidates and not by_hand and recorded is not None and recorded > newest and \
-            recorded not in damaged and recorded not in folders.step_folders(directory) and \
-            recorded not in folders.set_aside_steps(directory):
+    if legacy and step in (None, legacy):
+        return ResumePlan(directory, (legacy,), plan_layout(directory, legacy, world_size, tp,
+                                                            pp, zero_stage, False),
+                          step is not None, verified=False, lineage=run_lineage)
+    base = [*records, *appends]
+    if live and live[-1].step not in complete and appeared(directory, live[-1].step):
+        complete, damaged = folders.survey(directory)
+    decision = history.decide(base, listing(directory, complete, damaged),
+                              history.Flags(step, fresh_start, giving_up), run_lineage)
+    if decision.refusal:
+        raise ValueError(" ".join([*decision.notes, decision.refusal]))
+    candidates = decision.candidates
+    ours = [s for s in complete if complete[s]["lineage"] == run_lineage]
+    foreign = [s for s in complete if complete[s]["lineage"] != run_lineage and s > max(
+        candidates or ours or [-1]) and not decision.by_hand]
+    if foreign and candidates:
         raise ValueError(
-            f"{out}/run.json records {folders.tag_of(recorded)} as committed by this run, but "
-            f"{directory} does not hold it, nor its {folders.SET_ASIDE} folder (was it moved?); "
-            f"its newest is {folders.tag_of(newest)}. Nothing was moved or deleted. Put it back "
-            f"and run the same command; or go on from {folders.tag_of(newest)} deliberately: "
-            f"--resume-from {folders.tag_of(newest)}")
+            f"{directory}/{folders.tag_of(foreign[-1])} is another run's checkpoint (lineage "
+            f"{complete[foreign[-1]]['lineage']}; this run's is {run_lineage}), newer than this "
+            f"run's newest, {folders.tag_of(candidates[0])}: move {describe_steps(foreign)} out "
+            f"of {directory}, or resume this run's own with --resume-from "
+            f"{folders.tag_of(candidates[0])} (newer folders are then set aside, not deleted)")
+    if complete and not ours and not candidates:
+        raise ValueError(
+            f"{directory} holds no checkpoint of this run (lineage {run_lineage}), only another "
+            f"run's ({describe_steps(complete)}): to continue that run here, --resume-from "
+            f"{folders.tag_of(max(complete))}; else move them out of the folder")
+    newest = candidates[0] if candidates else -1
     passed_over = tuple(f"{folders.tag_of(s)}: {problem}" for s, problem in sorted(damaged.items())
                         if s > newest)
+    plan = ResumePlan(directory, candidates, None, decision.by_hand, True, passed_over,
+                      notes + decision.notes, decision.fresh_start, tuple(records),
+                      tuple(appends) + decision.appends, run_lineage, giving_up)
     if not candidates:
-        if not passed_over and recorded is None:
-            return None
-        if not fresh_start:
-            found = [(folders.tag_of(step), damaged.get(step, "no manifest.json (not complete)"))
-                     for step in reversed(folders.step_folders(directory))]
-            raise ValueError(none_resumable(directory, found, "" if recorded is None else (
-                f", though {out}/run.json records {folders.tag_of(recorded)} as committed by "
-                "this run (were they moved?)")))
-        return ResumePlan(directory, (), None, False, True, passed_over, fresh_start=True)
-    resharding = plan_layout(directory, candidates[0], world_size, tp, pp, zero_stage, verified)
-    return ResumePlan(directory, candidates, resharding, by_hand, verified, passed_over, notes,
-                      fresh_start)
+        if not passed_over and not live:
+            return plan if plan.appends or plan.fresh_start or plan.notes else None
+        if decision.fresh_start is None:
+            found = [(folders.tag_of(s), damaged.get(s, "no manifest.json (not complete)"))
+                     for s in reversed(folders.step_folders(directory))]
+            raise ValueError(" ".join([*decision.notes, none_resumable(
+                directory, found, live[-1].id if live else "none",
+                                            "" if found else
+                                            f", though the run's history records "
+                                            f"{describe_steps(c.step for c in live)} as committed"
+                                            " (were they moved?)")]))
+        return plan
+    return dataclasses.replace(plan, resharding=plan_layout(directory, candidates[0], world_size,
+                                                            tp, pp, zero_stage))
 
 
-def none_resumable(directory: str, found, recorded: str = "") -> str:
-    """The refusal of a run that would start from step 0 though --out holds checkpoints
-    (`found`: (stepN, why it cannot be resumed) each) or OUT/run.json records one it committed
-    (`recorded`: the text that says so), and what to do."""
-    if not found:
-        return (f"{directory} holds no checkpoint{recorded}. Nothing was moved or deleted. Put "
-                "them back and run the same command; or, to start this run over from step 0, "
-                "add --fresh-start")
-    return (f"{directory} holds checkpoints of which none can be resumed: "
-            + "; ".join(f"{tag}: {why}" for tag, why in found) + recorded
-            + ". Nothing was moved or deleted. Mend them (restore their files) and run the same "
-            "command; or, to start this run over from step 0, add --fresh-start (they are then "
-            f"set aside in {os.path.join(directory, folders.SET_ASIDE)}, not deleted)")
-
-
-def manifest_appears(directory: str, step: int) -> bool:
-    """Whether step folder `step`, which OUT/run.json records as committed, shows with its
-    manifest within the retry window (a stale NFS listing, or ENOENT for a while after a server
-    hiccup); False at once when tupe_ds set it aside."""
-    if step in folders.set_aside_steps(directory):
-        return False
+def appeared(directory: str, step: int) -> bool:
+    """Whether the manifest of step folder `step`, which the history records as the run's
+    newest, shows within the retry window (a stale NFS listing, or ENOENT for a while after a
+    server hiccup)."""
     path = os.path.join(directory, folders.tag_of(step), manifest.MANIFEST)
-
-    def there():
-        if step not in folders.step_folders(directory):
-            raise FileNotFoundError(2, os.strerror(2), os.path.dirname(path))
-        return os.stat(path)
-
     try:
-        reads.retried(path, there, expected=True)
+        reads.retried(path, lambda: os.stat(path), expected=True)
     except FileNotFoundError:
         return False
     return True
 
 
-def applied_tag(plan: Optional[ResumePlan]) -> Optional[str]:
-    """The --resume-from a run's checkpoints record (`applied_earlier` reads it back): this
-    start's, or the one the checkpoint it resumed records."""
-    if plan is None or not plan.verified:
-        return None
-    if plan.by_hand:
-        return plan.tag
-    return manifest.read(os.path.join(plan.directory, plan.tag)).get("resume_from_applied")
+def resume_from_step(directory: str, resume_from: str) -> int:
+    """The step --resume-from names: stepN, or the path of a step folder of --out's checkpoints;
+    ValueError for any other path (a checkpoint of another folder is --init-from's)."""
+    name = os.path.basename(resume_from.rstrip("/"))
+    if os.sep in resume_from.rstrip("/"):
+        inside = os.path.realpath(os.path.dirname(resume_from.rstrip("/")))
+        if inside != os.path.realpath(directory):
+            raise ValueError(
+                f"--resume-from {resume_from} is not a checkpoint of this run folder "
+                f"({directory}): give one of its own (stepN), start a new run from that "
+                f"checkpoint with --init-from {resume_from}, or give its run folder as --out")
+    try:
+        return folders.step_of(name)
+    except ValueError as error:
+        raise ValueError(f"--resume-from {resume_from}: {error}") from None
+
+
+def none_resumable(directory: str, found, newest_id: str, recorded: str = "") -> str:
+    """The refusal of a run that would start from step 0 though --out holds checkpoints
+    (`found`: (stepN, why it cannot be resumed) each) or its history records some (`recorded`:
+    the text that says so), and what to do."""
+    fresh = f"--fresh-start --giving-up {newest_id}"
+    if not found:
+        return (f"{directory} holds no checkpoint{recorded}. Nothing was moved or deleted. Put "
+                f"them back and run the same command; or, to start this run over from step 0, "
+                f"add {fresh}")
+    return (f"{directory} holds checkpoints of which none can be resumed: "
+            + "; ".join(f"{tag}: {why}" for tag, why in found) + recorded
+            + ". Nothing was moved or deleted. Mend them (restore their files) and run the same "
+            f"command; or, to start this run over from step 0, add {fresh} (they are then "
+            f"set aside in {os.path.join(directory, folders.SET_ASIDE)}, not deleted)")
 
 
 def what_is_where(out: str, plan: Optional[ResumePlan]) -> List[str]:
@@ -202,27 +200,10 @@ def what_is_where(out: str, plan: Optional[ResumePlan]) -> List[str]:
                          f"(into {os.path.join(directory, folders.SET_ASIDE)}, not deleted)")
     else:
         lines.append("a run would start from step 0" + (
-            ", setting the damaged checkpoints aside (--fresh-start)" if plan else ""))
+            ", setting the damaged checkpoints aside (--fresh-start)"
+            if plan and plan.fresh_start and (plan.passed_over or history.live(
+                [*plan.records, *plan.appends])) else ""))
     return lines
-
-
-def unknown_lineage_notes(out: str, directory: str, complete: dict, taken: str) -> tuple:
-    """When OUT/run.json, which names the run's lineage, is damaged and the checkpoints are of
-    several runs: the line that says which run is resumed (the newest checkpoint's) and how to
-    resume another."""
-    damage = run_description.damage(out)
-    others = {}
-    for step, record in sorted(complete.items()):
-        if record["lineage"] != taken:
-            others.setdefault(record["lineage"], []).append(step)
-    if not damage or not others:
-        return ()
-    held = "; ".join(f"lineage {lineage}: {describe_steps(steps)}"
-                     for lineage, steps in others.items())
-    newest_other = max(step for steps in others.values() for step in steps)
-    return (f"tupe-pretrain: {damage}: resuming the run of the newest checkpoint (lineage "
-            f"{taken}); {directory} also holds another run's ({held}). If that one is this run, "
-            f"stop and resume it with --resume-from {folders.tag_of(newest_other)}",)
 
 
 def plan_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
@@ -240,8 +221,9 @@ def plan_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
 
 
 def lineage_of(plan: Optional[ResumePlan], out: str) -> str:
-    """The lineage the run's checkpoints belong to: the resumed checkpoint's, else the one
+    """The lineage the run's checkpoints belong to: the plan's, else the one its history or
     OUT/run.json records (a run started earlier in this folder), else a new one."""
-    if plan is not None and plan.verified:
-        return manifest.read(os.path.join(plan.directory, plan.tag))["lineage"]
-    return run_description.lineage(out) or uuid.uuid4().hex
+    if plan is not None:
+        return plan.lineage
+    return (history.lineage(history.read(out) or []) or run_description.lineage(out)
+            or uuid.uuid4().hex)

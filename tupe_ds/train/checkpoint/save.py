@@ -2,11 +2,14 @@
 
 The phases, in order (a kill in any of them leaves the previous complete checkpoint the newest
 one): a folder already at stepN is set aside; the weights are checked finite on every rank;
-DeepSpeed's files and each rank's random state are written; each rank checksums the files it
-wrote; rank 0 waits until every file is visible, writes the manifest, points `latest` at it and
-applies retention. Before each of these three, rank 0 checks that the run still holds its folder
-(`lock`, RunLock.stop_unless_held): a run another job took over during its save stops there,
-leaving the new holder's manifests, `latest` and checkpoints as they are.
+DeepSpeed's files and each rank's random state are written; each rank flushes the files it wrote
+to disk (fsync: the files, then their folder) and checksums them; rank 0 waits until every file
+is visible, flushes the checkpoints folder (stepN's name), writes the manifest (flushed too),
+points `latest` at it and applies retention: nothing is deleted before the checkpoint that
+replaces it would survive a crash of the node. Before each of these three, rank 0 checks that
+the run still holds its folder (`lock`, RunLock.stop_unless_held): a run another job took over
+during its save stops there, leaving the new holder's manifests, `latest` and checkpoints as
+they are.
 """
 
 import contextlib
@@ -18,9 +21,9 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from tupe_ds.tools.files import write_atomically
+from tupe_ds.tools.files import make_durable, sync_folder, write_atomically
 from tupe_ds.train.checkpoint import folder as folders
-from tupe_ds.train.checkpoint import manifest, reshard
+from tupe_ds.train.checkpoint import history, manifest, reshard
 from tupe_ds.train.checkpoint.rng import file_name, rng_state
 from tupe_ds.train.run_lock import FolderTakenOver
 from tupe_ds.train.waits import announced
@@ -105,8 +108,19 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
         raise NonFiniteWeights(f"the weights at step {step} are not all finite: checkpoint {tag} "
                                "was not written")
 
+    def recorded(*new):  # rank 0: in the run's history, durable, before what it records
+        out = os.path.dirname(os.path.normpath(directory))
+        history.append(out, history.read(out) or [], list(new))
+
     def set_aside_in_the_way():
         os.makedirs(directory, exist_ok=True)
+        in_the_way = os.path.join(directory, tag)
+        if manifest.exists(in_the_way):
+            try:
+                recorded(history.record("set_aside", step=step, why="in the way of a save",
+                                        id=history.checkpoint_id(manifest.read(in_the_way))))
+            except ValueError:  # a damaged manifest: a folder of no checkpoint the history has
+                pass
         said = folders.set_aside(directory, [step], "an earlier save of this step, in the way")
         if said:
             print(said, flush=True)
@@ -127,6 +141,7 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
                 layout_path = os.path.join(folder, reshard.LAYOUT_FILE)
                 write_atomically(layout_path, layout.to_json())
                 written.append(layout_path)
+            make_durable(written)  # before the gather: rank 0 writes the manifest after it
             files = manifest.describe(folder, sorted({os.path.basename(p) for p in written}))
     except WRITE_ERRORS as error:
         raise SaveFailed(f"could not write checkpoint {tag} (rank {rank}: {first_line(error)})",
@@ -143,15 +158,22 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
         every_file = {name: entry for entries in every_rank for name, entry in entries.items()}
         wait_until_visible(folder, list(every_file))
         # a file written some other way than through DeepSpeed's checkpoint engine, by any rank
-        every_file.update(manifest.describe(folder, sorted(set(os.listdir(folder)) -
-                                                           set(every_file))))
+        unlisted = sorted(set(os.listdir(folder)) - set(every_file))
+        make_durable(os.path.join(folder, name) for name in unlisted)
+        every_file.update(manifest.describe(folder, unlisted))
+        sync_folder(directory)  # stepN's own name (every rank flushed the names in it)
         stop_unless_held()
-        manifest.write(folder, {"tag": tag, "step": step, "files": every_file,
+        identity = history.new_id()
+        manifest.write(folder, {"tag": tag, "step": step, "id": identity, "files": every_file,
                                 "layout": dataclasses.asdict(layout), **record})
+        recorded(history.record("committed", id=identity, step=step,
+                                lineage=record["lineage"], files=every_file))
         stop_unless_held()
         folders.point_latest(directory, tag)
         stop_unless_held()
-        folders.retire(directory, step, record["lineage"], keep)
+        folders.retire(directory, step, record["lineage"], keep, lambda manifests: recorded(*(
+            history.record("retired", id=history.checkpoint_id(m), step=m["step"])
+            for m in manifests)))
         reshard.remove_conversions_before(directory, step)
 
     on_rank_0(commit, f"could not commit checkpoint {tag}", rank,
