@@ -47,7 +47,8 @@ class Vocabulary:
         path = os.path.join(data_dir, "tokenizer.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: missing; --data must be a folder written by tupe-prep")
-        tokenizer = Tokenizer.from_file(path)
+        with open(path, encoding="utf-8") as f:  # an OSError, where from_file's is no OSError
+            tokenizer = Tokenizer.from_str(f.read())
         special = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         ids = {name: tokenizer.token_to_id(f"[{name.upper()}]") for name in ("pad", "cls", "sep", "mask")}
         return cls(size=tokenizer.get_vocab_size(), special=tuple(special), **ids)

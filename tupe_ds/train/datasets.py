@@ -11,18 +11,20 @@ from megatron.core import parallel_state
 from tupe_ds.data.blend import BlendedSamples
 from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.packing import PackedSentences
+from tupe_ds.train import run_files
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.waits import announced
 
 
-def datasets(run: RunConfig, vocab: Vocabulary, objective) -> dict:
+def datasets(run: RunConfig, vocab: Vocabulary, objective, newest: Optional[str] = None) -> dict:
     """"train": the stream of --data (the blend of its sources; one source is its own stream),
     "valid": each source's valid samples, in --data's order. Global rank 0 opens the datasets
     first, building the sample indexes that are missing, while the other ranks wait at a
     barrier, then map them: the index cache's file lock alone would let every node build at once
     on a filesystem whose locks hold per node (NFS with local_lock, BeeGFS, Lustre's
-    localflock)."""
+    localflock). A file that cannot be read or written (a read error, a full disk) on any rank
+    stops every rank (run_files.py; `newest`: the newest intact checkpoint's tag)."""
     def open_sources():
         return [{split: PackedSentences(os.path.join(source.folder, split), run.seq_len,
                                         vocab.cls, vocab.sep, source.index_cache)
@@ -32,11 +34,12 @@ def datasets(run: RunConfig, vocab: Vocabulary, objective) -> dict:
         return MaskedSamples(packed, vocab, run.masking, run.seed, run.vectorised_stream,
                              objective.generator_draws)
 
-    first = dist.get_rank() == 0
-    packed = open_sources() if first else None
-    dist.barrier()
-    if not first:
-        packed = open_sources()
+    first, folders = dist.get_rank() == 0, ", ".join(source.folder for source in run.sources)
+    packed = run_files.on_every_rank(open_sources if first else lambda: None, "open the data",
+                                     folders, newest, "rank 0 to open the data")
+    later = run_files.on_every_rank(lambda: None if first else open_sources(), "open the data",
+                                    folders, newest, "every rank to open the data")
+    packed = packed if first else later
     return {"train": BlendedSamples([stream(p["train"]) for p in packed],
                                     [source.weight for source in run.sources]),
             "valid": [stream(p["valid"]) for p in packed]}
@@ -48,12 +51,15 @@ def reads_data(run: RunConfig) -> bool:
         or parallel_state.is_pipeline_last_stage()
 
 
-def open_datasets(run: RunConfig, objective, rank: int) -> dict:
-    """datasets(), saying what it waits for while the sample indexes are built."""
-    vocab = Vocabulary.from_data_dir(run.data)
+def open_datasets(run: RunConfig, objective, rank: int, newest: Optional[str]) -> dict:
+    """datasets(), saying what it waits for while the sample indexes are built; a tokenizer or
+    data that cannot be read stops every rank (run_files.py)."""
+    vocab = run_files.on_every_rank(lambda: Vocabulary.from_data_dir(run.data), "read",
+                                    os.path.join(run.data, "tokenizer.json"), newest,
+                                    "every rank to read the tokenizer")
     folders = ", ".join(source.folder for source in run.sources)
     with announced(f"the sample indexes of {folders} (seq-len {run.seq_len})", rank):
-        return datasets(run, vocab, objective)
+        return datasets(run, vocab, objective, newest)
 
 
 def train_batches(run: RunConfig, train: BlendedSamples, engine, state: Optional[dict],

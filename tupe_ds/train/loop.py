@@ -15,12 +15,12 @@ from megatron.core import parallel_state
 from tupe_ds.data.loader import TrainBatches
 from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, start_distributed
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
-from tupe_ds.train import (auto_micro_batch, optimizer_boundary, precision, run_description,
+from tupe_ds.train import (auto_micro_batch, optimizer_boundary, precision, run_files,
                            run_lock, starting_point)
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.checkpoint.reshard import SavedLayout
-from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, on_rank_0, save
+from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, save
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.datasets import open_datasets, train_batches
 from tupe_ds.train.engine import build_engine, build_model
@@ -32,7 +32,7 @@ from tupe_ds.train.progress import start_line
 from tupe_ds.train.schedule import follow_step
 from tupe_ds.train.start_record import checkpoint_record, describe_run, saved_layout
 from tupe_ds.train.steps import EngineSteps, PipelineSteps
-from tupe_ds.train.stop_signal import StopSignal
+from tupe_ds.train.stop_signal import StopSignal, before_first_step
 from tupe_ds.train.validation import evaluate
 from tupe_ds.train.waits import announced, rendezvous_text, waiting_with_extensions
 
@@ -65,7 +65,7 @@ class Outcome:
 
 def train(run: RunConfig, launcher: str) -> None:
     """Every process of the run calls it: trains from the latest checkpoint to --steps."""
-    stop = StopSignal()  # SIGUSR1 from the start: Slurm's warning may come while the run starts
+    stop = StopSignal()  # SIGUSR1, SIGINT from the start: they may come while the run starts
     device, rank = start_process_groups(run)
     os.makedirs(run.out, exist_ok=True)
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -74,9 +74,11 @@ def train(run: RunConfig, launcher: str) -> None:
     start = starting_point.agreed(run, say)
     objective = OBJECTIVES[run.objective]
     run, model, engine, steps = built_engine(run, objective, device, rank, say)
-    if rank == 0:  # with the micro-batch chosen
-        describe_run(run, start.lineage, start.plan, say)
-    data = open_datasets(run, objective, rank)
+    last_checkpoint = start.plan.tag if start.plan else None  # the newest intact one
+    run_files.on_every_rank(lambda: describe_run(run, start.lineage, say) if rank == 0 else None,
+                            "write", os.path.join(run.out, "run.json"), last_checkpoint,
+                            "rank 0 to write run.json")  # with the micro-batch chosen
+    data = open_datasets(run, objective, rank, last_checkpoint)
     state, branched = starting_point.load_or_initialise(run, engine, start, say)
     step = state["step"] if state else 0
     training = Training(
@@ -86,9 +88,8 @@ def train(run: RunConfig, launcher: str) -> None:
         record=checkpoint_record(run, start.lineage, start.plan),
         guard=NonFiniteGuard(engine, run.max_nonfinite_steps,
                              state.get("nonfinite") if state else None),
-        monitor=run_monitor(run, step, state, device, dtype, rank))
+        monitor=run_monitor(run, engine, step, state, device, dtype, rank))
     say(start_line(run, step, start.plan, branched, launcher, data["train"]), flush=True)
-    last_checkpoint = start.plan.tag if start.plan else None
     outcome = step_loop(run, training, stop, step, last_checkpoint, device, rank, say)
     finish(run, training, outcome, device, say)
 
@@ -128,31 +129,42 @@ def built_engine(run: RunConfig, objective, device, rank: int, say) -> tuple:
     return run, model, engine, steps
 
 
-def run_monitor(run: RunConfig, step: int, state: Optional[dict], device, dtype: str,
+def run_monitor(run: RunConfig, engine, step: int, state: Optional[dict], device, dtype: str,
                 rank: int) -> Monitor:
-    """The run's Monitor, going on from the resumed `state`'s times (None: from step 0)."""
-    return Monitor(run.out, run.models, run.seq_len, run.world_size, rank,
-                   resumed_at=step, times=state.get("times") if state else None,
-                   settings={"train/mask_rate": run.masking.probability,
-                             "train/mask_split/mask": run.masking.mask,
-                             "train/mask_split/random": run.masking.random}, lock=run.lock,
-                   steps=run.steps, device=device, precision=dtype)
+    """The run's Monitor, going on from the resumed `state`'s times (None: from step 0), which
+    also notes the failed writes of the `engine`'s own monitor."""
+    monitor = Monitor(run.out, run.models, run.seq_len, run.world_size, rank,
+                      resumed_at=step, times=state.get("times") if state else None,
+                      settings={"train/mask_rate": run.masking.probability,
+                                "train/mask_split/mask": run.masking.mask,
+                                "train/mask_split/random": run.masking.random}, lock=run.lock,
+                      steps=run.steps, device=device, precision=dtype)
+    if engine.monitor.enabled:
+        monitor.watch(engine.monitor)
+    return monitor
 
 
 def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
               last_checkpoint: Optional[str], device, rank: int, say) -> Outcome:
     """The steps after `step` until --steps or a stop signal: each trains, and at its intervals
     logs, validates, draws the positional images and saves a checkpoint. The run stops short
-    on too many steps not finite (NonFiniteGuard), its folder taken over or a failed save."""
+    on too many steps not finite (NonFiniteGuard), its folder taken over, a failed save, or a
+    write of its log or TensorBoard events that failed (agreed at the start and at each log
+    interval: run_files.py)."""
     engine, batches, guard, monitor = (training.engine, training.batches, training.guard,
                                        training.monitor)
     metrics, totals = {}, {}
     logged_from = batches.consumed  # the first global sample of the logging interval
+    failure = agreed_writes(training, last_checkpoint)  # the log opened, trimmed
+    if failure:
+        return Outcome(step, metrics, last_checkpoint, failure=failure)
     stop.listen_for_sigterm()
     stopped_early = stop.any_rank()
-    if stopped_early:  # nothing trained since the checkpoint resumed: nothing to save
-        say(f"stopping before step {step + 1} on {stopped_early}; run the same command to "
-            "continue", flush=True)
+    if stopped_early:
+        said, fails = before_first_step(stopped_early, step, last_checkpoint)
+        if fails:
+            return Outcome(step, metrics, last_checkpoint, failure=said)
+        say(said, flush=True)
     monitor.start()
     while step < run.steps and not stopped_early:
         if run.batch_split.ramp:
@@ -168,7 +180,8 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
             monitor.scalars(step, {"train/nonfinite_steps": guard.total})
             return Outcome(step, metrics, last_checkpoint,
                            failure=guard.stop_message(step, last_checkpoint))
-        if step % run.intervals.log == 0 or step == run.steps:
+        logged = step % run.intervals.log == 0 or step == run.steps
+        if logged:
             log_progress(run, training, step, totals, lr, global_batch, logged_from, say)
             totals, logged_from = {}, batches.consumed
         if step % run.intervals.eval == 0 or step == run.steps:
@@ -176,6 +189,9 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
         has_images = run.models[0].encoding.has_positional_logits
         if has_images and (step % run.intervals.image == 0 or step == run.steps):
             draw_positional_images(run, training, step)
+        failure = agreed_writes(training, last_checkpoint) if logged else None
+        if failure:
+            return Outcome(step, metrics, last_checkpoint, failure=failure)
         stopping = stop.any_rank()
         if step % run.intervals.save == 0 or step == run.steps or stopping:
             last_checkpoint, failure, everywhere = save_checkpoint(run, training, step,
@@ -187,6 +203,13 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
                 "run the same command to continue", flush=True)
             break
     return Outcome(step, metrics, last_checkpoint, stopped_early=stopped_early)
+
+
+def agreed_writes(training: Training, last_checkpoint: Optional[str]) -> Optional[str]:
+    """Collective: why every rank stops because rank 0 could not write the run's log or
+    TensorBoard events since the last agreement (None: it wrote them)."""
+    return run_files.agreed(training.monitor.failure, last_checkpoint,
+                            "rank 0 to write the run's log")
 
 
 def log_progress(run: RunConfig, training: Training, step: int, totals: dict, lr: float,
@@ -225,7 +248,7 @@ def draw_positional_images(run: RunConfig, training: Training, step: int) -> Non
 
 def save_checkpoint(run: RunConfig, training: Training, step: int,
                     last_checkpoint: Optional[str], device, rank: int) -> tuple:
-    """Saves `step`'s checkpoint and records it in OUT/run.json. Returns the newest complete
+    """Saves `step`'s checkpoint (which records it in the run's history). Returns the newest complete
     checkpoint's tag then, and why the run stops (its folder taken over, weights not finite,
     a failed save; None: saved) with whether every rank stops on it."""
     failure = run_lock.lost_on_rank_0(run.lock)
@@ -238,9 +261,6 @@ def save_checkpoint(run: RunConfig, training: Training, step: int,
         with monitor.timing("checkpoint"):
             save(training.engine, checkpoints, step, client_state, run.keep_checkpoints,
                  training.layout, training.record, device, lock=run.lock)
-            on_rank_0(lambda: run_description.record_written(run.out, step),
-                      f"could not record checkpoint step{step} in {run.out}/run.json",
-                      rank, f"rank 0 to record checkpoint step{step} in run.json")
     except NonFiniteWeights as error:
         failure = f"{error}; the last good checkpoint is {last_checkpoint or 'none'}"
         return last_checkpoint, failure, True
@@ -267,6 +287,8 @@ def finish(run: RunConfig, training: Training, outcome: Outcome, device, say) ->
         metrics = evaluate(training.steps, training.data["valid"], run,  # where the run stands
                            training.engine.train_micro_batch_size_per_gpu(), device)
     training.monitor.close()
+    if outcome.failure is None:  # the last log line, the save's, the events closed
+        outcome.failure = agreed_writes(training, outcome.last_checkpoint)
     training.batches.close()
     training.steps.close()
     if outcome.failure is not None:

@@ -4,17 +4,20 @@ import contextlib
 import json
 import os
 import statistics
+import threading
 import time
 
 import psutil
 import torch
+from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 from torch.utils.tensorboard import SummaryWriter
 
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.tools.files import NotRegularFile, regular_file, write_atomically
-from tupe_ds.train import progress
+from tupe_ds.train import progress, run_files
 from tupe_ds.train.checkpoint import reads
 from tupe_ds.train.flags import TrainingStopped
+from tupe_ds.train.run_lock import FolderTakenOver
 
 
 def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> float:
@@ -156,14 +159,18 @@ class Monitor:
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.writer = None
         self.seconds = {name: float((times or {}).get(name, 0.0)) for name in self.TIMED}
+        self.failure = None  # what rank 0 could not write or read (run_files.py)
+        self.events = os.path.join(out, "tensorboard", "tupe")
         if rank == 0:
-            keep_log_until(self.log_path, resumed_at)
-            # the save that ended the last start is in the log, not in its own checkpoint
-            for name, value in logged_times(self.log_path, resumed_at).items():
-                self.seconds[name] = max(self.seconds[name], value)
-            # TensorBoard hides what earlier attempts wrote for the steps trained again
-            self.writer = SummaryWriter(os.path.join(out, "tensorboard", "tupe"),
-                                        purge_step=resumed_at + 1)
+            quiet_event_writer_errors()
+            with self.writing(self.log_path):
+                keep_log_until(self.log_path, resumed_at)
+                # the save that ended the last start is in the log, not in its own checkpoint
+                for name, value in logged_times(self.log_path, resumed_at).items():
+                    self.seconds[name] = max(self.seconds[name], value)
+            with self.writing(self.events):
+                # TensorBoard hides what earlier attempts wrote for the steps trained again
+                self.writer = SummaryWriter(self.events, purge_step=resumed_at + 1)
         self.sample_flops = run_flops_per_step(configs, 1, seq_len)
         self.seq_len = seq_len
         self.world_size = world_size
@@ -181,6 +188,31 @@ class Monitor:
             self.note = progress.no_mfu_note(self.device_name, precision) + "\n"
         self.paused = 0.0  # seconds of evaluation and saves since last_time
         self.settings = settings or {}  # scalars of the run's settings, on the first log line
+
+    @contextlib.contextmanager
+    def writing(self, path: str):
+        """A write to `path` (or a read of it) that fails is noted in `failure`, said at the next
+        agreement (run_files.agreed), and nothing more is written: the run stops there."""
+        try:
+            yield
+        except FolderTakenOver:
+            raise
+        except (OSError, TrainingStopped) as error:
+            self.failure = self.failure or run_files.failed("write", error, path)
+            self.writer = None
+
+    def watch(self, deepspeed_monitor) -> None:
+        """DeepSpeed's own TensorBoard writes (its MonitorMaster, once per step on rank 0) fail
+        as this monitor's do: noted, said at the next agreement."""
+        write_events = deepspeed_monitor.write_events
+        events = os.path.join(self.out, "tensorboard")
+
+        def write_events_noting_failure(event_list):
+            if self.failure is None:
+                with self.writing(events):
+                    write_events(event_list)
+
+        deepspeed_monitor.write_events = write_events_noting_failure
 
     def start(self) -> None:
         """The first step begins: the clock of the first interval starts here, not at the
@@ -215,9 +247,11 @@ class Monitor:
         if self.writer is None:
             return
         self.stop_unless_held()
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
-        appended(self.log_path, (json.dumps({"step": step, **values}) + "\n").encode())
+        with self.writing(self.events):
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+        with self.writing(self.log_path):
+            appended(self.log_path, (json.dumps({"step": step, **values}) + "\n").encode())
 
     def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale,
               nonfinite_steps: int, samples: int, global_batch: int,
@@ -288,8 +322,9 @@ class Monitor:
         low = scores.amin(dim=(1, 2), keepdim=True)
         high = scores.amax(dim=(1, 2), keepdim=True)
         images = (scores - low) / (high - low).clamp(min=1e-12)
-        for head, image in enumerate(images):
-            self.writer.add_image(f"{tag}/head{head}", image[None], step)
+        with self.writing(self.events):
+            for head, image in enumerate(images):
+                self.writer.add_image(f"{tag}/head{head}", image[None], step)
 
     def stop_unless_held(self) -> None:
         if self.lock is not None:
@@ -297,4 +332,22 @@ class Monitor:
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            with self.writing(self.events):
+                self.writer.close()
+
+
+def quiet_event_writer_errors() -> None:
+    """TensorBoard writes its events in a thread, which prints the traceback of a failed write
+    (a full disk) as it ends; the error is raised again at the run's next write of events,
+    where Monitor.writing notes it: no traceback for it."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_event_writer", False):  # an earlier start's, in this process
+        return
+
+    def hook(args):
+        if not (isinstance(args.thread, _AsyncWriterThread)
+                and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    hook.quiet_event_writer = True
+    threading.excepthook = hook

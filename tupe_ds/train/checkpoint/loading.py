@@ -46,22 +46,29 @@ def load(engine, plan: ResumePlan, seed: int) -> dict:
             print(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; its "
                   "optimizer state is not partitioned and loads as it is", flush=True)
     schedule = not plan.verified or holds_schedule(os.path.join(directory, tag))
-    try:
-        path, client_state = engine.load_checkpoint(load_dir, tag=tag,
-                                                    load_lr_scheduler_states=schedule)
-    except OSError as error:  # verified a moment ago: the filesystem's, not the checkpoint's
-        raise reads.Unreadable.reading(error.filename or os.path.join(load_dir, tag),
-                                       error) from None
-    if path is None:
+    loaded = {}
+
+    def load_here():
+        try:
+            loaded["path"], loaded["state"] = engine.load_checkpoint(
+                load_dir, tag=tag, load_lr_scheduler_states=schedule)
+        except OSError as error:  # verified a moment ago: the filesystem's, not the checkpoint's
+            raise reads.Unreadable.reading(error.filename or os.path.join(load_dir, tag),
+                                           error) from None
+        if resharding is None:
+            step_dir = os.path.join(directory, tag)
+            rng_path = os.path.join(step_dir, file_name(rank))
+            reads.retried(rng_path, lambda: load_rng_state(regular_file(rng_path, step_dir)))
+
+    # no rank goes on to a collective before every rank's load is known to have read
+    reads.gathered(load_here, f"every rank to load checkpoint {tag}")
+    if loaded["path"] is None:
         raise RuntimeError(f"{load_dir}/{tag}: DeepSpeed could not load this checkpoint")
+    client_state = loaded["state"]
     confirm_loaded(tag, client_state["step"])
     if resharding is not None and resharding.convert:
         place_optimizer_state(engine)
-    if resharding is None:
-        step_dir = os.path.join(directory, tag)
-        rng_path = os.path.join(step_dir, file_name(rank))
-        reads.retried(rng_path, lambda: load_rng_state(regular_file(rng_path, step_dir)))
-    else:  # the old ranks' streams belong to the old layout
+    if resharding is not None:  # the old ranks' streams belong to the old layout
         derive_rng_state(seed, client_state["step"], parallel_state.get_data_parallel_rank(),
                          parallel_state.get_pipeline_model_parallel_rank(),
                          parallel_state.get_tensor_model_parallel_rank())
