@@ -3,7 +3,10 @@
 # runs COMMAND as one srun step (a task per GPU). On SIGUSR1 to the batch shell (Slurm's
 # --signal=B:USR1@600 before the time limit, or `scancel --batch --signal=USR1`), the tasks get
 # it too: tupe-pretrain saves a checkpoint and stops, and then the job requeues itself, to resume
-# from that checkpoint. Returns the step's exit status.
+# from that checkpoint. Only a step that ended with 0 is requeued: tupe-pretrain exits 3 when the
+# warning came before it trained a single step (the time limit leaves it no time to train: each
+# attempt would stop the same way), saying so, and this says the job is not requeued. Returns
+# the step's exit status.
 # torch builds DeepSpeed's extensions in TORCH_EXTENSIONS_DIR, by default under the home folder,
 # which the nodes share: a build on one node then holds a lock the others cannot see. Unless it is
 # set, each node builds its own copy on its local disk (sourcing this file sets it).
@@ -37,6 +40,9 @@ srun_requeue() {
   trap - USR1
   if [ -n "$requeue" ] && [ "$status" -eq 0 ]; then
     scontrol requeue "$SLURM_JOB_ID"
+  elif [ -n "$requeue" ]; then
+    echo "$(date -Is) the job is not requeued: its step ended with exit status $status" \
+         "(3: it stopped itself, saying why above)" >&2
   fi
   return "$status"
 }

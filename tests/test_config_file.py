@@ -187,11 +187,11 @@ def test_recorded_settings_are_absolute_and_one_shot_flags_are_not_recorded(tmp_
     assert again.steps == 5 and again.mask_split == (0.7, 0.2)
     assert again.data == settings["data"] and again.ds_config == settings["ds_config"]
     assert not again.fresh_start and again.resume_from is None
-    # a command complete on its own is taken as it is: nothing of the run's added
+    # a command that gives what a run needs still takes the rest from the run
     complete = command_line.parse(flags.parser(), ["--out", str(tmp_path / "run"), "--data", "d",
                                                    "--ds-config", "c", "--steps", "5"],
                                   recorded=recorded_settings.of_run_folder)
-    assert complete.mask_split is None and complete.data == ["d"]
+    assert complete.mask_split == (0.7, 0.2) and complete.data == ["d"]
 
 
 def test_tupe_pretrain_print_config_is_refused_or_printed_before_any_work(tmp_path):

@@ -796,10 +796,12 @@ def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path, monkeyp
 
 def test_a_preemption_warning_while_the_run_starts_stops_it_cleanly(data, reference, tmp_path):
     """SIGUSR1 (Slurm's warning) to one rank while the engine is built: the run stops before its
-    first step (nothing new to save), exit 0, its lock released, so that a requeue goes on."""
+    first step (nothing new to save), exit 3 and not requeued (the time limit leaves no time to
+    train a step), its lock released."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    said = run(data, out, *FLAGS, "--steps", "14", fault="usr1-at-start:1")
+    said = run(data, out, *FLAGS, "--steps", "14", fault="usr1-at-start:1", expect=3)
     assert "resumed at step 12 of 14" in said
-    assert "stopping before step 13 on SIGUSR1; run the same command to continue" in said
+    assert "stopping before step 13 on SIGUSR1: nothing was trained since step12" in said
+    assert "the job is not requeued" in said
     assert steps_in(out) == steps_in(reference) and not (out / "run.lock").exists()

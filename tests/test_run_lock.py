@@ -86,6 +86,46 @@ def test_another_host_holds_until_its_lease_runs_out(tmp_path, monkeypatch):
     assert "its lease was not renewed for" in lines[0] and "(its node is lost)" in lines[0]
 
 
+
+def test_a_lease_renewed_in_the_future_counts_as_renewed_now(tmp_path, monkeypatch):
+    """A lock renewed three hours "ahead" (its holder's clock fast, on a filesystem that takes
+    the client's time) lives LEASE_SECONDS from the first look, not three hours, and no message
+    says a negative age; within CLOCK_SKEW_SECONDS it is left as it is."""
+    plant(tmp_path, host="node-elsewhere", boot_id="another-boot", pid=12345)
+    ahead = time.time() + 10776
+    os.utime(tmp_path / "run.lock", (ahead, ahead))
+    with pytest.raises(RunFolderBusy) as busy:
+        RunLock.acquire(str(tmp_path))
+    assert "its lease renewed 0 s ago" in str(busy.value)
+    assert "its lease renewed 0 s ago" in run_lock.check(str(tmp_path))  # --check-only
+    assert os.stat(tmp_path / "run.lock").st_mtime < time.time() + 1  # now, for the next look
+    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 0.5)
+    time.sleep(1.0)
+    lines, say = said()
+    RunLock.acquire(str(tmp_path), say=say).release()
+    assert "its lease was not renewed for 1 s (its node is lost)" in lines[0]
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    now = os.stat(lock).st_mtime
+    os.utime(lock, (now + 5, now + 5))
+    assert lock_file.lease_age(now, str(lock)) == 0.0
+    assert os.stat(lock).st_mtime == now + 5
+
+
+def test_a_take_over_cut_short_in_the_future_is_cleared_once_stale(tmp_path, monkeypatch):
+    """PATH.break left by a taker of another host whose clock is hours ahead: removed
+    BREAK_STALE_SECONDS after it is first seen, within the 20 tries of a start."""
+    plant(tmp_path, pid=dead_pid())
+    breaker = tmp_path / "run.lock.break"
+    breaker.write_text(json.dumps({**this_holder(), "host": "node-elsewhere",
+                                   "boot_id": "another-boot", "pid": 12345}))
+    ahead = time.time() + 10776
+    os.utime(breaker, (ahead, ahead))
+    monkeypatch.setattr(lock_file, "BREAK_STALE_SECONDS", 0.5)
+    RunLock.acquire(str(tmp_path)).release()
+    assert not breaker.exists()
+
 def test_the_same_slurm_job_requeued_takes_over_at_once(tmp_path, monkeypatch):
     """A requeued job (its SLURM_RESTART_COUNT higher) takes its lock over at once; another step
     of the same allocation (the same count) is refused while the holder's lease is fresh."""

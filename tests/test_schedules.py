@@ -21,7 +21,7 @@ from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.consolidate import consolidated_state
 from tupe_ds.train.batch_ramp import BatchRamp, RampSettings
 from tupe_ds.train.config import load
-from tupe_ds.train.schedule import WSD_TYPE, client_scheduler, decay_restart
+from tupe_ds.train.schedule import client_scheduler
 
 PEAK, LOW, WARMUP = 1e-3, 1e-5, 4
 
@@ -128,24 +128,6 @@ def test_another_shape_keeps_the_configs_peak_minimum_and_warmup(data, tmp_path,
                      "5", "--ds-config", str(cosine)))
     assert run.ds_config["scheduler"]["params"]["warmup_min_lr"] == pytest.approx(
         0.1 * config["optimizer"]["params"]["lr"])
-
-
-def test_a_resume_that_restarts_a_finished_decay_says_so():
-    """A WSD run resumed at step 9, in the decay that began after step 8 (--steps 10), with
-    --steps 20: its decay now begins after step 17, and the rate climbs back to the peak."""
-    def wsd(steps, decay):
-        return {"type": WSD_TYPE, "params": {"total_num_steps": steps, "decay_num_steps": decay}}
-
-    previous = {"steps": 10, "lr_schedule": wsd(10, 2)}
-    assert decay_restart(previous, 9, {"scheduler": wsd(20, 3)}) == (
-        "tupe-pretrain: step 9 was in the decay that began after step 8 (--steps 10); with "
-        "--steps 20 it begins after step 17: the rate goes back to the peak until then")
-    assert decay_restart(previous, 8, {"scheduler": wsd(20, 3)}) == ""  # still stable
-    assert decay_restart(previous, 9, {"scheduler": wsd(20, 12)}) == ""  # decays on
-    assert "begins after step 9: the rate goes back" in decay_restart(  # its first step: peak
-        previous, 9, {"scheduler": wsd(11, 2)})
-    assert decay_restart(None, 9, {"scheduler": wsd(20, 3)}) == ""
-    assert decay_restart({"steps": 10}, 9, {"scheduler": wsd(20, 3)}) == ""  # an older run.json
 
 
 def test_schedule_and_ramp_flags_are_checked_before_any_process_starts(data, tmp_path,
@@ -302,6 +284,6 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
                   *common[common.index("--rampup-batch-size") + 4:]]
     with pytest.raises(SystemExit) as error:  # a resume with another ramp
         load(["--data", data, "--model", "tiny", "--seq-len", "64", "--out", str(stable),
-              "--steps", "8", *other_ramp, "--tp", "2"])
+              "--steps", "8", *other_ramp, "--tp", "2", "--allow-training-changes"])
     assert "rampup_batch_size: '4 4 8' in the checkpoint, '4 4 16' now (--rampup-batch-size)" \
         in str(error.value)

@@ -342,6 +342,29 @@ def test_the_step_gets_the_jobs_cpus_per_task_and_a_node_local_extension_folder(
                                      "-m", "tupe_ds.pretrain"]
 
 
+
+@pytest.mark.parametrize("step_exit, requeued", [(0, True), (3, False)])
+def test_a_warned_step_is_requeued_only_when_it_ended_with_0(tmp_path, step_exit, requeued):
+    """SIGUSR1 to the batch shell: a step that saved and stopped (0) is requeued; one that ended
+    with 3 (tupe-pretrain warned before its first step: the time limit leaves no time to train,
+    every attempt would stop the same way) is not, saying so. A stand-in srun, whose warning
+    comes after half a second and which ends with STEP_EXIT once passed it, and scontrol."""
+    (tmp_path / "srun").write_text('#!/bin/bash\ntrap "exit $STEP_EXIT" USR1\nsleep 0.5\n'
+                                   'kill -USR1 $PPID\nwhile :; do sleep 0.1; done\n')
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/scontrol.log\n')
+    for stand_in in ("srun", "scontrol"):
+        (tmp_path / stand_in).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "MASTER_PORT": "29500", "STEP_EXIT": str(step_exit)}
+    script = f"source {ROOT}/slurm/srun_requeue.sh; srun_requeue python -m tupe_ds.pretrain"
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == step_exit, result.stderr
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() if log.exists() else "") == ("requeue 7\n" if requeued else "")
+    said = "the job is not requeued: its step ended with exit status 3"
+    assert (said in result.stderr) is not requeued, result.stderr
+
 def test_pretrain_script_explains_its_usage():
     result = subprocess.run(["bash", os.path.join(ROOT, "slurm", "pretrain.sbatch")],
                             capture_output=True, text=True)

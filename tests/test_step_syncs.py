@@ -162,7 +162,7 @@ def test_the_stop_check_is_a_host_collective(deepspeed_group):
 
     from tupe_ds.train.stop_signal import StopSignal
 
-    before = signal.getsignal(signal.SIGUSR1)
+    before, before_int = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)
     try:
         stop = StopSignal()
         assert stop.any_rank() is None
@@ -172,6 +172,7 @@ def test_the_stop_check_is_a_host_collective(deepspeed_group):
         assert not any(cell.cell_contents is stop for cell in handler.__closure__ or ())
     finally:
         signal.signal(signal.SIGUSR1, before)
+        signal.signal(signal.SIGINT, before_int)
 
 
 @pytest.mark.parametrize("timers, enabled", [({}, False), ({"throughput": {}}, False),

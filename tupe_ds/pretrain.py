@@ -20,7 +20,18 @@ One job per --out: a second one is refused before any work (tupe_ds/train/run_lo
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
 import tupe_ds.tools.third_party_warnings  # noqa: F401  (filters what others warn at import)
 import os
+import signal
 import sys
+
+
+def interrupted_while_starting(signum, frame):
+    os.write(2, b"tupe-pretrain: SIGINT while starting: nothing was trained, there is nothing to "
+                b"save; run the same command to continue\n")
+    raise SystemExit(130)  # no traceback; main's finally releases run.lock
+
+
+if __name__ == "__main__":  # python -m: from before the imports below (StopSignal's in train())
+    signal.signal(signal.SIGINT, interrupted_while_starting)
 
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
@@ -34,6 +45,7 @@ from tupe_ds.train.loop import train
 
 def main(argv=None) -> int:
     startup.resume_collector()
+    signal.signal(signal.SIGINT, interrupted_while_starting)  # tupe-pretrain's entry point
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock

@@ -22,8 +22,9 @@ DEFAULT = "default"
 NOT_SETTINGS = ("help", "config", "print_config", "local_rank", "verbose")
 MAX_CONFIG_BYTES = 1 << 20
 
-# A layer of settings below the file's: (where they came from, {dest: value}), from what the
-# command line and the file give (tupe-pretrain: OUT/run.json's, found through --out).
+# A layer of settings below the file's, filling all they do not give: (where they came from,
+# {dest: value}), from what the command line and the file give (tupe-pretrain: OUT/run.json's,
+# found through --out).
 Recorded = Callable[[argparse.Namespace], Optional[tuple]]
 
 
@@ -67,9 +68,7 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
     config_path = config_file(parser, argv)
     layers = [(config_path, read_config(parser, flags, config_path))] if config_path else []
     args = parse_over(parser, defaults, layers, argv, known)
-    given = setting_sources(flags, layers, argv)
-    complete = all(given[action.dest] != DEFAULT for action in required)
-    layer = recorded(args) if recorded and not complete else None  # fills a command's gaps
+    layer = recorded(args) if recorded else None  # fills every setting the command leaves
     if layer:
         layers.insert(0, (layer[0], checked_layer(parser, flags, layer[0], layer[1])))
         args = parse_over(parser, defaults, layers, argv, known)

@@ -16,7 +16,9 @@ it was made is judged by the record file's link count, or else the lock's conten
 link() answered: over NFS a retransmitted link() that was done answers EEXIST. While
 it is held, a thread renews the lease by touching the file every LEASE_SECONDS / 10; its age is
 measured against the filesystem's own clock (the mtime of a file just written there), not this
-host's. A holder is gone, and its lock taken over with a line saying so, when (gone_because):
+host's, and is never negative: a lease renewed in the future (a holder's clock ahead) counts as
+renewed now, and lapses LEASE_SECONDS after it is first seen (lock_file.lease_age). A holder
+is gone, and its lock taken over with a line saying so, when (gone_because):
 
 - it ran on this machine (the same host name, boot and PID namespace: containers on one host
   share the first two) and its process (its PID with that PID's start time) has ended;

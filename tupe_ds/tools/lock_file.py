@@ -3,10 +3,12 @@
 The operations of tupe_ds/tools/lock.py's locks on their files: the holder's record written to a
 file of its own and hard-linked to the lock's name (`link_exclusively`, judged by link count or
 content), the lock's content read without opening what is no regular file (`lock_content`,
-NotALockFile), its age on the filesystem's clock, a take-over made exclusive by PATH.break
-(`replace_lock`), and the probe of whether a folder's filesystem has `flock` and hard links.
+NotALockFile), its age on the filesystem's clock (`lease_age`), a take-over made exclusive by
+PATH.break (`replace_lock`), and the probe of whether a folder's filesystem has `flock` and hard
+links.
 """
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -22,6 +24,7 @@ NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
 HOLDER_SUFFIX = ".holder"
 BREAK_SUFFIX = ".break"
 BREAK_STALE_SECONDS = 30  # a take-over holds PATH.break for milliseconds
+CLOCK_SKEW_SECONDS = 10.0  # between hosts whose clocks a filesystem takes (Lustre's clients)
 
 
 def write_record(path: str, record: dict) -> None:
@@ -93,10 +96,25 @@ def renewed_ago(own: str, path: str) -> Optional[float]:
     """Seconds since the lock `path` was last renewed, on the filesystem's clock (`own`: a file
     of this process beside it, touched now); None when there is no lock."""
     os.utime(own)
+    return lease_age(os.stat(own).st_mtime, path)
+
+
+def lease_age(now: float, path: str) -> Optional[float]:
+    """Seconds from the last renewal of the lock `path` (its mtime) to `now` on the filesystem's
+    clock; None when there is no lock. Never negative: a renewal in the future (its holder's
+    clock ahead, on a filesystem that takes the client's time, or a copied file) is one made
+    now. More than CLOCK_SKEW_SECONDS ahead, its time is set to now: its lease then runs out
+    LEASE_SECONDS after the first look, for whoever looks next, not hours later (a holder alive
+    sets it ahead again at its next renewal). A lock this process may not touch is judged
+    renewed now at each look."""
     try:
-        return os.stat(own).st_mtime - os.lstat(path).st_mtime
+        age = now - os.lstat(path).st_mtime
+        if age < -CLOCK_SKEW_SECONDS:
+            with contextlib.suppress(PermissionError):
+                os.utime(path, follow_symlinks=False)
     except FileNotFoundError:
         return None
+    return max(age, 0.0)
 
 
 def replace_lock(path: str, own: str, token: str, judged: bytes) -> bool:
@@ -119,8 +137,10 @@ def replace_lock(path: str, own: str, token: str, judged: bytes) -> bool:
 def remove_stale_breaker(breaker: str, own: str) -> None:
     """A take-over cut short by a kill leaves PATH.break (its taker's record): removed at once
     when the taker is gone by the lock's own rules, else once it is BREAK_STALE_SECONDS old."""
+    age = lease_age(os.stat(own).st_mtime, breaker)
+    if age is None:
+        return
     try:
-        age = os.stat(own).st_mtime - os.stat(breaker).st_mtime
         taker = parse_holder(lock_content(breaker) or b"")
         if gone_because(taker, 0.0) or age > BREAK_STALE_SECONDS:
             os.remove(breaker)

@@ -122,7 +122,8 @@ def restarts(count) -> int:
 
 
 def gone_because(holder: Optional[dict], lease_age: float) -> Optional[str]:
-    """Why the holder of a lock is gone; None when it may be alive."""
+    """Why the holder of a lock is gone; None when it may be alive. `lease_age`: seconds since
+    its last renewal, on the filesystem's clock and never negative (lock_file.lease_age)."""
     if holder is None:
         return "the lock file is damaged (not a lock record)"
     if same_machine(holder):

@@ -16,9 +16,8 @@ from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
-from tupe_ds.train import (nonfinite, optimizer_boundary, recorded_settings, run_description,
-                           run_lock)
-from tupe_ds.train.checkpoint import InitPlan, ResumePlan
+from tupe_ds.train import nonfinite, optimizer_boundary, recorded_settings, run_lock
+from tupe_ds.train.checkpoint import InitPlan, ResumePlan, manifest
 from tupe_ds.train.checkpoint.identity import run_identity
 from tupe_ds.train.checkpoint.allowed_changes import refuse_another_run
 from tupe_ds.train.checkpoint.init_from import plan_init
@@ -29,7 +28,7 @@ from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_confi
 from tupe_ds.train.flags import SHAPE_FLAGS, check_flags, fail, parser
 from tupe_ds.train.masking_flags import masking_scheme
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.schedule import decay_restart
+from tupe_ds.train.schedule import ran_under, resume_rate_change
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
 CPU_CONFIG = doctor.CPU_CONFIG
@@ -92,6 +91,7 @@ class RunConfig:
     lock: Optional[RunLock] = None  # OUT/run.lock, held by rank 0 (run_lock.py)
     optimizer_boundary: str = optimizer_boundary.DEFAULT  # --optimizer-boundary
     settings: Optional[dict] = None  # the command's, as run.json records them (recorded_settings)
+    setting_sources: Optional[dict] = None  # where each setting came from (command_line.resolve)
 
     @property
     def world_size(self) -> int:
@@ -163,17 +163,22 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
     shape = (layout.world_size, layout.tp, layout.pp, zero_stage)
     try:
         resume_plan = plan_resume(args.out, args.resume, args.resume_from, *shape,
-                                  fresh_start=args.fresh_start)
+                                  fresh_start=args.fresh_start, giving_up=args.giving_up)
     except ValueError as error:
         fail(f"--out {args.out}: {error}")
-    if resume_plan is not None and resume_plan.candidates:
+    if (resume_plan is not None and resume_plan.candidates and resume_plan.verified
+            and resume_plan.candidates[0] < args.steps):
         try:
-            previous = run_description.read(args.out)  # as the run's last start wrote it
-        except ValueError:
-            previous = None
-        note = decay_restart(previous, resume_plan.candidates[0], ds_config)
-        if note:
-            resume_plan = dataclasses.replace(resume_plan, notes=(*resume_plan.notes, note))
+            saved = manifest.read(os.path.join(resume_plan.directory, resume_plan.tag))
+        except ValueError as error:
+            fail(str(error))
+        change = resume_rate_change(saved.get("lr_schedule"), resume_plan.candidates[0],
+                                    ds_config.get("scheduler"))
+        if change:
+            resume_plan = dataclasses.replace(resume_plan, notes=(
+                *resume_plan.notes, f"tupe-pretrain: resuming {resume_plan.tag} with --steps "
+                f"{args.steps}: {change} (resume with {ran_under(saved.get('lr_schedule'))} to "
+                "keep that schedule)"))
     resharding = resume_plan.resharding if resume_plan else None
     if resharding is not None and resharding.convert:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True

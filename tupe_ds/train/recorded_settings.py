@@ -1,11 +1,12 @@
 """The settings a run recorded in OUT/run.json: `tupe-pretrain --out RUN` alone (or with a new
---steps) goes on with them, as Megatron-LM's --use-checkpoint-args does. They fill only a
-command that lacks what a run needs (--data, --ds-config, --steps, from the flags or a --config
-file): a command complete on its own is taken as it is, as before. A flag or a --config file
-wins over them, and what then differs from the checkpoint goes through the same-run checks of
-any resume (checkpoint/allowed_changes.py)."""
+--steps) goes on with them, as Megatron-LM's --use-checkpoint-args does. They fill every setting
+the command (its flags and --config file) does not give, whether or not it gives what a run
+needs: a flag or a --config file wins over them, and what then differs from the checkpoint goes
+through the same-run checks of any resume (checkpoint/allowed_changes.py). The start says both:
+the run's settings taken, and those given anew that differ from the run's (`say_taken`)."""
 
 import argparse
+import json
 import os
 import sys
 from typing import Optional
@@ -15,7 +16,7 @@ from tupe_ds.train import run_description
 
 FIELD = "settings"  # of run.json: {dest: value}
 # What one command asks once, not what the run is: never recorded, never taken from run.json.
-ONE_SHOT = ("check_only", "print_config", "fresh_start", "resume", "resume_from",
+ONE_SHOT = ("check_only", "print_config", "fresh_start", "giving_up", "resume", "resume_from",
             "allow_training_changes", "config", "local_rank", "verbose")
 PATHS = ("ds_config", "index_cache", "init_from", "out")  # recorded absolute
 
@@ -39,34 +40,62 @@ def absolute_data(item: str) -> str:
     return f"{name}={os.path.abspath(folder)}" if folder != item else os.path.abspath(item)
 
 
-def of_run_folder(args: argparse.Namespace) -> Optional[tuple]:
+def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> Optional[tuple]:
     """(where, {dest: value}) of the settings --out's run.json records, for command_line.parse;
     None when there are none (a new run, a run.json that does not read, or one written before
-    settings were recorded: the command alone then says what the run is)."""
+    settings were recorded: the command alone then says what the run is, and unless `quiet`,
+    so does a line on stderr)."""
     if not args.out:
         return None
     try:
         settings = run_description.read(args.out).get(FIELD)
     except ValueError as error:
-        if os.path.exists(os.path.join(args.out, run_description.FILE)):
+        if not quiet and os.path.exists(os.path.join(args.out, run_description.FILE)):
             print(f"tupe-pretrain: its settings cannot be taken from it: {error}",
                   file=sys.stderr)
         return None
     if not isinstance(settings, dict):
-        print(f"tupe-pretrain: {os.path.join(args.out, run_description.FILE)} records no settings "
-              "(an earlier tupe_ds wrote it): give the run's flags", file=sys.stderr)
+        if not quiet:
+            print(f"tupe-pretrain: {os.path.join(args.out, run_description.FILE)} records no "
+                  "settings (an earlier tupe_ds wrote it): give the run's flags", file=sys.stderr)
         return None
     return (os.path.join(args.out, run_description.FILE),
             {dest: value for dest, value in settings.items() if dest not in ONE_SHOT})
 
 
 def say_taken(args: argparse.Namespace, sources: dict, defaults: dict) -> None:
-    """One line when settings came from OUT/run.json, naming those that are not the defaults."""
-    where = os.path.join(args.out, run_description.FILE)
+    """One line when the run recorded settings: those taken from it that are not the defaults,
+    and those the command gives anew that differ from what it recorded (old -> new), so that a
+    resume changes no setting unseen."""
+    recorded = of_run_folder(args, quiet=True)  # said once already, by the parse
+    if recorded is None:
+        return
+    where, settings = recorded
     taken = [dest for dest, source in sources.items() if source == where]
-    named = [f"--{dest.replace('_', '-')}" for dest in taken
-             if getattr(args, dest) != defaults.get(dest)]
+    named = [flag(dest) for dest in taken if getattr(args, dest) != defaults.get(dest)]
+    now = json.loads(json.dumps(recordable(args)))  # as run.json holds it: lists, paths absolute
+    changed = [f"{flag(dest)} {shown(settings[dest])} -> {shown(now[dest])}"
+               for dest, source in sources.items()
+               if source != where and dest in settings and dest in now
+               and settings[dest] != now[dest] and dest != "out"]  # a run folder moved
+    parts = []
     if taken:
-        print(f"tupe-pretrain: the settings the command does not give are the run's, from "
-              f"{where}: {', '.join(named) or 'the defaults'} (--print-config shows them)",
-              flush=True)
+        parts.append(f"the settings the command does not give are the run's, from {where}: "
+                     f"{', '.join(named) or 'the defaults'}")
+    if changed:
+        parts.append(f"given anew, other than the run's: {', '.join(changed)}")
+    if parts:
+        print(f"tupe-pretrain: {'; '.join(parts)} (--print-config shows them)", flush=True)
+
+
+def flag(dest: str) -> str:
+    return f"--{dest.replace('_', '-')}"
+
+
+def shown(value) -> str:
+    """A recorded value as a command line would give it."""
+    if value is None:
+        return "(unset)"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)

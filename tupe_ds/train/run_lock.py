@@ -24,7 +24,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from tupe_ds.tools.lock import LinkLock
-from tupe_ds.tools.lock_file import NotALockFile, lock_content, write_record
+from tupe_ds.tools.lock_file import NotALockFile, lease_age, lock_content, write_record
 from tupe_ds.tools.lock_holder import (LEASE_SECONDS, describe, gone_because, parse_holder,
                                        same_machine)
 from tupe_ds.train.checkpoint import reads
@@ -135,9 +135,8 @@ def check(out: str) -> Optional[str]:
     finally:
         if os.path.exists(probe):
             os.remove(probe)
-    try:
-        age = now - os.lstat(path).st_mtime
-    except FileNotFoundError:
+    age = lease_age(now, path)
+    if age is None:
         return None
     holder = parse_holder(data)
     return busy_message(path, holder, age) if gone_because(holder, age) is None else None

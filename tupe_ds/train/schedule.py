@@ -17,6 +17,7 @@ that every step has its own rate and a decay ends at --steps.
 
 import argparse
 import math
+from typing import Optional
 
 import torch
 from deepspeed.runtime import lr_schedules
@@ -159,18 +160,32 @@ def schedule_text(ds_config: dict) -> str:
     return text
 
 
-def decay_restart(previous: dict, step: int, ds_config: dict) -> str:
-    """The line that says a resumed WSD run climbs back to the peak: its checkpoint (`step`) was
-    in the decay of the --steps it was started with (`previous`: its run.json), and this
-    command's --steps starts the decay later. "" otherwise."""
-    before = (previous or {}).get("lr_schedule") or {}
-    now = ds_config.get("scheduler") or {}
-    if before.get("type") != WSD_TYPE or now.get("type") != WSD_TYPE:
+def rates_differ(first: float, second: float) -> bool:
+    """Whether two rates differ, both known (nan: a constant rate, not known here)."""
+    return not (math.isnan(first) or math.isnan(second)
+                or math.isclose(first, second, rel_tol=1e-6, abs_tol=1e-12))
+
+
+def resume_rate_change(before: Optional[dict], step: int, after: Optional[dict]) -> str:
+    """What a resume at checkpoint `step` moves of the rate of step `step` + 1: the schedule the
+    checkpoint's steps ran under (`before`, its manifest's) against this command's (`after`),
+    where another --steps moves a decay's end or a warmup cut to --steps; "" where the rate goes
+    on (the same schedule, a constant rate, WSD's stable phase still at that step)."""
+    old, new = rate_at(before, step + 1), rate_at(after, step + 1)
+    if not rates_differ(old, new):
         return ""
-    began = previous["steps"] - before["params"]["decay_num_steps"]
-    begins = now["params"]["total_num_steps"] - now["params"]["decay_num_steps"]
-    if step <= began or begins < step:  # begins == step: the decay's first step is the peak's
-        return ""
-    return (f"tupe-pretrain: step {step} was in the decay that began after step {began} (--steps "
-            f"{previous['steps']}); with --steps {now['params']['total_num_steps']} it begins "
-            f"after step {begins}: the rate goes back to the peak until then")
+    change = (f"step {step + 1} would run at learning rate {new:.4g}, not the {old:.4g} of the "
+              f"schedule step {step} ran under")
+    if (before or {}).get("type") == WSD_TYPE and (after or {}).get("type") == WSD_TYPE:
+        began = before["params"]["total_num_steps"] - before["params"]["decay_num_steps"]
+        begins = after["params"]["total_num_steps"] - after["params"]["decay_num_steps"]
+        if began < step <= begins:  # begins == step: the decay's first step is the peak's
+            change += (f": its decay began after step {began}, this one begins after step "
+                       f"{begins}, and the rate goes back to the peak until then")
+    return change
+
+
+def ran_under(scheduler: Optional[dict]) -> str:
+    """How to ask for `scheduler` again: its --steps, where its end follows them."""
+    total = (scheduler or {}).get("params", {}).get("total_num_steps")
+    return f"--steps {total}" if total is not None else "the --steps it ran under"

@@ -1,0 +1,101 @@
+"""What a resume takes, checked before any process starts (config.load): the settings the run
+recorded fill every one the command does not give, retyped required flags or not, and the start
+line names them and those given anew; a longer --steps that moves the rate of the next step (a
+decay's end, a warmup cut to --steps) is said with both rates; one whose rate goes on proceeds
+unsaid."""
+
+import json
+import shutil
+
+import pytest
+
+from runs import CPU_CONFIG, log, train
+from tupe_ds.train.config import load
+from tupe_ds.train.schedule import WSD_TYPE, resume_rate_change
+
+PEAK, WARMUP = 1e-3, 5  # cpu_zero2.json's WarmupDecayLR, from 0
+
+
+def decay_rate(step: int, steps: int) -> float:
+    """WarmupDecayLR's rate of step `step` (from 1) of a run of `steps`, past its warmup."""
+    return PEAK * (steps - (step - 2)) / (steps - WARMUP)
+
+
+@pytest.fixture(scope="module")
+def finished(data, tmp_path_factory):
+    """A run of 30 steps under a linear decay, saved every 15: run.json records its settings."""
+    out = tmp_path_factory.mktemp("decay") / "run"
+    train("torchrun", 1, data, out, "--steps", "30", "--save-interval", "15",
+          "--warmup-steps", str(WARMUP), "--eval-interval", "30")
+    return out
+
+
+@pytest.fixture
+def run(finished, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    shutil.copytree(finished, tmp_path / "run")
+    return str(tmp_path / "run")
+
+
+def test_retyped_required_flags_keep_the_recorded_settings(run, data, capsys):
+    """--data, --ds-config and --steps given: the run's --save-interval, --model, --seq-len and
+    --warmup-steps still fill the rest (a command complete on its own took the defaults)."""
+    resumed = load(["--out", run, "--data", data, "--ds-config", CPU_CONFIG, "--steps", "30",
+                    "--check-only"])
+    assert resumed.intervals.save == 15 and resumed.model == "tiny" and resumed.seq_len == 64
+    assert resumed.ds_config["scheduler"]["params"]["warmup_num_steps"] == WARMUP
+    said = capsys.readouterr().out
+    assert f"the settings the command does not give are the run's, from {run}/run.json: " in said
+    assert "--model" in said and "--save-interval" in said and "--data," not in said
+    assert "given anew" not in said  # the same values retyped
+
+
+def test_a_setting_given_anew_is_named_old_to_new(run, capsys):
+    resumed = load(["--out", run, "--steps", "30", "--save-interval", "10", "--check-only"])
+    assert resumed.intervals.save == 10
+    said = capsys.readouterr().out
+    assert "; given anew, other than the run's: --save-interval 15 -> 10 (--print-config" in said
+
+
+def test_a_longer_steps_that_moves_the_decay_is_said_with_both_rates(run, data):
+    """Said, not yet refused: a refusal would stop every resume of the suite's decaying runs and
+    the demo's DEMO_STEPS; the issue's refusal is left for the next change (closing note)."""
+    said = train("torchrun", 1, data, run, "--steps", "32")
+    assert (f"tupe-pretrain: resuming step30 with --steps 32: step 31 would run at learning "
+            f"rate {decay_rate(31, 32):.4g}, not the {decay_rate(31, 30):.4g} of the schedule step "
+            "30 ran under (resume with --steps 30 to keep that schedule)") in said
+    assert log(run)[31]["train/lr"] == pytest.approx(decay_rate(31, 32), rel=1e-9)
+    assert load(["--out", run, "--steps", "32"]).resume_plan.notes == ()  # the same schedule
+
+
+def test_a_longer_steps_at_a_constant_rate_proceeds_unsaid(data, tmp_path, monkeypatch, capsys):
+    with open(CPU_CONFIG) as f:
+        config = {k: v for k, v in json.load(f).items() if k != "scheduler"}
+    constant = tmp_path / "constant.json"
+    constant.write_text(json.dumps(config))
+    out = str(tmp_path / "run")
+    train("torchrun", 1, data, out, "--steps", "2", "--ds-config", str(constant))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    resumed = load(["--out", out, "--steps", "6", "--check-only"])
+    assert resumed.resume_plan.tag == "step2" and resumed.resume_plan.notes == ()
+    assert "given anew, other than the run's: --steps 2 -> 6" in capsys.readouterr().out
+
+
+def wsd(steps: int, decay: int) -> dict:
+    return {"type": WSD_TYPE, "params": {
+        "total_num_steps": steps, "decay_num_steps": decay, "decay_shape": "linear",
+        "warmup_min_lr": 0.0, "warmup_max_lr": PEAK, "warmup_num_steps": 2,
+        "warmup_type": "linear"}}
+
+
+def test_wsd_goes_on_in_its_stable_phase_and_says_a_decay_begun_again():
+    """--steps 10 -> 20 with 2 decay steps: from step 8 (stable) the rate goes on; from step 9
+    (in the decay that began after step 8) it would climb back to the peak."""
+    assert resume_rate_change(wsd(10, 2), 8, wsd(20, 2)) == ""
+    assert resume_rate_change(None, 8, None) == ""  # a constant rate
+    assert resume_rate_change(wsd(10, 2), 9, wsd(20, 2)) == (
+        f"step 10 would run at learning rate {PEAK:.4g}, not the {PEAK / 2:.4g} of the schedule "
+        "step 9 ran under: its decay began after step 8, this one begins after step 18, and the "
+        "rate goes back to the peak until then")
+    slower = resume_rate_change(wsd(10, 2), 9, wsd(20, 12))  # decaying on, over more steps
+    assert slower.startswith("step 10 would run at learning rate") and "peak" not in slower
