@@ -253,9 +253,9 @@ def test_a_run_that_committed_checkpoints_never_starts_over_when_they_are_gone(t
         plan(out)
     assert str(refused.value) == (
         f"the run's history records step2 as committed (id {id_2}), but the folder holds none "
-        "of it, nor its set-aside folder (was it moved or lost?). Nothing was moved or deleted. "
-        f"Put it back and run the same command; or start over from step 0: --fresh-start "
-        f"--giving-up {id_2}")
+        "of it (was it moved or lost? a folder set aside by hand is not given up). Nothing was "
+        "moved or deleted. Put it back and run the same command; or start over from step 0: "
+        f"--fresh-start --giving-up {id_2}")
     assert plan(out, fresh_start=True, giving_up=id_2).candidates == ()
     os.rename(out / "moved", out / "checkpoints")
     manifest_of_2 = str(out / "checkpoints" / "step2" / "manifest.json")
@@ -388,17 +388,17 @@ def test_the_newest_checkpoint_the_history_records_gone_is_refused_not_an_older_
         tmp_path):
     """A run never goes back quietly: the history's newest checkpoint missing while older ones
     are there is refused, naming the deliberate way back; a folder of the same step number set
-    aside does not stand in for it (checkpoints are told by id); set aside with its id, it is
-    accounted for. --resume never refuses over a folder whose history records a commit."""
+    aside does not stand in for it (checkpoints are told by id), nor does moving it there by
+    hand; set aside by tupe_ds (recorded in the history), it is accounted for. --resume never refuses over a folder whose history records a commit."""
     out = tmp_path / "run"
     for step in (2, 4):
         commit(out, step)
     id_4 = newest_id(out, 4)
     os.rename(out / "checkpoints" / "step4", tmp_path / "step4")
     refusal = (f"the run's history records step4 as committed (id {id_4}), but the folder holds "
-               "none of it, nor its set-aside folder (was it moved or lost?). Nothing was moved or "
-               "deleted. Put it back and run the same command; or go on from step2 deliberately, "
-               f"giving up step4: --resume-from step2 --giving-up {id_4}")
+               "none of it (was it moved or lost? a folder set aside by hand is not given up). "
+               "Nothing was moved or deleted. Put it back and run the same command; or go on from "
+               f"step2 deliberately, giving up step4: --resume-from step2 --giving-up {id_4}")
     with pytest.raises(ValueError) as refused:
         plan(out)
     assert str(refused.value) == refusal
@@ -412,12 +412,17 @@ def test_the_newest_checkpoint_the_history_records_gone_is_refused_not_an_older_
     assert str(refused.value) == refusal
     (out / "checkpoints" / "set-aside" / "20261128T000000Z").mkdir(parents=True)
     os.rename(tmp_path / "step4", out / "checkpoints" / "set-aside" / "20261128T000000Z" / "step4")
+    with pytest.raises(ValueError) as refused:
+        plan(out)  # the very step4, set aside by hand: no consent to give it up
+    assert str(refused.value) == refusal
+    history.append(str(out), history.read(str(out)), [history.record(
+        "set_aside", id=id_4, step=4)])  # as tupe_ds sets a folder aside: recorded first
     assert plan(out).candidates == (2,)
     with pytest.raises(ValueError, match="--resume never, and it holds checkpoints"):
         resume.plan_resume(str(out), "never", None, 1, 1, 1, 2)
     shutil.rmtree(out / "checkpoints")
     with pytest.raises(ValueError, match="--resume never, and it holds checkpoints of a run "
-                                         r"\(its history records step2, step4\)"):
+                                         r"\(its history records step2\)"):
         resume.plan_resume(str(out), "never", None, 1, 1, 1, 2)
 
 

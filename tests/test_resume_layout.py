@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from runs import log, train
+from tupe_ds.train.checkpoint import history
 
 STEPS = ["--steps", "6", "--save-interval", "3", "--eval-interval", "6", "--keep-checkpoints",
          "5", "--dropout", "0", "--global-batch", "32", "--lr", "2e-3", "--warmup-steps", "2"]
@@ -25,6 +26,10 @@ def cut_back_to(run, copy, step):
         if name.startswith("step") and int(name[4:]) > step:
             shutil.rmtree(checkpoints / name)
     (checkpoints / "latest").write_text(f"step{step}")
+    records = history.read(str(copy))  # as it was when `step` was committed
+    last = max(i for i, r in enumerate(records) if r["kind"] == "committed" and r["step"] == step)
+    os.remove(copy / history.FILE)
+    history.append(str(copy), [], records[:last + 1])
     description = json.loads((copy / "run.json").read_text())
     (copy / "run.json").write_text(json.dumps({**description, "newest_checkpoint": step}))
     with open(copy / "train_log.jsonl") as f:
@@ -94,7 +99,8 @@ def test_a_tp2_checkpoint_resumes_at_tp1(data, tmp_path):
     whole = tmp_path / "tp2"
     train("torchrun", 2, data, whole, *STEPS, "--tp", "2", "--micro-batch", "8")
     resumed = cut_back_to(whole, tmp_path / "tp1", 3)
-    stdout = train("torchrun", 1, data, resumed, *STEPS, "--micro-batch", "4")  # 4 x 8, was 8 x 4
+    # 4 x 8, was 8 x 4; --tp given anew, as the run's recorded --tp 2 would be taken
+    stdout = train("torchrun", 1, data, resumed, *STEPS, "--tp", "1", "--micro-batch", "4")
     assert "written by 2 processes (tp 2, pp 1, dp 1" in stdout
     assert "resumed at step 3 of 6" in stdout and "(tp 1, pp 1, dp 1)" in stdout
     assert_same_steps(resumed, whole)

@@ -45,7 +45,7 @@ def test_retyped_required_flags_keep_the_recorded_settings(run, data, capsys):
     assert resumed.intervals.save == 15 and resumed.model == "tiny" and resumed.seq_len == 64
     assert resumed.ds_config["scheduler"]["params"]["warmup_num_steps"] == WARMUP
     said = capsys.readouterr().out
-    assert f"the settings the command does not give are the run's, from {run}/run.json: " in said
+    assert f"the settings the command does not give are the run's, from {run}/history.jsonl: " in said
     assert "--model" in said and "--save-interval" in said and "--data," not in said
     assert "given anew" not in said  # the same values retyped
 

@@ -238,7 +238,7 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
         timeout=400)
     output = resume.stdout
     assert resume.returncode == 0, output[-4000:] + resume.stderr[-4000:]
-    assert f"settings the command does not give are the run's, from {stable}/run.json" in output
+    assert f"settings the command does not give are the run's, from {stable}/history.jsonl" in output
     assert "ramped up from 4 by 4 over the first 8 samples" in output
     resumed = check_log(stable, 3, 6, 2, batches)
     for step in range(3, 7):

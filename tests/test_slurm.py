@@ -74,7 +74,8 @@ def test_sbatch_pretraining_leaves_a_checkpoint_and_tensorboard(cluster, data, t
 def test_resume_from_left_in_a_requeued_job_applies_once(cluster, data, tmp_path):
     """--resume-from step2 in a job's command (pretrain.sbatch passes flags through): its first
     attempt sets the run's step4 aside, resumes step2 and writes step4 and step6 anew; requeued
-    (`scontrol requeue`), the same command resumes step6, saying why, and sets nothing aside."""
+    (`scontrol requeue`), the same command resumes step6, saying the flag is spent and the
+    command that would apply it again, and sets nothing aside."""
     out, flags = tmp_path / "run", ["--save-interval", "2", "--eval-interval", "100"]
     first = cluster.wait_until_done(submit_pretraining(cluster, data, out, "--steps", "4", *flags))
     assert first["JobState"] == "COMPLETED", (tmp_path / "run.log").read_text()[-3000:]
@@ -87,8 +88,9 @@ def test_resume_from_left_in_a_requeued_job_applies_once(cluster, data, tmp_path
                        and job["JobState"] == "COMPLETED")
     output = (tmp_path / "run.log").read_text().split(f"job {job_id} (restart 1)")[-1]
     assert job["JobState"] == "COMPLETED", output[-3000:]
-    assert "tupe-pretrain: --resume-from step2 was applied by an earlier attempt, which then " \
-           "wrote step4, step6: resuming from step6, the newest" in output
+    assert "tupe-pretrain: --resume-from step2 was spent by an earlier attempt" in output
+    assert ": not applied again. To apply it to the run as it is now: --resume-from step2 " \
+           "--giving-up " in output
     assert "resumed at step 6 of 6" in output and "moved to" not in output
     set_aside = list((out / "checkpoints" / "set-aside").glob("*/*"))
     assert [path.name for path in set_aside] == ["step4"]  # the first attempt's, once

@@ -81,6 +81,8 @@ def run_or_check(run, launcher: str) -> int:
                 else "")
         print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
               f"{run.batch_split}{auto}")
+        for line in run.resume_plan.notes if run.resume_plan else ():
+            print(line)  # what a start would say: a consent spent, the history made again
         for line in resume.what_is_where(run.out, run.resume_plan):
             print(f"tupe-pretrain: {line}")
         return 0

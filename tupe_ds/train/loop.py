@@ -73,8 +73,11 @@ def train(run: RunConfig, launcher: str) -> None:
     dtype = precision.of_run(run.ds_config, say)
     start = starting_point.agreed(run, say)
     objective = OBJECTIVES[run.objective]
-    run, model, engine, steps = built_engine(run, objective, device, rank, say)
     last_checkpoint = start.plan.tag if start.plan else None  # the newest intact one
+    # DeepSpeed's monitor opens its events file inside the engine's build, on rank 0 alone
+    run_files.on_every_rank(lambda: run_files.takes_writes(run.out) if rank == 0 else None,
+                            "write", run.out, last_checkpoint, "rank 0 to write in the run folder")
+    run, model, engine, steps = built_engine(run, objective, device, rank, say)
     run_files.on_every_rank(lambda: describe_run(run, start.lineage, say) if rank == 0 else None,
                             "write", os.path.join(run.out, "run.json"), last_checkpoint,
                             "rank 0 to write run.json")  # with the micro-batch chosen

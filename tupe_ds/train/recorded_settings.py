@@ -1,7 +1,7 @@
-"""The settings a run recorded in OUT/run.json: `tupe-pretrain --out RUN` alone (or with a new
---steps) goes on with them, as Megatron-LM's --use-checkpoint-args does. They fill every setting
-the command (its flags and --config file) does not give, whether or not it gives what a run
-needs: a flag or a --config file wins over them, and what then differs from the checkpoint goes
+"""The settings a run recorded (its history's last start, OUT/history.jsonl; before the history,
+OUT/run.json): `tupe-pretrain --out RUN` alone (or with a new --steps) goes on with them, as
+Megatron-LM's --use-checkpoint-args does. They fill every setting the command (its flags and
+--config file) does not give, whether or not it gives what a run needs: a flag or a --config file wins over them, and what then differs from the checkpoint goes
 through the same-run checks of any resume (checkpoint/allowed_changes.py). The start says both:
 the run's settings taken, and those given anew that differ from the run's (`say_taken`)."""
 
@@ -13,6 +13,7 @@ from typing import Optional
 
 from tupe_ds.data.sources import named_folder
 from tupe_ds.train import run_description
+from tupe_ds.train.checkpoint import history
 
 FIELD = "settings"  # of run.json: {dest: value}
 # What one command asks once, not what the run is: never recorded, never taken from run.json.
@@ -41,12 +42,22 @@ def absolute_data(item: str) -> str:
 
 
 def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> Optional[tuple]:
-    """(where, {dest: value}) of the settings --out's run.json records, for command_line.parse;
-    None when there are none (a new run, a run.json that does not read, or one written before
-    settings were recorded: the command alone then says what the run is, and unless `quiet`,
-    so does a line on stderr)."""
+    """(where, {dest: value}) of the settings the run's last start recorded in its history
+    (OUT/history.jsonl; for a run from before the history, OUT/run.json), for
+    command_line.parse; None when there are none (a new run, or a record that does not read:
+    the command alone then says what the run is, and unless `quiet`, so does a line on stderr)."""
     if not args.out:
         return None
+    try:
+        found = history.recorded_settings(history.read(args.out) or [])
+    except history.HistoryDamaged as error:
+        if not quiet:
+            print(f"tupe-pretrain: the run's settings cannot be taken from it: {error}",
+                  file=sys.stderr)
+        return None
+    if found is not None:
+        return (os.path.join(args.out, history.FILE),
+                {dest: value for dest, value in found[0].items() if dest not in ONE_SHOT})
     try:
         settings = run_description.read(args.out).get(FIELD)
     except ValueError as error:

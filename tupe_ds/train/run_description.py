@@ -50,23 +50,25 @@ def read(out: str) -> dict:
     return description
 
 
+def recorded(out: str) -> dict:
+    """OUT/run.json as it is ({} when it does not read): what an earlier start recorded."""
+    try:
+        return read(out)
+    except ValueError:
+        return {}
+
+
 def lineage(out: str) -> Optional[str]:
     """The lineage OUT/run.json records; None when there is none to read (no run.json, one
     written before lineages were recorded, or a damaged one: then the checkpoints decide)."""
-    try:
-        value = read(out).get("lineage")
-    except ValueError:
-        return None
+    value = recorded(out).get("lineage")
     return value if isinstance(value, str) and value else None
 
 
 def branched_from(out: str) -> Optional[str]:
     """The --init-from a decay branch (--branch) in `out` started from, as OUT/run.json
     records it; None for a run that is not one (or no readable run.json)."""
-    try:
-        return read(out).get("branched_from")
-    except ValueError:
-        return None
+    return recorded(out).get("branched_from")
 
 
 def damage(out: str) -> Optional[str]:

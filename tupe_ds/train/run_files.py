@@ -5,6 +5,7 @@ intact checkpoint to resume from. The rank whose write failed notes it and goes 
 agreement (`agreed`, a collective at the points where such failures surface: the start, each log
 interval, the end), where every rank learns of it and stops."""
 
+import os
 from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
@@ -31,6 +32,20 @@ def stop_message(failure: str, newest: Optional[str]) -> str:
                 "filesystem has space and answers: it starts from step 0)")
     return (f"{failure}; the newest intact checkpoint is {newest} (run the same command once the "
             "filesystem has space and answers: it resumes from there)")
+
+
+def takes_writes(folder: str, size: int = 1 << 20) -> None:
+    """OSError unless `folder` takes a write of `size` bytes to disk (a full disk shows here, in
+    one line, before the engine's build, where it would end in a traceback on one rank)."""
+    probe = os.path.join(folder, f".write-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(size))
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
 
 
 def agreed(failure: Optional[str], newest: Optional[str], waiting_for: str) -> Optional[str]:

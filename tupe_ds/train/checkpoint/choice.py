@@ -162,9 +162,10 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
                                        if m["lineage"] != plan.lineage}
         newer = [s for s in folders.step_folders(plan.directory) if s > keep_from
                  and s not in others]
+        committed = {c.step: c.id for c in history.live([*plan.records, *plan.appends])}
         moved = [history.record("set_aside", step=s, id=history.checkpoint_id(complete[s])
-                                if s in complete else None, why="newer than the checkpoint "
-                                "resumed" if chosen else "--fresh-start") for s in newer]
+                                if s in complete else committed.get(s), why="newer than the "
+                                "checkpoint resumed" if chosen else "--fresh-start") for s in newer]
         record_start(attempt or (os.path.dirname(plan.directory), None), plan, chosen, moved)
         said = folders.set_aside(plan.directory, newer, (
             f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
@@ -189,11 +190,16 @@ def record_start(attempt: tuple, plan: Optional[ResumePlan], chosen: Optional[Re
     if fields is not None:
         new.append(history.record("attempt", **fields))
     if plan is not None and plan.fresh_start:
-        taken = chosen is None and bool(plan.candidates or plan.passed_over or moved)
         live = [c.id for c in history.live([*records, *new])]
+        taken = chosen is None and bool(plan.candidates or plan.passed_over or moved or live)
         new.append({**plan.fresh_start, "outcome": "applied" if taken else "not taken",
                     "gives_up": live if taken else []})
-    history.append(out, records, [*new, *moved])
+    try:
+        history.append(out, records, [*new, *moved])
+    except OSError as error:  # a full disk: every rank stops alike, nothing moved
+        raise reads.Unreadable(f"could not write {os.path.join(out, history.FILE)} "
+                               f"({reads.error_text(error)}): nothing was moved or deleted; run "
+                               "the same command once the filesystem has space") from None
 
 
 def fallback_layout(directory: str, step: int, world_size: int, tp: int, pp: int,

@@ -141,8 +141,12 @@ def set_aside(directory: str, steps: List[int], why: str) -> Optional[str]:
     steps = [s for s in steps if os.path.isdir(os.path.join(directory, tag_of(s)))]
     if not steps:
         return None
-    target = os.path.join(directory, SET_ASIDE, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-    os.makedirs(target, exist_ok=True)
+    stamp = os.path.join(directory, SET_ASIDE, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    target, again = stamp, 1
+    while os.path.exists(target):  # a set-aside of the same second: a folder of its own
+        again += 1
+        target = f"{stamp}-{again}"
+    os.makedirs(target)
     for step in steps:
         os.replace(os.path.join(directory, tag_of(step)), os.path.join(target, tag_of(step)))
     names = ", ".join(tag_of(s) for s in steps)

@@ -76,20 +76,27 @@ def read(out: str) -> Optional[List[dict]]:
         return None
     except NotRegularFile as error:
         raise HistoryDamaged(str(error)) from None
+    return parsed(data, path)[0]
+
+
+def parsed(data: bytes, path: str) -> Tuple[List[dict], int]:
+    """(the records, the length of the bytes that hold them): a last line that is no record
+    (torn by a kill, or written whole but not synced before a crash) is not one of them."""
     lines = data.split(b"\n")
     torn = lines.pop()  # after the last newline: b"" unless a kill cut an append short
-    records = []
+    records, length = [], 0
     for number, line in enumerate(lines, start=1):
         problem = line_problem(line, number)
         if problem and number == len(lines) and not torn:
-            break  # the last line, written whole but not synced before a crash: torn too
+            break
         if problem:
             raise HistoryDamaged(
                 f"{path}, line {number}: {problem}. The history is never guessed around: move "
                 f"the file aside (mv {path} {path}.damaged) and run the same command; the "
-                "history is then rebuilt from the checkpoints' manifests")
+                "history is then made again from the checkpoints' manifests")
         records.append(json.loads(line))
-    return records
+        length += len(line) + 1
+    return records, length
 
 
 def line_problem(line: bytes, number: int) -> Optional[str]:
@@ -127,9 +134,9 @@ def append(out: str, records: List[dict], new: List[dict]) -> None:
     path = os.path.join(out, FILE)
     created = not os.path.exists(path)
     with open(path, "ab") as f:
-        if f.tell():
+        if f.tell():  # what a kill or crash left after the last record goes
             with open(path, "rb") as existing:
-                f.truncate(existing.read().rfind(b"\n") + 1)
+                f.truncate(parsed(existing.read(), path)[1])
         f.write(b"".join(lines))
         f.flush()
         os.fsync(f.fileno())
@@ -159,8 +166,10 @@ def live(records: List[dict]) -> List[Checkpoint]:
             if r["kind"] == "committed" and r["id"] not in gone]
 
 
-def known_ids(records: List[dict]) -> set:
-    return {r["id"] for r in records if r["kind"] == "committed"}
+def known(records: List[dict]) -> set:
+    """(id, step) of every checkpoint the history records committed: a folder holding a copy
+    of one under another step is another checkpoint."""
+    return {(r["id"], r["step"]) for r in records if r["kind"] == "committed"}
 
 
 def consents(records: List[dict]) -> List[dict]:
@@ -198,7 +207,6 @@ class Folder:
 @dataclasses.dataclass(frozen=True)
 class Listing:
     folders: Tuple[Folder, ...]  # ascending steps
-    set_aside: frozenset  # ids of the complete checkpoints under CHECKPOINTS/set-aside/
 
     def complete(self) -> Dict[int, Folder]:
         return {f.step: f for f in self.folders if f.id is not None}
@@ -222,7 +230,6 @@ class Decision:
     notes: Tuple[str, ...] = ()
     by_hand: bool = False  # --resume-from: that checkpoint or a refusal
     fresh_start: Optional[dict] = None  # the --fresh-start consent, spent if none verifies
-    given_up: frozenset = frozenset()  # ids the start gives up (set aside when seen)
 
 
 def tag(step: int) -> str:
@@ -241,27 +248,32 @@ def flag_text(flags: Flags) -> str:
 def decide(records: List[dict], listing: Listing, flags: Flags, run_lineage: str) -> Decision:
     """Where this start goes on from, from the history and what the folder holds (pure). The
     start is never older than the newest intact checkpoint of the history unless a consent
-    spent now names that state; a checkpoint the history holds live that is neither in the
-    folder nor set aside refuses; nothing is given up without consent."""
+    spent now names that state; a checkpoint the history holds live that is not in the folder
+    refuses; nothing is given up without consent."""
     complete = listing.complete()
-    known = known_ids(records)
+    committed = known(records)
     appends = [record("committed", id=f.id, step=f.step, lineage=f.lineage, adopted=True)
-               for f in complete.values() if f.lineage == run_lineage and f.id not in known]
-    state = live([*records, *appends])  # a commit cut short before its record is adopted
+               for f in complete.values() if f.lineage == run_lineage
+               and (f.id, f.step) not in committed]
+    # a commit cut short before its record is adopted; by step, as a history made again (or one
+    # lost while the run went on) records them out of order
+    state = sorted(live([*records, *appends]), key=lambda c: c.step)
     newest = state[-1] if state else None
     consent, notes, refusal = consent_of(records, flags, newest, state, complete)
     given_up = frozenset(consent["gives_up"]) if consent and consent["outcome"] == "applied" \
         else frozenset()
     kept = [c for c in state if c.id not in given_up]
     on_disk = {c.id: c for c in kept if complete.get(c.step) and complete[c.step].id == c.id}
-    lost = [c for c in kept if c.id not in on_disk and c.id not in listing.set_aside
+    # set aside by hand is no consent: only the history's own set_aside records take a
+    # checkpoint out of the run's state
+    lost = [c for c in kept if c.id not in on_disk
             and not any(f.step == c.step and f.id is None for f in listing.folders)]
     resumable = [c.step for c in reversed(kept) if c.id in on_disk]
     if refusal:
         return Decision(refusal=refusal, notes=tuple(notes))
     if consent and consent["flag"].startswith("--resume-from") and consent["outcome"] == "applied":
         return Decision((consent_step(consent, state),), appends=(*appends, consent),
-                        notes=tuple(notes), by_hand=True, given_up=given_up)
+                        notes=tuple(notes), by_hand=True)
     fresh = consent if consent and consent["flag"] == "--fresh-start" else None
     if lost and (lost[-1].step > resumable[0] if resumable else fresh is None):
         newest_id = kept[-1].id
@@ -271,9 +283,9 @@ def decide(records: List[dict], listing: Listing, flags: Flags, run_lineage: str
             f"start over from step 0: --fresh-start --giving-up {newest_id}"
         return Decision(refusal=(
             f"the run's history records {tags(c.step for c in lost)} as committed (id "
-            f"{', '.join(c.id for c in lost)}), but the folder holds none of it, nor its "
-            "set-aside folder (was it moved or lost?). Nothing was moved or deleted. Put it back "
-            f"and run the same command; or {on}"), notes=tuple(notes))
+            f"{', '.join(c.id for c in lost)}), but the folder holds none of it (was it moved or "
+            "lost? a folder set aside by hand is not given up). Nothing was moved or deleted. "
+            f"Put it back and run the same command; or {on}"), notes=tuple(notes))
     return Decision(tuple(resumable), appends=tuple(appends), notes=tuple(notes),
                     fresh_start=fresh)
 
@@ -289,8 +301,11 @@ def consent_of(records: List[dict], flags: Flags, newest: Optional[Checkpoint],
         return None, [], None
     text, newest_id = flag_text(flags), newest.id if newest else "none"
     again = f"{text} --giving-up {newest_id}"
+    # spent: the same command (flag and --giving-up) applied before; or, the bare flag, seen
+    # before at all (a requeued script repeats it)
     spent = [r for r in records if r["kind"] == "consent" and r["flag"] == text
-             and (flags.giving_up is None or r["given_on"] == flags.giving_up)]
+             and r.get("giving_up") == flags.giving_up
+             and (r["outcome"] == "applied" or flags.giving_up is None)]
     if spent:
         first = spent[0]
         return None, [
@@ -309,8 +324,8 @@ def consent_of(records: List[dict], flags: Flags, newest: Optional[Checkpoint],
             + f" ({tag(newest.step) + ', id ' + newest.id if newest else 'none'}): not applied. "
             f"To apply it to the run as it is now: {again}"], None
     if flags.fresh_start:
-        return record("consent", flag=text, given_on=newest_id, outcome="pending",
-                      gives_up=[c.id for c in state], target=None), [], None
+        return record("consent", flag=text, given_on=newest_id, giving_up=flags.giving_up,
+                      outcome="pending", gives_up=[c.id for c in state], target=None), [], None
     target = complete.get(flags.resume_from)
     ours = next((c for c in state if target and c.id == target.id), None)
     if ours is None:
@@ -319,30 +334,41 @@ def consent_of(records: List[dict], flags: Flags, newest: Optional[Checkpoint],
                "the run (no manifest.json)")
         return None, [], (f"--resume-from {tag(flags.resume_from)}: {tag(flags.resume_from)} "
                           f"{why}; complete ones: {tags(held) or 'none'}")
-    return record("consent", flag=text, given_on=newest_id, outcome="applied",
-                  gives_up=[c.id for c in state if c.step > ours.step], target=ours.id), [], None
+    return record("consent", flag=text, given_on=newest_id, giving_up=flags.giving_up,
+                  outcome="applied", gives_up=[c.id for c in state if c.step > ours.step],
+                  target=ours.id), [], None
 
 
 # --- the shell around it -------------------------------------------------------------------------
 
-def rebuilt(manifests: Dict[str, dict], set_aside: Dict[str, dict]) -> List[dict]:
-    """The history made again from the checkpoints' manifests (`manifests`: of the step folders,
-    `set_aside`: of those set aside, by id), when OUT/history.jsonl is lost: each committed in
-    the order of its step, those set aside recorded so, and every consent any of them carries."""
+def rebuilt(records: List[dict], manifests: Dict[str, dict], set_aside: Dict[str, dict],
+            earlier: List[str] = ()) -> List[dict]:
+    """What the history lacks of what the checkpoints' manifests record (`manifests`: the step
+    folders', `set_aside`: those set aside, by id): every consent they carry that it does not
+    hold (a history cut short or emptied forgets none); and when there is no history
+    (`records` empty), each checkpoint committed in the order of its step, those set aside
+    recorded so, and the --resume-from steps an earlier tupe_ds recorded as applied
+    (`earlier`)."""
+    new = []
     every = sorted([*manifests.values(), *set_aside.values()], key=lambda m: m["step"])
-    records = [record("committed", id=checkpoint_id(m), step=m["step"], lineage=m["lineage"],
-                      files=m["files"], rebuilt=True) for m in every]
-    records += [record("set_aside", id=id_, step=m["step"], rebuilt=True)
+    if not records:
+        new += [record("committed", id=checkpoint_id(m), step=m["step"], lineage=m["lineage"],
+                       files=m["files"], rebuilt=True) for m in every]
+        new += [record("set_aside", id=id_, step=m["step"], rebuilt=True)
                 for id_, m in set_aside.items()]
+        new += [record("consent", flag=f"--resume-from {step}", given_on="an earlier tupe_ds",
+                       outcome="applied", gives_up=[], target=None, rebuilt=True)
+                for step in sorted(set(earlier))]
     for manifest in every:
         for consent in manifest.get("consents", ()):
-            again = record("consent", **{k: v for k, v in consent.items() if k != "kind"},
-                           rebuilt=True)
-            if not any(r["kind"] == "consent" and r["flag"] == again["flag"]
-                       and r["given_on"] == again["given_on"] and r["outcome"] == again["outcome"]
-                       for r in records):
-                records.append(again)
-    return records
+            if isinstance(consent, dict) and not any(
+                    r["kind"] == "consent" and all(r.get(k) == consent.get(k) for k in
+                                                   ("flag", "given_on", "outcome"))
+                    for r in [*records, *new]):
+                new.append(record("consent", **{k: v for k, v in consent.items()
+                                                if k not in ("kind", "seq", "xxh3_64")},
+                                  rebuilt=True))
+    return new
 
 
 def attempt_fields(lineage_: str, settings: dict, sources: dict) -> dict:

@@ -47,8 +47,7 @@ def listing(directory: str, complete: dict, damaged: dict) -> history.Listing:
     return history.Listing(
         tuple(history.Folder(step, history.checkpoint_id(complete[step]), complete[step][
             "lineage"]) if step in complete else history.Folder(step, problem=damaged.get(step))
-              for step in folders.step_folders(directory)),
-        frozenset(folders.set_aside_manifests(directory)))
+              for step in folders.step_folders(directory)))
 
 
 def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: int, tp: int,
@@ -63,18 +62,20 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
     directory = os.path.join(out, "checkpoints")
     complete, damaged = folders.survey(directory)
     records = history.read(out)
-    appends, notes = [], ()
-    if records is None:
-        records = []
-        kept = folders.set_aside_manifests(directory)
-        if complete or kept:
-            appends = history.rebuilt({history.checkpoint_id(m): m for m in complete.values()},
-                                      kept)
-            notes = (f"tupe-pretrain: {out}/{history.FILE} is not there: the run's history is "
-                     "made again from its checkpoints' manifests",)
+    lost_history = not records  # none, or emptied: made again from the manifests
+    records, kept, notes = records or [], folders.set_aside_manifests(directory), ()
+    appends = history.rebuilt(records, {history.checkpoint_id(m): m for m in complete.values()},
+                              kept, applied_earlier(out, complete) if lost_history else ())
+    if lost_history and appends:
+        notes = (f"tupe-pretrain: {out}/{history.FILE} is not there: the run's history is "
+                 "made again from its checkpoints' manifests",)
+        refuse_lost_newest(out, directory, complete, kept, resume_from or fresh_start)
+    elif appends:
+        notes = (f"tupe-pretrain: {out}/{history.FILE} lacks consents its checkpoints carry (its "
+                 "end was lost?): taken from their manifests",)
     run_lineage = (history.lineage([*records, *appends]) or run_description.lineage(out)
                    or (complete[max(complete)]["lineage"] if complete else uuid.uuid4().hex))
-    legacy = folders.legacy_step(directory) if not records and not appends else None
+    legacy = folders.legacy_step(directory) if not records and not complete and not kept else None
     live = history.live([*records, *appends])
     if resume == "never":
         held = sorted(set(complete) | set(damaged) | ({legacy} if legacy else set()))
@@ -116,7 +117,10 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
             f"run's ({describe_steps(complete)}): to continue that run here, --resume-from "
             f"{folders.tag_of(max(complete))}; else move them out of the folder")
     newest = candidates[0] if candidates else -1
-    passed_over = tuple(f"{folders.tag_of(s)}: {problem}" for s, problem in sorted(damaged.items())
+    committed = {c.step for c in history.live(base)} - set(complete) - set(damaged)
+    problems = {**damaged, **{s: "no manifest.json, though the run's history records it committed"
+                              for s in committed if s in folders.step_folders(directory)}}
+    passed_over = tuple(f"{folders.tag_of(s)}: {problem}" for s, problem in sorted(problems.items())
                         if s > newest)
     plan = ResumePlan(directory, candidates, None, decision.by_hand, True, passed_over,
                       notes + decision.notes, decision.fresh_start, tuple(records),
@@ -136,6 +140,37 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
         return plan
     return dataclasses.replace(plan, resharding=plan_layout(directory, candidates[0], world_size,
                                                             tp, pp, zero_stage))
+
+
+def applied_earlier(out: str, complete: dict) -> List[str]:
+    """The --resume-from an earlier tupe_ds recorded as applied (OUT/run.json's `resume_from`,
+    a manifest's `resume_from_applied`): spent, for a history made again."""
+    tags = [m["resume_from_applied"] for m in complete.values()
+            if isinstance(m.get("resume_from_applied"), str)]
+    recorded = run_description.recorded(out).get("resume_from")
+    if isinstance(recorded, dict) and type(recorded.get("step")) is int:
+        tags.append(folders.tag_of(recorded["step"]))
+    return tags
+
+
+def refuse_lost_newest(out: str, directory: str, complete: dict, kept: dict,
+                       consented) -> None:
+    """With no history to tell, `latest` and an earlier tupe_ds's OUT/run.json name the newest
+    checkpoint committed: one the folder does not hold is refused, not an older one resumed."""
+    named = [folders.step_of(tag) for tag in [folders.latest_tag(directory)] if tag]
+    recorded = run_description.recorded(out).get("newest_checkpoint")
+    named += [recorded] if type(recorded) is int else []
+    held = set(complete) | {m["step"] for m in kept.values()}
+    missing = [step for step in named if step > max(held, default=-1)]
+    if missing and not consented:
+        older = max(complete, default=None)
+        raise ValueError(
+            f"{out}/{history.FILE} is not there, and {folders.tag_of(max(missing))} (named by "
+            f"{directory}/latest or {out}/run.json as the newest checkpoint) is not in the folder "
+            "either: were both lost? Nothing was moved or deleted. Put them back and run the "
+            "same command" + (f"; or go on from {folders.tag_of(older)} deliberately: "
+                              f"--resume-from {folders.tag_of(older)}" if older is not None else
+                              "; or start over in another --out"))
 
 
 def appeared(directory: str, step: int) -> bool:
