@@ -120,10 +120,10 @@ def load(argv=None, world_size: Optional[int] = None,
     and held by the RunConfig's `lock` (release it); --check-only only checks it."""
     command = parser()
     defaults = {action.dest: action.default for action in command._actions}
-    args, sources = command_line.resolve(command, argv, recorded=recorded_settings.of_run_folder,
-                                         unset=given_by_config)
+    args, setting_sources = command_line.resolve(
+        command, argv, recorded=recorded_settings.of_run_folder, unset=given_by_config)
     if take_lock or args.check_only:  # rank 0 (a --check-only runs alone)
-        recorded_settings.say_taken(args, sources, defaults)
+        recorded_settings.say_taken(args, setting_sources, defaults)
     check_flags(args)
     sources = tuple(data_sources(args))
     if world_size is None:
@@ -148,7 +148,9 @@ def load(argv=None, world_size: Optional[int] = None,
             fail(f"--out {args.out}: cannot take its lock ({error}); give a folder this job may "
                  "write")
     try:
-        return checked_run(args, sources, layout, ds_config, dtype, batch_split, training, lock)
+        return dataclasses.replace(checked_run(args, sources, layout, ds_config, dtype,
+                                               batch_split, training, lock),
+                                   setting_sources=setting_sources)
     except BaseException:
         if lock is not None:
             lock.release()
