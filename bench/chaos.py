@@ -83,6 +83,10 @@ def main(argv=None) -> int:
                    help="also run the uninterrupted run on 1 process in micro-batches of 4 and "
                         "report how far it ends from the one on 2 (what a change of split alone "
                         "does, in fp32)")
+    p.add_argument("--script", choices=["fresh-start", "resume-from"],
+                   help="a consent the job's script keeps once given, repeated by every requeue: "
+                        "--fresh-start in every attempt, or --resume-from step2 in every attempt "
+                        "after step2 exists; checked to apply once at most")
     p.add_argument("--json", help="write the reports here")
     args = p.parse_args(argv)
     kinds = args.kinds.split(",") if args.kinds else None
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
         os.makedirs(root, exist_ok=True)
         chaos = Chaos(data, root, seed, steps=args.steps or 2 * args.attempts,
                       split_changes=not args.same_split, tolerance=args.tolerance,
-                      kinds=kinds)
+                      kinds=kinds, script=args.script or "")
         reference = chaos.reference()
         chaos.run(args.attempts)
         summary = chaos.check(reference).summary()

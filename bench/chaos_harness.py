@@ -24,7 +24,7 @@ from tupe_ds.distributed import launchers
 from tupe_ds.tools.lock_holder import this_holder
 from tupe_ds.train import run_lock
 from tupe_ds.train.checkpoint import folder as folders
-from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.checkpoint import history, manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
@@ -47,11 +47,14 @@ def environment(fault: str) -> dict:
 class Chaos(FaultInjection, Checks):
     def __init__(self, data: str, root: str, seed: int, steps: int = 16, keep: int = 2,
                  split_changes: bool = True, cover: bool = False, timeout: float = 300,
-                 tolerance: float = 1e-6, kinds: Optional[list] = None):
+                 tolerance: float = 1e-6, kinds: Optional[list] = None, script: str = ""):
         """`cover`: the kinds of faults in a shuffled cycle, each attempt one file fault and one
         process fault, so that a short schedule holds every kind (tests/test_chaos.py); else
         drawn independently (0-2 file faults an attempt). `kinds`: the kinds drawn (default:
-        all; another-split only with `split_changes`)."""
+        all; another-split only with `split_changes`). `script`: a consent the job's script
+        keeps once given, as a requeue repeats it: "fresh-start" (every attempt), "resume-from"
+        (--resume-from step2 in every attempt after one found step2 complete): each applies
+        once at most, the run ending as the uninterrupted one (`consents_spent`)."""
         self.data, self.root, self.steps, self.keep = data, root, steps, keep
         self.random = random.Random(seed)
         self.cover, self.tolerance = cover, tolerance
@@ -71,6 +74,8 @@ class Chaos(FaultInjection, Checks):
         self.seen = {}  # manifest digest -> step of every complete checkpoint seen
         self.killed_holder = None  # the PID in run.lock after an attempt was killed
         self.read_stopped = set()  # attempts that stopped on a read error, before any resume
+        self.script, self.script_flags = script, ["--fresh-start"] if script == "fresh-start" \
+            else []
 
     def command(self, split, *extra) -> list:
         processes, micro = split
@@ -85,8 +90,9 @@ class Chaos(FaultInjection, Checks):
 
     def launch(self, out: str, split, fault: str, log: str) -> subprocess.Popen:
         nan = f"nan-loss:{NAN_RANK}:{NAN_STEP}"
+        flags = self.script_flags if out == self.out else []
         with open(log, "w") as f:
-            return subprocess.Popen(self.command(split, "--out", out), stdout=f,
+            return subprocess.Popen(self.command(split, "--out", out, *flags), stdout=f,
                                     stderr=subprocess.STDOUT,
                                     env=environment(";".join(filter(None, [nan, fault]))),
                                     start_new_session=True)
@@ -204,6 +210,8 @@ class Chaos(FaultInjection, Checks):
                 text, split = "", REFERENCE_SPLIT
             self.report.faults.extend(faults)
             self.report.split_changed |= split != REFERENCE_SPLIT
+            if self.script == "resume-from" and not self.script_flags and 2 in self.complete():
+                self.script_flags = ["--resume-from", "step2"]  # kept by every later attempt
             listed = self.listing()
             outcome = self.attempt(number, split, text, faults)
             self.outputs.append(outcome.output)
@@ -230,7 +238,20 @@ class Chaos(FaultInjection, Checks):
                 break
         self.report.attempts = number
         self.report.seconds = time.monotonic() - start
+        self.consents_spent()
         return self.report
+
+    def consents_spent(self) -> None:
+        """The script's consent applied once at most (--fresh-start: never, on a folder whose
+        first attempt found nothing to give up), whatever the attempts repeated."""
+        if not self.script:
+            return
+        applied = [r for r in history.read(self.out) or [] if r["kind"] == "consent"
+                   and r["outcome"] == "applied" and not r.get("rebuilt")]
+        if len(applied) > (1 if self.script == "resume-from" else 0):
+            self.report.problems.append(
+                f"{self.script} kept by the job's script applied {len(applied)} times: "
+                + "; ".join(f"{r['flag']} on {r['given_on']}" for r in applied))
 
     def holder_pid(self) -> Optional[int]:
         """The PID run.lock names (None: no lock, or not a record)."""
