@@ -1,8 +1,8 @@
 """What a resume takes, checked before any process starts (config.load): the settings the run
 recorded fill every one the command does not give, retyped required flags or not, and the start
 line names them and those given anew; a longer --steps that moves the rate of the next step (a
-decay's end, a warmup cut to --steps) is said with both rates; one whose rate goes on proceeds
-unsaid."""
+decay's end, a warmup cut to --steps) is refused with both rates, or taken with
+--allow-training-changes and said; one whose rate goes on proceeds unsaid."""
 
 import json
 import shutil
@@ -57,15 +57,23 @@ def test_a_setting_given_anew_is_named_old_to_new(run, capsys):
     assert "; given anew, other than the run's: --save-interval 15 -> 10 (--print-config" in said
 
 
-def test_a_longer_steps_that_moves_the_decay_is_said_with_both_rates(run, data):
-    """Said, not yet refused: a refusal would stop every resume of the suite's decaying runs and
-    the demo's DEMO_STEPS; the issue's refusal is left for the next change (closing note)."""
-    said = train("torchrun", 1, data, run, "--steps", "32")
-    assert (f"tupe-pretrain: resuming step30 with --steps 32: step 31 would run at learning "
-            f"rate {decay_rate(31, 32):.4g}, not the {decay_rate(31, 30):.4g} of the schedule step "
-            "30 ran under (resume with --steps 30 to keep that schedule)") in said
+def test_a_longer_steps_that_moves_the_decay_is_refused_with_both_rates(run, monkeypatch):
+    with pytest.raises(SystemExit) as refusal:
+        load(["--out", run, "--steps", "40"])
+    assert str(refusal.value) == (
+        f"tupe-pretrain: error: resuming step30 with --steps 40: step 31 would run at learning "
+        f"rate {decay_rate(31, 40):.4g}, not the {decay_rate(31, 30):.4g} of the schedule step 30 "
+        "ran under. Resume with --steps 30 to keep that schedule, or add "
+        "--allow-training-changes to go on with this one")
+    assert load(["--out", run, "--steps", "30"]).resume_plan.notes == ()  # the same schedule
+
+
+def test_a_moved_rate_allowed_is_said_and_trained(run, data):
+    said = train("torchrun", 1, data, run, "--steps", "32", "--allow-training-changes")
+    assert (f"tupe-pretrain: resuming step30 with --steps 32 (--allow-training-changes): step 31 "
+            f"would run at learning rate {decay_rate(31, 32):.4g}, not the "
+            f"{decay_rate(31, 30):.4g}") in said
     assert log(run)[31]["train/lr"] == pytest.approx(decay_rate(31, 32), rel=1e-9)
-    assert load(["--out", run, "--steps", "32"]).resume_plan.notes == ()  # the same schedule
 
 
 def test_a_longer_steps_at_a_constant_rate_proceeds_unsaid(data, tmp_path, monkeypatch, capsys):

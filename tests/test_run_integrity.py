@@ -139,7 +139,7 @@ def test_a_read_error_stops_the_run_with_nothing_moved_and_a_short_one_is_waited
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     checkpoints = out / "checkpoints"
-    said = run(data, out, *FLAGS, "--steps", "14", expect=1,
+    said = run(data, out, *FLAGS, "--steps", "14", "--allow-training-changes", expect=1,
                env=read_errors(f"{checkpoints}/step12/*.pt"))
     assert f"tupe-pretrain: reading {checkpoints}/step12/" in said and \
         "failed ([Errno 5] Input/output error); trying again for up to 3 s" in said
@@ -149,7 +149,7 @@ def test_a_read_error_stops_the_run_with_nothing_moved_and_a_short_one_is_waited
     assert "exit worker: rank 0, exit code 3" in said and "exit worker: rank 1, exit code 3" in said
     assert "[rank0]: Traceback" not in said and "failed verification" not in said
     assert steps_in(out) == steps_in(reference) and set_aside(out) == {}
-    said = run(data, out, *FLAGS, "--steps", "14",
+    said = run(data, out, *FLAGS, "--steps", "14", "--allow-training-changes",
                env=read_errors(f"{checkpoints}/step12/*.pt", seconds=1))
     assert "trying again for up to 3 s" in said and "resumed at step 12 of 14" in said
     assert set_aside(out) == {}
@@ -525,7 +525,8 @@ def test_damage_means_fallback_never_a_refusal(data, reference, tmp_path):
 def test_ranks_that_see_different_checkpoints_stop_before_loading(data, reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    said = run(data, out, *FLAGS, "--steps", "14", fault="stale-view:1:step12", expect=1)
+    said = run(data, out, *FLAGS, "--steps", "14", "--allow-training-changes",
+               fault="stale-view:1:step12", expect=1)
     assert "the ranks see different checkpoints" in said
     assert "rank 0 would resume step12, and rank 1 on" in said and "sees step12 not at all" in said
     assert "exit worker: rank 1, exit code 2" in said
@@ -585,7 +586,10 @@ def test_resume_refusals_name_what_to_change_and_accept_it(data, reference, tmp_
     changed = accepted(flags_of(data, reference, "--lr", "1e-3", "--allow-training-changes"))
     assert "optimizer.params.lr: 0.002 in the checkpoint, 0.001 now (--lr)" in \
         "\n".join(allowed_changes.training_changes(step12, changed.training, allow=True))
-    longer = accepted(flags_of(data, reference, "--steps", "14"))  # the decay follows --steps
+    said = refusal(flags_of(data, reference, "--steps", "14"), monkeypatch)  # the decay moves
+    assert "resuming step12 with --steps 14: step 13 would run at learning rate " in said
+    assert "Resume with --steps 12 to keep that schedule, or add --allow-training-changes" in said
+    longer = accepted(flags_of(data, reference, "--steps", "14", "--allow-training-changes"))
     assert allowed_changes.training_changes(step12, longer.training, allow=False) == []
     config["optimizer"]["params"].update(betas=[0.9, 0.999], amsgrad=True)
     amsgrad = tmp_path / "amsgrad.json"
@@ -612,7 +616,7 @@ def test_allowed_training_changes_hold_from_the_first_step(data, reference, tmp_
     unchanged, changed = tmp_path / "unchanged", tmp_path / "changed"
     for out in (unchanged, changed):
         shutil.copytree(reference, out)
-    run(data, unchanged, *FLAGS, "--steps", "14")
+    run(data, unchanged, *FLAGS, "--steps", "14", "--allow-training-changes")
     config = json.loads(open(CPU_CONFIG).read())
     config["optimizer"]["params"]["betas"] = [0.8, 0.99]
     betas = tmp_path / "betas.json"
@@ -630,8 +634,8 @@ def test_allowed_training_changes_hold_from_the_first_step(data, reference, tmp_
     assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
     # step14 damaged: the fallback, step12, was trained otherwise, which this command must allow
     (changed / "checkpoints" / "step14" / "rng_rank0.pt").write_bytes(b"")
-    said = run(data, changed, *FLAGS, "--steps", "16", "--lr", "1e-3", "--ds-config", str(betas),
-               expect=1)  # step14's settings
+    said = run(data, changed, *FLAGS, "--steps", "14", "--lr", "1e-3", "--ds-config", str(betas),
+               expect=1)  # step14's settings and schedule
     assert f"tupe-pretrain: error: {changed}/checkpoints/step12 was trained with other optimizer " \
            "or schedule settings: optimizer.params.betas[0]: 0.9 in the checkpoint, 0.8 now" in said
     assert "exit worker: rank 0, exit code 2" in said and "[rank0]: Traceback" not in said
@@ -800,7 +804,8 @@ def test_a_preemption_warning_while_the_run_starts_stops_it_cleanly(data, refere
     train a step), its lock released."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    said = run(data, out, *FLAGS, "--steps", "14", fault="usr1-at-start:1", expect=1)
+    said = run(data, out, *FLAGS, "--steps", "14", "--allow-training-changes",
+               fault="usr1-at-start:1", expect=1)
     assert "exit worker: rank 0, exit code 3" in said and "exit worker: rank 1, exit code 3" in said
     assert "resumed at step 12 of 14" in said
     assert "stopping before step 13 on SIGUSR1: nothing was trained since step12" in said

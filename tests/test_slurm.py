@@ -80,7 +80,7 @@ def test_resume_from_left_in_a_requeued_job_applies_once(cluster, data, tmp_path
     first = cluster.wait_until_done(submit_pretraining(cluster, data, out, "--steps", "4", *flags))
     assert first["JobState"] == "COMPLETED", (tmp_path / "run.log").read_text()[-3000:]
     job_id = submit_pretraining(cluster, data, out, "--steps", "6", *flags, "--resume-from",
-                                "step2")
+                                "step2", "--allow-training-changes")
     assert cluster.wait_until_done(job_id)["JobState"] == "COMPLETED"
     cluster.run("scontrol", "requeue", job_id)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
         "--data", args.data, "--model", "tiny", "--pos-encoding", "tupe-r", "--ds-config",
         os.path.join(ROOT, config), "--out", args.out, "--steps", str(args.steps),
         *TINY_MODEL_SETTINGS, "--eval-interval", "250", "--save-interval", "500",
-        "--image-interval", "500", "--log-interval", "100"], train)
+        "--image-interval", "500", "--log-interval", "100",
+        "--allow-training-changes"], train)  # DEMO_STEPS trains on: its decay moves, said
     if code == 0:
         print(report(args.out, args.data), flush=True)
     return code

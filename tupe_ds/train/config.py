@@ -168,19 +168,6 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                                   fresh_start=args.fresh_start, giving_up=args.giving_up)
     except ValueError as error:
         fail(f"--out {args.out}: {error}")
-    if (resume_plan is not None and resume_plan.candidates and resume_plan.verified
-            and resume_plan.candidates[0] < args.steps):
-        try:
-            saved = manifest.read(os.path.join(resume_plan.directory, resume_plan.tag))
-        except ValueError as error:
-            fail(str(error))
-        change = resume_rate_change(saved.get("lr_schedule"), resume_plan.candidates[0],
-                                    ds_config.get("scheduler"))
-        if change:
-            resume_plan = dataclasses.replace(resume_plan, notes=(
-                *resume_plan.notes, f"tupe-pretrain: resuming {resume_plan.tag} with --steps "
-                f"{args.steps}: {change} (resume with {ran_under(saved.get('lr_schedule'))} to "
-                "keep that schedule)"))
     resharding = resume_plan.resharding if resume_plan else None
     if resharding is not None and resharding.convert:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
@@ -203,6 +190,7 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                                   branch=args.branch, training=training)
     except ValueError as error:
         fail(str(error))
+    resume_plan = moved_rate(args, resume_plan, ds_config)
     if init_plan is not None and init_plan.branch:
         check_branch(init_plan, ds_config, args.steps)
         init_plan = branch_rate_change(init_plan, ds_config, args.allow_training_changes)
@@ -223,6 +211,28 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
                      allow_training_changes=args.allow_training_changes,
                      lock=lock, optimizer_boundary=args.optimizer_boundary,
                      settings=recorded_settings.recordable(args))
+
+
+def moved_rate(args: argparse.Namespace, plan: Optional[ResumePlan],
+               ds_config: dict) -> Optional[ResumePlan]:
+    """A resume whose --steps moves the rate of the step after its checkpoint (a decay's end, a
+    warmup cut to --steps): refused naming both rates, or with --allow-training-changes said."""
+    if not (plan and plan.candidates and plan.verified and plan.candidates[0] < args.steps):
+        return plan
+    try:
+        schedule = manifest.read(os.path.join(plan.directory, plan.tag)).get("lr_schedule")
+    except ValueError as error:
+        fail(str(error))
+    change = resume_rate_change(schedule, plan.candidates[0], ds_config.get("scheduler"))
+    if not change:
+        return plan
+    if not args.allow_training_changes:
+        fail(f"resuming {plan.tag} with --steps {args.steps}: {change}. Resume with "
+             f"{ran_under(schedule)} to keep that schedule, or add --allow-training-changes to go "
+             "on with this one")
+    return dataclasses.replace(plan, notes=(
+        *plan.notes, f"tupe-pretrain: resuming {plan.tag} with --steps {args.steps} "
+        f"(--allow-training-changes): {change}"))
 
 
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:
