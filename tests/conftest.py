@@ -20,13 +20,15 @@ import tupe_ds  # noqa: E402
 # so that a file's module fixtures (a reference run, a Slurm cluster) are made once; the files
 # that start Slurm clusters in one, one after the other (FileScheduling below).
 ONE_AT_A_TIME = {"test_slurm.py": "slurm", "test_multinode.py": "slurm"}
-# The longest first (seconds in one of the 2 processes, `pytest -n 2 --durations=0`, 2026-11-26),
+# The longest first (seconds in one of the 2 processes, `pytest -n 2 --durations=0`, 2026-11-26;
+# test_stop_cleanly, test_stop_signal and test_resume_settings as their runs took, 2026-11-29),
 # so that neither process is left alone with a long one at the end; the others after them, as
 # collected.
 LONGEST = {"test_run_integrity.py": 383, "slurm": 344, "test_chaos.py": 233,
            "test_compare.py": 210, "test_loss_normalization.py": 210, "test_hf_export.py": 198,
-           "test_pretrain.py": 119, "test_resume_layout.py": 105, "test_pipeline.py": 103,
-           "test_export.py": 101}
+           "test_stop_cleanly.py": 200, "test_pretrain.py": 119, "test_resume_layout.py": 105,
+           "test_pipeline.py": 103, "test_export.py": 101, "test_stop_signal.py": 63,
+           "test_resume_settings.py": 60}
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
