@@ -301,20 +301,3 @@ def test_pretrain_script_passes_token_count_weights_and_named_folders(tmp_path):
     for argv in commands:
         start = argv.index("--data") + 1
         assert argv[start:start + 5] == [*expected, "--out"], argv
-
-
-def test_a_blend_checkpoint_of_the_old_schedule_is_refused_naming_the_schedule():
-    """A checkpoint of a blend recorded before the schedule was changed (samples per 10,000, no
-    schedule recorded): a resume names the schedule and what to do; a single source is unaffected."""
-    from tupe_ds.data.blend_schedule import SCHEDULE
-    from tupe_ds.train.checkpoint.identity import differences
-
-    old = {"data": {"blend": [{"per_period": 7000}, {"per_period": 3000}]}}
-    now = {"data": {"schedule": SCHEDULE,
-                    "blend": [{"per_period": 1503238554}, {"per_period": 644245094}]}}
-    lines = differences(old, now)
-    assert any(line.startswith("the blend's schedule: samples per 10,000") and "--init-from" in line
-               for line in lines), lines
-    assert differences(now, now) == []
-    assert not any(line.startswith("the blend's schedule")
-                   for line in differences({"data": {"train": "x"}}, now))

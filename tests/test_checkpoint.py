@@ -6,7 +6,7 @@ engines: test_nonfinite.py)."""
 import os
 
 from tupe_ds.train import nonfinite
-from tupe_ds.train.checkpoint import folder, identity, manifest
+from tupe_ds.train.checkpoint import folder, manifest, same_run
 
 
 LAYOUT = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "zero_stage": 2, "micro_batch": 8,
@@ -31,14 +31,6 @@ def test_completeness_is_the_manifests_not_latest(tmp_path):
     assert folder.latest_step(str(tmp_path)) == 6  # no `latest` at all
     (tmp_path / "latest").write_text("step4")
     assert folder.latest_step(str(tmp_path)) == 6
-
-
-def test_a_checkpoint_of_an_earlier_version_is_found_through_latest(tmp_path):
-    checkpoint(tmp_path, 2, lineage=None)
-    checkpoint(tmp_path, 4, lineage=None)
-    assert folder.latest_step(str(tmp_path)) == 0
-    (tmp_path / "latest").write_text("step2")
-    assert folder.legacy_step(str(tmp_path)) == 2 and folder.latest_step(str(tmp_path)) == 2
 
 
 def test_retention_removes_only_this_lineages_older_checkpoints(tmp_path):
@@ -71,19 +63,10 @@ def test_folders_in_the_way_are_set_aside_not_deleted(tmp_path):
 def test_differences_name_each_setting():
     saved = {"seq_len": 128, "models": [{"hidden_dropout": 0.1}], "data": {"train": "a"}}
     now = {"seq_len": 512, "models": [{"hidden_dropout": 0.1}], "data": {"train": "b"}}
-    assert identity.differences(saved, now) == [
+    assert same_run.differences(saved, now) == [
         "the data (--data): other content than the checkpoint's (data.train)",
         "seq_len: 128 in the checkpoint, 512 now (--seq-len)"]
-    assert identity.differences(saved, saved) == []
-
-
-def test_a_checkpoint_from_before_the_loss_normalization_was_recorded_counts_as_micro_batch():
-    earlier = {"seq_len": 128}  # an earlier version's identity: no loss_normalization
-    assert identity.differences(earlier, {"seq_len": 128, "loss_normalization": "per-token"}) == [
-        "loss_normalization: 'micro-batch' in the checkpoint, 'per-token' now "
-        "(--loss-normalization)"]
-    assert identity.differences(earlier, {"seq_len": 128, "loss_normalization": "micro-batch"}) \
-        == []
+    assert same_run.differences(saved, saved) == []
 
 
 def test_configs_that_would_apply_a_step_that_is_not_finite_are_refused():

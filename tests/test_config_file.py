@@ -12,6 +12,7 @@ import pytest
 
 from tupe_ds.tools import command_line
 from tupe_ds.train import flags, recorded_settings
+from tupe_ds.train.checkpoint import history
 from tupe_ds.train.config import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,9 +179,8 @@ def test_recorded_settings_are_absolute_and_one_shot_flags_are_not_recorded(tmp_
     assert settings["ds_config"] == f"{tmp_path}/c.json" and settings["out"] == f"{tmp_path}/run"
     assert not set(recorded_settings.ONE_SHOT) & set(settings)
     os.makedirs("run")
-    (tmp_path / "run" / "run.json").write_text(json.dumps(
-        {"objective": "mlm", "data": "d", "tp": 1, "pp": 1, "models": [],
-         recorded_settings.FIELD: json.loads(json.dumps(settings))}))
+    history.append("run", [], [history.record("attempt", lineage="L",
+                                              settings=json.loads(json.dumps(settings)))])
     monkeypatch.chdir(tmp_path / "run")  # elsewhere: the paths still name the same folders
     again = command_line.parse(flags.parser(), ["--out", str(tmp_path / "run"), "--steps", "5"],
                                recorded=recorded_settings.of_run_folder)

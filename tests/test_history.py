@@ -5,7 +5,7 @@ machine (issue 65, item 6).
 no longer verify) with the real OUT/history.jsonl (history.append and history.read, in a folder of
 its own per example) and the flags a job's script repeats at every requeue. Its rules are what
 happens to a run: a start (the shell around `decide` mirrored from resume.plan_resume and
-choice.choose/record_start, killed in its append or not), training and a save (save.py's order:
+resume.choose/record_start, killed in its append or not), training and a save (save.py's order:
 the folder in the way set aside, the manifest, `committed`, `retired` then removal; killed at any
 of these), losing or damaging any file, setting a folder aside by hand, changing the layout, the
 job's script given `--resume-from`/`--fresh-start`, and the user running the exact command a
@@ -91,7 +91,7 @@ class RunFolder(RuleBasedStateMachine):
     lose_history_while_running = True
     kill_first_append = True
     garble_whole_last_line = True
-    # and one of choice.record_start, which the mirror below has mended (False: as it is)
+    # and one of resume.record_start, which the mirror below has mended (False: as it is)
     fresh_start_taken_when_live = True
     # bug 2 (consent_of): a command "FLAG --giving-up ID" counts as spent by any earlier FLAG
     # given when ID was the newest, so the command a line suggests can be spent already
@@ -178,11 +178,9 @@ class RunFolder(RuleBasedStateMachine):
             elif item["kind"] == "retired":
                 self.retired.add(item["id"])
 
-    def listing(self) -> history.Listing:
-        return history.Listing(
-            tuple(history.Folder(s, e.ckpt.id, LINEAGE) if e.state == "complete" else
-                  history.Folder(s, problem="damaged" if e.state == "damaged" else None)
-                  for s, e in sorted(self.folders.items())))
+    def listing(self) -> tuple:
+        return tuple(history.Folder(s, e.ckpt.id, LINEAGE) if e.state == "complete" else
+                     history.Folder(s) for s, e in sorted(self.folders.items()))
 
     def snapshot(self):
         data = open(self.path, "rb").read() if os.path.exists(self.path) else None
@@ -194,7 +192,7 @@ class RunFolder(RuleBasedStateMachine):
         return Ckpt(f"c{self.ids:03d}s{step}", step, list(self.job.consents), self.job.layout,
                     self.clock)
 
-    # --- the start: resume.plan_resume and choice.choose, mirrored ---------------------------
+    # --- the start: resume.plan_resume and resume.choose, mirrored ---------------------------
 
     def plan(self, flags: history.Flags) -> Optional[dict]:
         try:
@@ -205,7 +203,7 @@ class RunFolder(RuleBasedStateMachine):
                     if e.state == "complete"}
         kept = {e.ckpt.id: manifest_of(e.ckpt) for e in self.aside if e.state == "complete"}
         records = records or []
-        appends = history.rebuilt(records, complete, kept)
+        appends = history.rebuilt(records, list(complete.values()), kept)
         notes = ["history made again from the manifests"] if appends else []
         live = history.live([*records, *appends])
         decision = history.decide([*records, *appends], self.listing(), flags, LINEAGE)
@@ -564,7 +562,7 @@ def test_random_histories():
     run_machine(RunFolder, 300)
 
 
-# --- the issue's cases, on real folders: resume.plan_resume and choice.choose as they are -------
+# --- the issue's cases, on real folders: resume.plan_resume and resume.choose as they are -------
 
 LAYOUT = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "zero_stage": 2, "micro_batch": 8,
           "gradient_accumulation": 1, "vocab_size": 1024}
@@ -612,14 +610,14 @@ def damage_files(out, step: int) -> None:
 def started(out, resume_from=None, fresh_start=False, giving_up=None):
     """A start as tupe-pretrain makes it (plan_resume, then choose on every rank, which records
     it): (the step resumed, 0 for step 0, or the refusal; what it said)."""
-    from tupe_ds.train.checkpoint import choice, resume
+    from tupe_ds.train.checkpoint import resume
     from tupe_ds.train.flags import Refused
 
     said = []
     try:
         plan = resume.plan_resume(out, "auto", resume_from, 1, 1, 1, 2, fresh_start=fresh_start,
                                   giving_up=giving_up)
-        chosen = choice.choose(plan, 1, 1, 1, 2, said.append,
+        chosen = resume.choose(plan, 1, 1, 1, 2, said.append,
                                (out, history.attempt_fields(LINEAGE, {}, {})))
     except (ValueError, Refused) as refusal:
         return str(refusal), said
@@ -707,7 +705,7 @@ def test_a_torn_last_line_is_ignored_and_a_damaged_middle_line_refuses(out, one_
     assert started(out)[0] == 4
 
 
-# --- what the machine found (issue 65, item 6): each fails as history.py and choice.py are ------
+# --- what the machine found (issue 65, item 6): each fails as history.py and resume.py are ------
 
 def test_fresh_start_giving_up_a_lost_checkpoint_is_taken(out, one_process):
     saved(out, 2)

@@ -13,13 +13,13 @@ from tupe_ds.data.loader import Vocabulary
 from tupe_ds.data.masking import IGNORE_INDEX, MaskingIds, MaskingScheme, mask_batch, mask_tokens
 from tupe_ds.export.hf.convert import model_card, transformers_config
 from tupe_ds.model.config import ModelConfig
-from tupe_ds.train.checkpoint import identity
+from tupe_ds.train.checkpoint import same_run
 from tupe_ds.train.config import load
 from tupe_ds.train.datasets import datasets
 from tupe_ds.train.flags import parser
 from tupe_ds.train.masking_flags import masking_scheme
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.start_record import write_run_description
+from tupe_ds.train.run_description import write_run_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
@@ -91,12 +91,17 @@ def test_a_run_streams_and_records_its_masking_and_a_resume_with_another_is_name
         data, tmp_path, monkeypatch):
     """The run's data streams mask as the flags say; its identity and run.json record the
     scheme; a checkpoint's identity of another scheme differs in lines naming each flag and
-    both values (what allowed_changes.refuse_another_run says)."""
+    both values (what same_run.refuse_another_run says)."""
     run = start(data, tmp_path, monkeypatch, *CHANGED_FLAGS, "--objective", "electra")
     assert run.masking == CHANGED and run.identity["masking"] == dataclasses.asdict(CHANGED)
-    monkeypatch.setattr(dist, "get_rank", lambda: 0)  # datasets.datasets' rank 0, no process group
-    monkeypatch.setattr(dist, "barrier", lambda: None)
-    streams = datasets(run, Vocabulary.from_data_dir(data), OBJECTIVES[run.objective])
+    started = not dist.is_initialized()  # datasets' collectives, in a one-process group
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        streams = datasets(run, Vocabulary.from_data_dir(data), OBJECTIVES[run.objective])
+    finally:
+        if started:
+            dist.destroy_process_group()
     assert {samples.scheme for samples in [*streams["train"].sources, *streams["valid"]]} == \
         {CHANGED}
     os.makedirs(run.out)  # as train() does before it writes run.json
@@ -106,7 +111,7 @@ def test_a_run_streams_and_records_its_masking_and_a_resume_with_another_is_name
 
     # another folder: in the same one, the run's recorded masking would be the default's
     default = start(data, tmp_path / "other", monkeypatch, "--objective", "electra")
-    assert identity.differences(default.identity, run.identity) == [
+    assert same_run.differences(default.identity, run.identity) == [
         "masking.mask: 0.85 in the checkpoint, 0.7 now (--mask-split)",
         "masking.probability: 0.15 in the checkpoint, 0.3 now (--mask-rate)",
         "masking.random: 0.0 in the checkpoint, 0.2 now (--mask-split)"]

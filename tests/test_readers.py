@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 
 from tupe_ds.tools.lock_holder import this_holder
 from tupe_ds.train import monitor, run_description, run_lock
-from tupe_ds.train.checkpoint import folder, identity, manifest, reshard, resume
+from tupe_ds.train.checkpoint import folder, manifest, reshard, resume, same_run
 from tupe_ds.train.run_lock import RunFolderBusy, RunLock
 
 
@@ -351,7 +351,7 @@ def plant(directory: str, content: dict, lineage: dict, latest) -> None:
 def test_survey_sorts_each_step_folder_into_complete_or_damaged(folder_content):
     """folder.survey: every step folder with a manifest is complete (its manifest, readable,
     with a layout) or damaged (a line naming it), never both, and it never raises; a good one
-    is complete. complete_steps, legacy_step and latest_step follow from it (`latest` random)."""
+    is complete. complete_steps and latest_step follow from it (`latest` random)."""
     content, lineage, latest = folder_content
     with tempfile.TemporaryDirectory() as tmp:
         plant(tmp, content, lineage, latest)
@@ -367,9 +367,7 @@ def test_survey_sorts_each_step_folder_into_complete_or_damaged(folder_content):
         for step, line in damaged_steps.items():
             assert isinstance(line, str) and f"step{step}" in line
         assert folder.complete_steps(tmp) == sorted(complete)
-        legacy = folder.legacy_step(tmp)
-        assert legacy is None or (legacy in content and not with_manifest)
-        assert folder.latest_step(tmp) == (max(complete) if complete else legacy or 0)
+        assert folder.latest_step(tmp) == (max(complete) if complete else 0)
 
 
 @at_most(150)
@@ -386,7 +384,6 @@ def test_latest_tag_is_a_checkpoint_name_or_none(data):
         event(f"a tag: {tag is not None}")
         assert tag is None or (folder.TAG.match(tag) and tag == data[:256].decode(
             "utf-8", errors="replace").strip())
-        assert folder.legacy_step(tmp) is None  # no step folder to resume
         assert folder.latest_step(tmp) == 0
 
 
@@ -415,16 +412,16 @@ def test_a_layout_reads_as_counts_or_a_value_error(layout):
         assert str(error).startswith("checkpoint step8: its manifest's layout is damaged (")
 
 
-# --- checkpoint/identity.py ----------------------------------------------------------------
+# --- checkpoint/same_run.py ----------------------------------------------------------------
 
 @at_most(150)
 @given(saved=json_values | mutated(IDENTITY) | mutated(TRAINING))
 @example(saved=IDENTITY)
 def test_identity_differences_are_lines_whatever_the_manifest_records(saved):
-    """identity.differences(saved, current) with whatever JSON a damaged-but-parseable
+    """same_run.differences(saved, current) with whatever JSON a damaged-but-parseable
     manifest's identity holds: a list of lines, never an exception; none when nothing differs,
     and a line naming each top-level setting that does."""
-    lines = identity.differences(saved, IDENTITY)
+    lines = same_run.differences(saved, IDENTITY)
     event(f"{min(len(lines), 3)}+ lines")
     assert isinstance(lines, list) and all(isinstance(line, str) for line in lines)
     if saved == IDENTITY:
@@ -434,7 +431,7 @@ def test_identity_differences_are_lines_whatever_the_manifest_records(saved):
             if not isinstance(value, (dict, list)) and key in saved \
                     and not isinstance(saved[key], (dict, list)) and saved[key] != value:
                 assert any(key in line for line in lines), (key, lines)
-    assert isinstance(identity.differences(saved, TRAINING), list)
+    assert isinstance(same_run.differences(saved, TRAINING), list)
 
 
 # --- run_description.py ------------------------------------------------------------------------
@@ -445,8 +442,7 @@ def test_identity_differences_are_lines_whatever_the_manifest_records(saved):
 @example(data=encoded(RUN))
 def test_run_description_reads_or_names_run_json(data):
     """run_description.read: a description with the fields its readers use, or ValueError
-    naming OUT/run.json (missing too); lineage: its lineage or None, never an exception;
-    damage: None for a good or missing one, else read's message."""
+    naming OUT/run.json (missing too); lineage: its lineage or None, never an exception."""
     with tempfile.TemporaryDirectory() as out:
         path = os.path.join(out, run_description.FILE)
         if data == "a folder":
@@ -459,7 +455,6 @@ def test_run_description_reads_or_names_run_json(data):
             event("ValueError")
             assert names_the_file(error, path), error
             assert run_description.lineage(out) is None
-            assert run_description.damage(out) == (str(error) if data is not None else None)
             return
         event("a description")
         assert isinstance(description, dict)
@@ -469,7 +464,6 @@ def test_run_description_reads_or_names_run_json(data):
         recorded = description.get("lineage")
         assert run_description.lineage(out) == (recorded if isinstance(recorded, str)
                                                 and recorded else None)
-        assert run_description.damage(out) is None
 
 
 # --- run_lock.py -------------------------------------------------------------------------------
@@ -651,7 +645,7 @@ def test_plan_resume_on_damaged_checkpoints_is_a_plan_none_or_a_value_error(fold
         event(f"resumes {'a step' if plan.candidates else 'nothing'}, passes over "
               f"{len(plan.passed_over)}")
         newest = plan.candidates[0] if plan.candidates else -1
-        assert set(plan.candidates) <= set(complete) or not plan.verified
+        assert set(plan.candidates) <= set(complete)
         assert plan.candidates == tuple(sorted(plan.candidates, reverse=True))
         assert [line.split(": ")[0] for line in plan.passed_over] == [
             f"step{s}" for s in sorted(damaged_steps) if s > newest]
@@ -691,7 +685,7 @@ def test_a_damaged_older_checkpoint_never_stops_the_newest_good_one_from_resumin
         plan = plan_resume(out)
         event(f"{len(older)} older, {len(plan.candidates)} candidates")
         assert plan is not None and plan.candidates[0] == 40 and plan.tag == "step40"
-        assert plan.verified and plan.resharding is None and plan.passed_over == ()
+        assert plan.resharding is None and plan.passed_over == ()
         assert not plan.by_hand
 
 
@@ -731,7 +725,8 @@ def deep_survey(tmp):
 def deep_run_description(tmp):
     write_bytes(os.path.join(tmp, run_description.FILE), DEEP)
     assert run_description.lineage(tmp) is None
-    assert run_description.damage(tmp).startswith(os.path.join(tmp, run_description.FILE))
+    with pytest.raises(ValueError, match="run.json: not readable as a run description"):
+        run_description.read(tmp)
 
 
 def deep_run_lock(tmp):
@@ -762,7 +757,7 @@ def deep_identity(tmp):
     write_bytes(os.path.join(step_dir, manifest.MANIFEST),
                 encoded({**manifest_record(8), "files": {}, "identity": nested(800)}))
     saved = manifest.read(step_dir)  # parseable: json nests this deep
-    lines = identity.differences(saved["identity"], IDENTITY)
+    lines = same_run.differences(saved["identity"], IDENTITY)
     assert lines and all(isinstance(line, str) for line in lines)
 
 

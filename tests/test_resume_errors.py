@@ -16,7 +16,7 @@ import torch
 
 from one_process import deepspeed_group  # noqa: F401
 from test_checkpoint import LAYOUT
-from tupe_ds.train.checkpoint import (choice, folder, history, loading, manifest, reads, resume,
+from tupe_ds.train.checkpoint import (folder, history, loading, manifest, reads, resume,
                                       safe_load)
 from tupe_ds.train.flags import Refused
 
@@ -54,7 +54,7 @@ def plan(out, resume_from=None, fresh_start=False, giving_up=None):
 
 def choose(out, **flags):
     said = []
-    return choice.choose(plan(out, **flags), 1, 1, 1, 2, said.append), said
+    return resume.choose(plan(out, **flags), 1, 1, 1, 2, said.append), said
 
 
 def everything_in(out):

@@ -30,8 +30,6 @@ def cut_back_to(run, copy, step):
     last = max(i for i, r in enumerate(records) if r["kind"] == "committed" and r["step"] == step)
     os.remove(copy / history.FILE)
     history.append(str(copy), [], records[:last + 1])
-    description = json.loads((copy / "run.json").read_text())
-    (copy / "run.json").write_text(json.dumps({**description, "newest_checkpoint": step}))
     with open(copy / "train_log.jsonl") as f:
         kept = [line for line in f if json.loads(line)["step"] <= step]
     (copy / "train_log.jsonl").write_text("".join(kept))

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from tupe_ds.train import config
+from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.config import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,24 +114,25 @@ def test_the_configs_micro_batch_is_the_most_a_rank_runs(data, tmp_path, monkeyp
 
 
 def saved_checkpoint(out, **layout):
-    """A checkpoint folder holding only what the configuration reads: its layout.json (and the
-    name of a ZeRO optimizer shard)."""
+    """A complete checkpoint holding only what the configuration reads: its manifest with the
+    layout (and the name of a ZeRO optimizer shard)."""
     step = out / "checkpoints" / "step3"
     step.mkdir(parents=True)
     saved = {"world_size": 2, "tp": 1, "pp": 1, "dp": 2, "zero_stage": 2, "micro_batch": 8,
              "gradient_accumulation": 1, "vocab_size": 1024, **layout}
-    (step / "layout.json").write_text(json.dumps(saved))
     (step / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_text("")
-    (out / "checkpoints" / "latest").write_text("step3")
+    manifest.write(str(step), {"tag": "step3", "step": 3, "id": "a-checkpoint", "lineage": "L",
+                               "identity": {}, "layout": saved, "files": manifest.describe(
+                                   str(step), ["zero_pp_rank_0_mp_rank_00_optim_states.pt"])})
 
 
 def test_a_checkpoint_of_another_layout_is_converted_or_refused_before_any_process_starts(
         data, tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "refuse_another_run", lambda *args: None)  # layouts alone here
     saved_checkpoint(tmp_path / "run", world_size=4, dp=4, vocab_size=1280)
     monkeypatch.setenv("WORLD_SIZE", "2")
     run = load(base(data, tmp_path, "--tp", "2"))
     assert run.resume_plan.resharding.convert and run.resume_plan.resharding.saved.dp == 4
-    assert not run.resume_plan.verified  # no manifest: written by an earlier version
     assert run.ds_config["checkpoint"]["load_universal"]
     assert run.models[0].vocab_size == 1280  # the checkpoint's padding, not this tp's (1024)
     assert "--resume never, and it holds checkpoints of a run (step3)" in fails(

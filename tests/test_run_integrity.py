@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runs import CPU_CONFIG, ROOT, environment, free_port, log, losses
-from tupe_ds.train.checkpoint import allowed_changes, manifest, safe_load
+from tupe_ds.train.checkpoint import manifest, safe_load, same_run
 
 FAULT_WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
 FLAGS = ["--steps", "12", "--save-interval", "2", "--eval-interval", "12", "--dropout", "0",
@@ -585,12 +585,12 @@ def test_resume_refusals_name_what_to_change_and_accept_it(data, reference, tmp_
     step12 = str(reference / "checkpoints" / "step12")
     changed = accepted(flags_of(data, reference, "--lr", "1e-3", "--allow-training-changes"))
     assert "optimizer.params.lr: 0.002 in the checkpoint, 0.001 now (--lr)" in \
-        "\n".join(allowed_changes.training_changes(step12, changed.training, allow=True))
+        "\n".join(same_run.training_changes(step12, changed.training, allow=True))
     said = refusal(flags_of(data, reference, "--steps", "14"), monkeypatch)  # the decay moves
     assert "resuming step12 with --steps 14: step 13 would run at learning rate " in said
     assert "Resume with --steps 12 to keep that schedule, or add --allow-training-changes" in said
     longer = accepted(flags_of(data, reference, "--steps", "14", "--allow-training-changes"))
-    assert allowed_changes.training_changes(step12, longer.training, allow=False) == []
+    assert same_run.training_changes(step12, longer.training, allow=False) == []
     config["optimizer"]["params"].update(betas=[0.9, 0.999], amsgrad=True)
     amsgrad = tmp_path / "amsgrad.json"
     amsgrad.write_text(json.dumps(config))
@@ -726,37 +726,6 @@ def test_a_real_full_disk_stops_the_run_and_loses_nothing(data, reference, tmp_p
                             reference / "checkpoints" / "step12")
     finally:
         subprocess.run(["umount", "-l", str(disk)])
-
-
-def test_a_checkpoint_of_an_earlier_tupe_ds_is_checked_by_its_optimizer_state(data, reference,
-                                                                              tmp_path):
-    """A manifest without training settings (an earlier tupe_ds): other betas in the config are
-    found in the optimizer state DeepSpeed restored, refused without --allow-training-changes,
-    and in force with it."""
-    out = tmp_path / "run"
-    shutil.copytree(reference, out)
-    step12 = out / "checkpoints" / "step12"
-    record = manifest.read(step12)
-    del record["training"]
-    manifest.write(step12, record)
-    config = json.loads(open(CPU_CONFIG).read())
-    config["optimizer"]["params"]["betas"] = [0.8, 0.99]
-    betas = tmp_path / "betas.json"
-    betas.write_text(json.dumps(config))
-    # --steps 12: its schedule, as a manifest without training settings records no rate either
-    said = run(data, out, *FLAGS, "--steps", "12", "--ds-config", str(betas), expect=1)
-    assert f"{step12} (written by an earlier tupe_ds, which did not record its training " \
-           "settings) holds an optimizer state made otherwise: optimizer.params.betas: " \
-           "[0.9, 0.999] in the checkpoint, [0.8, 0.99] now" in said
-    assert "exit worker: rank 0, exit code 2" in said
-    said = run(data, out, *FLAGS, "--steps", "14", "--ds-config", str(betas),
-               "--allow-training-changes")
-    assert "resuming step12 with changed training settings (--allow-training-changes): " \
-           "optimizer.params.betas: [0.9, 0.999] in the checkpoint, [0.8, 0.99] now" in said
-    shard = safe_load.load(out / "checkpoints" / "step14" /
-                           "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    groups = shard["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
-    assert [tuple(g["betas"]) for g in groups] == [(0.8, 0.99)] * len(groups)
 
 
 def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path, monkeypatch):

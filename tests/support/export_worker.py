@@ -15,11 +15,11 @@ from tupe_ds.data.loader import TrainBatches, Vocabulary
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import (accelerator_device, end_distributed, gather_tensor_parallel,
                                           start_distributed)
-from tupe_ds.train.checkpoint.save import save
+from tupe_ds.train.checkpoint.save import save, saved_layout
 from tupe_ds.train.config import load
 from tupe_ds.train.datasets import datasets
 from tupe_ds.train.engine import build_engine
-from tupe_ds.train.start_record import saved_layout, write_run_description
+from tupe_ds.train.run_description import write_run_description
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.tools import startup
 

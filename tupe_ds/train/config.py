@@ -1,6 +1,6 @@
 """A run's typed configuration: `load()` puts the command line (`flags.py`), the process layout,
 the DeepSpeed config (`ds_config.py`), the checkpoint to resume or start from (checked against
-this run: `checkpoint/`, a decay branch's: `decay_branch.py`) and the model configs together in
+this run: `checkpoint/`, a decay branch's: `checkpoint/init_from.py`) and the model configs together in
 a `RunConfig`, all checked before any heavy work."""
 
 import argparse
@@ -18,12 +18,11 @@ from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
 from tupe_ds.train import nonfinite, optimizer_boundary, recorded_settings, run_lock
 from tupe_ds.train.checkpoint import InitPlan, ResumePlan, manifest
-from tupe_ds.train.checkpoint.identity import run_identity
-from tupe_ds.train.checkpoint.allowed_changes import refuse_another_run
-from tupe_ds.train.checkpoint.init_from import plan_init
+from tupe_ds.train.checkpoint.init_from import (branch_rate_change, check_branch, plan_init,
+                                                refuse_another_branch)
 from tupe_ds.train.checkpoint.resume import plan_resume
+from tupe_ds.train.checkpoint.same_run import refuse_another_run, run_identity
 from tupe_ds.train.data_folders import data_sources
-from tupe_ds.train.decay_branch import branch_rate_change, check_branch, refuse_another_branch
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_config
 from tupe_ds.train.flags import SHAPE_FLAGS, check_flags, fail, parser
 from tupe_ds.train.masking_flags import masking_scheme
@@ -82,8 +81,8 @@ class RunConfig:
     loss_normalization: str  # a mode of tupe_ds.train.normalization
     masking: MaskingScheme  # the objective's, with --mask-rate and --mask-split
     batch_split: BatchSplit  # micro-batch x accumulation x dp, and what set it
-    identity: dict  # what defines the stream and the model (checkpoint/identity.py)
-    training: dict  # the optimizer and schedule settings (identity.training_settings)
+    identity: dict  # what defines the stream and the model (checkpoint/same_run.py)
+    training: dict  # the optimizer and schedule settings (same_run.training_settings)
     resume_plan: Optional[ResumePlan] = None  # the checkpoint of --out to resume
     init_plan: Optional[InitPlan] = None  # --init-from, for a run with nothing to resume
     branch_origin: Optional[str] = None  # --branch: its --init-from, absolute (run.json)
@@ -217,7 +216,7 @@ def moved_rate(args: argparse.Namespace, plan: Optional[ResumePlan],
                ds_config: dict) -> Optional[ResumePlan]:
     """A resume whose --steps moves the rate of the step after its checkpoint (a decay's end, a
     warmup cut to --steps): refused naming both rates, or with --allow-training-changes said."""
-    if not (plan and plan.candidates and plan.verified and plan.candidates[0] < args.steps):
+    if not (plan and plan.candidates and plan.candidates[0] < args.steps):
         return plan
     try:
         schedule = manifest.read(os.path.join(plan.directory, plan.tag)).get("lr_schedule")

@@ -12,7 +12,7 @@ from tupe_ds.distributed.launch import processes_on_this_node
 from tupe_ds.machine import doctor
 from tupe_ds.train import batch_ramp, normalization, precision
 from tupe_ds.train.batch_ramp import RampSettings
-from tupe_ds.train.checkpoint.identity import training_settings
+from tupe_ds.train.checkpoint.same_run import training_settings
 from tupe_ds.train.flags import MICRO_BATCH_AUTO, fail
 from tupe_ds.train.schedule import SCHEDULE_NAMES, config_warmup, decay_room, scheduler_config
 

@@ -15,12 +15,12 @@ from megatron.core import parallel_state
 from tupe_ds.data.loader import TrainBatches
 from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, start_distributed
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
-from tupe_ds.train import (auto_micro_batch, optimizer_boundary, precision, run_files,
-                           run_lock, starting_point)
+from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_files, run_lock
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
-from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.checkpoint import manifest, resume
 from tupe_ds.train.checkpoint.reshard import SavedLayout
-from tupe_ds.train.checkpoint.save import NonFiniteWeights, SaveFailed, save
+from tupe_ds.train.checkpoint.save import (NonFiniteWeights, SaveFailed, checkpoint_record, save,
+                                           saved_layout)
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.datasets import open_datasets, train_batches
 from tupe_ds.train.engine import build_engine, build_model
@@ -30,7 +30,7 @@ from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.objectives import OBJECTIVES, Electra, MaskedLM
 from tupe_ds.train.progress import start_line
 from tupe_ds.train.schedule import follow_step
-from tupe_ds.train.start_record import checkpoint_record, describe_run, saved_layout
+from tupe_ds.train.run_description import describe_run
 from tupe_ds.train.steps import EngineSteps, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal, before_first_step
 from tupe_ds.train.validation import evaluate
@@ -47,7 +47,7 @@ class Training:
     data: dict  # datasets(): the training stream and each source's valid samples
     batches: TrainBatches
     layout: SavedLayout
-    record: dict  # start_record.checkpoint_record
+    record: dict  # save.checkpoint_record
     guard: NonFiniteGuard
     monitor: Monitor
 
@@ -71,7 +71,7 @@ def train(run: RunConfig, launcher: str) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     run_lock.confirm_on_every_rank(run.lock, run.out)
     dtype = precision.of_run(run.ds_config, say)
-    start = starting_point.agreed(run, say)
+    start = resume.agreed(run, say)
     objective = OBJECTIVES[run.objective]
     last_checkpoint = start.plan.tag if start.plan else None  # the newest intact one
     # DeepSpeed's monitor opens its events file inside the engine's build, on rank 0 alone
@@ -82,7 +82,7 @@ def train(run: RunConfig, launcher: str) -> None:
                             "write", os.path.join(run.out, "run.json"), last_checkpoint,
                             "rank 0 to write run.json")  # with the micro-batch chosen
     data = open_datasets(run, objective, rank, last_checkpoint)
-    state, branched = starting_point.load_or_initialise(run, engine, start, say)
+    state, branched = resume.load_or_initialise(run, engine, start, say)
     step = state["step"] if state else 0
     training = Training(
         objective, model, engine, steps, data,

@@ -38,20 +38,3 @@ def rate_from_schedule(engine) -> None:
     if engine.lr_scheduler is not None:
         for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_lr()):
             group["lr"] = lr
-
-
-def loaded_differences(engine, ds_config: dict) -> list:
-    """What the optimizer's parameter groups, as a checkpoint restored them, hold otherwise than
-    the config's optimizer parameters (betas, eps, weight decay, amsgrad): for checkpoints that
-    do not record their training settings (earlier tupe_ds), one line each."""
-    params = ds_config.get("optimizer", {}).get("params", {})
-    group = engine.optimizer.param_groups[0]  # the decayed one (parameter_groups)
-    lines = []
-    for name in ("betas", "eps", "weight_decay", "amsgrad"):
-        if name in params and name in group:
-            held, now = group[name], params[name]
-            if isinstance(held, (tuple, list)):
-                held, now = list(held), list(now)
-            if held != now:
-                lines.append(f"optimizer.params.{name}: {held!r} in the checkpoint, {now!r} now")
-    return lines

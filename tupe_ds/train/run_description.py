@@ -1,27 +1,16 @@
-"""OUT/run.json: what a run is (its models, layout, data and lineage), written by rank 0 at every
-start (atomically), read by tupe-export, tupe-compare and the next start of the same run.
+"""OUT/run.json: what a run is (models, layout, data, lineage), written by rank 0 at each start
+for tupe-export, tupe-compare and auto_micro_batch; what a start decides from is the history's."""
 
-It is a description for other tools, written anew at each start: where a start goes on from is
-decided from the run's history (checkpoint/history.py), never from it.
-
-The lineage names the run: every checkpoint it writes carries it (checkpoint/manifest.py), so a
-checkpoint of another run copied into OUT/checkpoints is told apart from the run's own however
-its settings compare.
-"""
-
+import dataclasses
 import json
 import os
-from typing import Optional
 
 from tupe_ds.tools.files import NotRegularFile, write_atomically
+from tupe_ds.train import monitor  # a module: it imports this one (through checkpoint)
 from tupe_ds.train.checkpoint import reads
 
 FILE = "run.json"
 FIELDS = {"objective": str, "data": str, "tp": int, "pp": int, "models": list}  # what readers use
-
-
-def write(out: str, description: dict) -> None:
-    write_atomically(os.path.join(out, FILE), json.dumps(description, indent=1))
 
 
 def read(out: str) -> dict:
@@ -31,8 +20,7 @@ def read(out: str) -> dict:
     try:
         description = json.loads(reads.read_bytes(path, root=out).decode("utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path}: missing; tupe-pretrain writes it at the start of a run") \
-            from None
+        raise ValueError(f"{path}: missing; tupe-pretrain writes it when a run starts") from None
     except (NotRegularFile, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ValueError(f"{path}: not readable as a run description ({error})") from None
     if not isinstance(description, dict):
@@ -43,40 +31,51 @@ def read(out: str) -> dict:
                 kind is list and not all(isinstance(item, dict) for item in value)):
             raise ValueError(f"{path}: not a run description tupe-pretrain wrote ({field} is "
                              f"missing or not a {kind.__name__})")
-    if "lineage" in description and not (isinstance(description["lineage"], str)
-                                         and description["lineage"]):
-        raise ValueError(f"{path}: not a run description tupe-pretrain wrote (its lineage is not "
-                         "a name)")
+    if not isinstance(description.get("lineage", "-"), str) or description.get("lineage") == "":
+        raise ValueError(f"{path}: not a run description tupe-pretrain wrote (lineage not a name)")
     return description
 
 
 def recorded(out: str) -> dict:
-    """OUT/run.json as it is ({} when it does not read): what an earlier start recorded."""
+    """OUT/run.json as it is ({} when it does not read)."""
     try:
         return read(out)
     except ValueError:
         return {}
 
 
-def lineage(out: str) -> Optional[str]:
-    """The lineage OUT/run.json records; None when there is none to read (no run.json, one
-    written before lineages were recorded, or a damaged one: then the checkpoints decide)."""
-    value = recorded(out).get("lineage")
-    return value if isinstance(value, str) and value else None
+def lineage(out: str) -> str | None:
+    """The lineage OUT/run.json records; None when there is none to read."""
+    return recorded(out).get("lineage")
 
 
-def branched_from(out: str) -> Optional[str]:
-    """The --init-from a decay branch (--branch) in `out` started from, as OUT/run.json
-    records it; None for a run that is not one (or no readable run.json)."""
+def branched_from(out: str) -> str | None:
+    """The --init-from a decay branch (--branch) in `out` started from; None for another run."""
     return recorded(out).get("branched_from")
 
 
-def damage(out: str) -> Optional[str]:
-    """What is wrong with an existing OUT/run.json (None: none there, or a good one)."""
-    if not os.path.exists(os.path.join(out, FILE)):
-        return None
-    try:
-        read(out)
-    except ValueError as error:
-        return str(error)
-    return None
+def write_run_description(run, lineage: str) -> None:
+    """OUT/run.json, atomically: the models, layout, data, lineage and schedule of `run`."""
+    batch = run.ds_config["train_batch_size"]
+    write_atomically(os.path.join(run.out, FILE), json.dumps({
+        "objective": run.objective, "lineage": lineage, "data": os.path.abspath(run.data),
+        "sources": [{"folder": os.path.abspath(source.folder), "weight": source.weight,
+                     "name": source.name} for source in run.sources],
+        "tp": run.layout.tp, "pp": run.layout.pp, "steps": run.steps, "global_batch": batch,
+        "seq_len": run.seq_len, "masking": dataclasses.asdict(run.masking),
+        "rampup_batch_size": str(run.batch_split.ramp) if run.batch_split.ramp else None,
+        "lr_schedule": run.ds_config.get("scheduler"),
+        "branched_from": run.branch_origin or branched_from(run.out),
+        "flops_per_step": monitor.run_flops_per_step(run.models, batch, run.seq_len),
+        "micro_batch": {"size": run.batch_split.micro_batch, "auto": run.batch_split.auto},
+        "models": [dataclasses.asdict(config) for config in run.models]}, indent=1))
+
+
+def describe_run(run, lineage: str, say) -> None:
+    """Rank 0: OUT/run.json written, said where the one there was damaged."""
+    if os.path.exists(os.path.join(run.out, FILE)):
+        try:
+            read(run.out)
+        except ValueError as error:
+            say(f"tupe-pretrain: {error}: written anew", flush=True)
+    write_run_description(run, lineage)

@@ -1,17 +1,7 @@
 """Reading the run folder through a filesystem that may fail for a while: unreadable is not
-damaged.
-
-A Lustre or NFS client answers EIO or ESTALE for seconds after a server hiccup, and a file may
-vanish under a read. Such an OSError says nothing about the checkpoint, so it must never make a
-checkpoint damaged (set aside, and the run resumed from an older one or from step 0): each read
-of the run folder's files is retried with backoff for TUPE_DS_READ_RETRY_SECONDS (default 120),
-said once per file, and then the run stops (exit code 3, `Unreadable`) having moved and deleted
-nothing, so that the next attempt (Slurm's requeue, the user) finds everything in place.
-
-A file that is not there at all (FileNotFoundError before any byte was read) is missing, and a
-path that is no regular file or links out of its folder (`regular_file`) is not the file: both
-are the checkpoint's damage, as content that reads and fails its size, checksum or format is.
-"""
+damaged. An OSError (EIO, ESTALE) is retried for TUPE_DS_READ_RETRY_SECONDS (default 120), said
+once, then the run stops (exit code 3, Unreadable) with nothing moved or deleted; a file not
+there, or no regular file, is the checkpoint's damage (docs/reliability.md)."""
 
 import os
 import time
@@ -25,27 +15,22 @@ from tupe_ds.train.flags import TrainingStopped
 from tupe_ds.train.waits import announced
 
 RETRY_SECONDS = "TUPE_DS_READ_RETRY_SECONDS"
-DEFAULT_RETRY_SECONDS = 120.0
 FIRST_PAUSE, LONGEST_PAUSE = 0.1, 5.0
 
 Result = TypeVar("Result")
 
 
 class Unreadable(TrainingStopped):
-    """A file of the run folder that did not read for the whole retry window: the run stops
-    (exit code 3) with nothing moved or deleted. `everywhere`: every rank raises it alike (agreed
-    in a collective); else this rank alone, while the others wait for it in a collective."""
+    """A file that did not read for the retry window; `everywhere`: every rank raises it alike."""
 
     def __init__(self, message: str, everywhere: bool = False):
         super().__init__(message, everywhere)
 
     @classmethod
-    def reading(cls, path: str, error: OSError, seconds: Optional[float] = None,
-                everywhere: bool = False) -> "Unreadable":
-        """`path` failed with `error` (for `seconds` of retries, when it was retried)."""
+    def reading(cls, path: str, error: OSError, seconds: Optional[float] = None) -> "Unreadable":
         tried = f" for {seconds:g} s" if seconds else ""
         return cls(f"could not read {path} ({error_text(error)}){tried}: nothing was moved or "
-                   "deleted; run the same command once the filesystem answers", everywhere)
+                   "deleted; run the same command once the filesystem answers")
 
 
 def error_text(error: OSError) -> str:
@@ -55,25 +40,17 @@ def error_text(error: OSError) -> str:
     return f"[Errno {error.errno}] {error.strerror or os.strerror(error.errno)}"
 
 
-def retry_seconds() -> float:
-    return settings.seconds(RETRY_SECONDS, DEFAULT_RETRY_SECONDS, least=0)
-
-
 def retried(path: str, read: Callable[[], Result], expected: bool = False) -> Result:
-    """read(), again with backoff while it raises an OSError other than FileNotFoundError (a
-    file that is not there is missing, for the caller to say); Unreadable naming `path` once the
-    retry window has passed. The first failure is said, once. `expected`: the file must be
-    there (its manifest lists it), so FileNotFoundError too is retried, then raised: an NFS
-    client may answer ENOENT for a while after a server hiccup."""
-    seconds = retry_seconds()
+    """read(), retried while it raises an OSError, then Unreadable naming `path`; FileNotFoundError
+    is raised at once, or with `expected` (the manifest lists the file) once the window is over."""
+    seconds = settings.seconds(RETRY_SECONDS, 120.0, least=0)
     deadline, pause = time.monotonic() + seconds, FIRST_PAUSE
     while True:
         try:
             return read()
         except OSError as error:
-            missing = isinstance(error, FileNotFoundError)
             left = deadline - time.monotonic()
-            if missing and (not expected or left <= 0):
+            if isinstance(error, FileNotFoundError) and (not expected or left <= 0):
                 raise
             if left <= 0:
                 raise Unreadable.reading(path, error, seconds) from None
@@ -85,8 +62,8 @@ def retried(path: str, read: Callable[[], Result], expected: bool = False) -> Re
 
 
 def read_bytes(path: str, root: Optional[str] = None) -> bytes:
-    """The bytes of the regular file `path` (inside `root`, when given), retried;
-    FileNotFoundError when it is not there, NotRegularFile when it is no regular file."""
+    """The bytes of regular file `path` (inside `root`), retried; FileNotFoundError,
+    NotRegularFile."""
     def read():
         with open(regular_file(path, root), "rb") as f:
             return f.read()
@@ -94,32 +71,25 @@ def read_bytes(path: str, root: Optional[str] = None) -> bytes:
 
 
 def exists(path: str) -> bool:
-    """Whether `path` is there, retried: os.path.exists says False for any error, and a
-    manifest that EIO hides would make its checkpoint look incomplete."""
-    def there():
-        try:
-            os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        return True
-    return retried(path, there)
+    """Whether `path` is there, retried (os.path.exists says False for any error)."""
+    return retried(path, lambda: _unless_absent(os.stat, path, None) is not None)
 
 
 def list_folder(path: str) -> list:
     """The names in folder `path`, retried; [] when it is not there."""
-    def names():
-        try:
-            return os.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-    return retried(path, names)
+    return retried(path, lambda: _unless_absent(os.listdir, path, []))
+
+
+def _unless_absent(call: Callable[[str], Result], path: str, absent: Result) -> Result:
+    try:
+        return call(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return absent
 
 
 def gathered(work: Callable[[], Result], waiting_for: str) -> List[Result]:
-    """Collective: work() on every rank, and every rank's result, in rank order; when work()
-    raised Unreadable on any rank, every rank raises the first such rank's, so that all stop
-    alike (none is left waiting for the others in a collective). `waiting_for`: what a rank
-    that waits says it waits for (waits.announced)."""
+    """Collective: every rank's work(), in rank order; when any rank's raised Unreadable, every rank
+    raises the first one's. `waiting_for`: what a waiting rank says it waits for."""
     rank = dist.get_rank()
     try:
         outcome = (work(), None)
@@ -128,7 +98,6 @@ def gathered(work: Callable[[], Result], waiting_for: str) -> List[Result]:
     every_rank = [None] * dist.get_world_size()
     with announced(waiting_for, rank):
         dist.all_gather_object(every_rank, outcome)
-    failed = next((failure for _, failure in every_rank if failure), None)
-    if failed:
+    if failed := next((failure for _, failure in every_rank if failure), None):
         raise Unreadable(failed, everywhere=True)
     return [result for result, _ in every_rank]

@@ -1,183 +1,154 @@
-"""The resume plan: which checkpoint a run resumes and, should its files not verify, which older
-ones in turn, decided before any process starts (`plan_resume`, from config.load) from the run's
-history and what its folder holds (`history.decide`).
-
-Every rank then verifies the plan (`choice.py`) before the engine is built and the checkpoint
-loaded (`loading.py`); rank 0 appends to the history what the start spent and moved. Also what
---out holds for --check-only (`what_is_where`)."""
+"""Where a start goes on from: the checkpoint it resumes, planned before any process starts from
+the run's history and folder (`plan_resume`), verified by every rank before the engine is built
+(`choose`), then loaded (`load_or_initialise`); else the checkpoint a new run starts from
+(init_from.py). What a start spent and moved goes into the history before anything moves."""
 
 import dataclasses
 import os
+import socket
 import uuid
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
-from tupe_ds.train import run_description
-from tupe_ds.train.checkpoint import folder as folders
-from tupe_ds.train.checkpoint import history, manifest, reads, reshard
+import torch.distributed as dist
+
+from tupe_ds.tools.files import NotRegularFile
+from tupe_ds.train.checkpoint import history, init_from, loading, manifest, reads, reshard
+from tupe_ds.train.checkpoint import same_run
+from tupe_ds.train.checkpoint.folder import (SET_ASIDE, latest_tag, set_aside, step_folders,
+                                             step_of, survey, tag_of, tags)
+from tupe_ds.train.flags import Refused
+from tupe_ds.train.optim import apply_config, rate_from_schedule
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ResumePlan:
-    """What a run resumes, decided before any process starts."""
     directory: str  # OUT/checkpoints
-    candidates: tuple  # steps, newest first: the one to resume, then its lineage's older ones
+    candidates: tuple  # steps, newest first: the one to resume, then the fallbacks
     resharding: Optional[reshard.Reshard]  # how candidates[0] loads on this layout
     by_hand: bool  # --resume-from: that one or none
-    verified: bool = True  # False: written by an earlier tupe_ds, without a manifest
-    passed_over: tuple = ()  # lines: newer step folders that are not resumed, and why
+    passed_over: tuple = ()  # lines: newer step folders not resumed, and why
     notes: tuple = ()  # lines to say
     fresh_start: Optional[dict] = None  # --fresh-start's consent: from step 0 if none verifies
-    records: tuple = ()  # the run's history as read (or rebuilt from the manifests)
-    appends: tuple = ()  # what the start records before it acts (rank 0): rebuilt, adopted, spent
-    lineage: str = ""  # the run's
-    giving_up: Optional[str] = None  # the id --giving-up names: lines suggest the flag with it
+    records: tuple = ()  # the run's history as read
+    appends: tuple = ()  # what the start records before it acts: rebuilt, adopted, spent
+    lineage: str = ""
 
     @property
     def tag(self) -> str:
-        return folders.tag_of(self.candidates[0])
-
-
-def describe_steps(steps) -> str:
-    return ", ".join(folders.tag_of(s) for s in sorted(steps))
-
-
-def listing(directory: str, complete: dict, damaged: dict) -> history.Listing:
-    """What CHECKPOINTS holds, as history.decide reads it."""
-    return history.Listing(
-        tuple(history.Folder(step, history.checkpoint_id(complete[step]), complete[step][
-            "lineage"]) if step in complete else history.Folder(step, problem=damaged.get(step))
-              for step in folders.step_folders(directory)))
+        return tag_of(self.candidates[0])
 
 
 def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: int, tp: int,
                 pp: int, zero_stage: int, fresh_start: bool = False,
                 giving_up: Optional[str] = None) -> Optional[ResumePlan]:
-    """What --out holds to resume (None: nothing, a fresh start); ValueError saying what to do
-    when it cannot be resumed on this layout, when --resume never meets checkpoints, when the
-    history records a checkpoint the folder has lost, when a newer checkpoint of another run is
-    in the way, or when it holds checkpoints of which none reads and the run would start from
-    step 0 without --fresh-start. A checkpoint whose manifest does not read is not complete:
-    passed over (and set aside by `choose`) when newer, never a fallback."""
+    """What --out holds to resume (None: nothing); ValueError saying what to do when it cannot
+    be resumed (history.decide's refusals, another run's checkpoint in the way, --resume never
+    over checkpoints, checkpoints of which none reads without --fresh-start)."""
     directory = os.path.join(out, "checkpoints")
-    complete, damaged = folders.survey(directory)
-    records = history.read(out)
-    lost_history = not records  # none, or emptied: made again from the manifests
-    records, kept, notes = records or [], folders.set_aside_manifests(directory), ()
-    appends = history.rebuilt(records, {history.checkpoint_id(m): m for m in complete.values()},
-                              kept, applied_earlier(out, complete) if lost_history else ())
-    if lost_history and appends:
-        notes = (f"tupe-pretrain: {out}/{history.FILE} is not there: the run's history is "
-                 "made again from its checkpoints' manifests",)
-        refuse_lost_newest(out, directory, complete, kept, resume_from or fresh_start)
-    elif appends:
-        notes = (f"tupe-pretrain: {out}/{history.FILE} lacks consents its checkpoints carry (its "
-                 "end was lost?): taken from their manifests",)
-    run_lineage = (history.lineage([*records, *appends]) or run_description.lineage(out)
-                   or (complete[max(complete)]["lineage"] if complete else uuid.uuid4().hex))
-    legacy = folders.legacy_step(directory) if not records and not complete and not kept else None
-    live = history.live([*records, *appends])
+    complete, damaged = survey(directory)
+    records, kept = history.read(out) or [], set_aside_manifests(directory)
+    appends = history.rebuilt(records, list(complete.values()), kept)
+    notes = ((f"tupe-pretrain: {out}/{history.FILE} is not there: the run's history is made "
+              "again from its checkpoints' manifests",) if not records else
+             (f"tupe-pretrain: {out}/{history.FILE} lacks consents its checkpoints carry (its "
+              "end was lost?): taken from their manifests",)) if appends else ()
+    if appends and not records:
+        refuse_lost_newest(out, directory, set(complete) | {m["step"] for m in kept.values()},
+                           max(complete, default=None), resume_from or fresh_start)
+    base = [*records, *appends]
+    lineage = history.lineage(base) or (complete[max(complete)]["lineage"] if complete
+                                        else uuid.uuid4().hex)
+    live = history.live(base)
     if resume == "never":
-        held = sorted(set(complete) | set(damaged) | ({legacy} if legacy else set()))
+        held = sorted(set(complete) | set(damaged))
         if held or live:
             raise ValueError(
-                f"--resume never, and it holds checkpoints of a run "
-                f"({describe_steps(held) or 'its history records ' + describe_steps(c.step for c in live)}"
-                f"): nothing is overwritten. To continue that run leave out --resume never; to "
-                f"start over give another --out" + (
-                    f"; to start a new run from its weights, --out NEW --init-from "
-                    f"{os.path.join(directory, folders.tag_of(held[-1]))}" if held else ""))
+                f"--resume never, and it holds checkpoints of a run ("
+                f"{tags(held) or 'its history records ' + tags(c.step for c in live)}): nothing "
+                "is overwritten. To continue that run leave out --resume never; to start over "
+                "give another --out" + (f"; to start a new run from its weights, --out NEW "
+                                        f"--init-from {directory}/{tag_of(held[-1])}" if held
+                                        else ""))
         return None
     step = resume_from_step(directory, resume_from) if resume_from is not None else None
-    if legacy and step in (None, legacy):
-        return ResumePlan(directory, (legacy,), plan_layout(directory, legacy, world_size, tp,
-                                                            pp, zero_stage, False),
-                          step is not None, verified=False, lineage=run_lineage)
-    base = [*records, *appends]
     if live and live[-1].step not in complete and appeared(directory, live[-1].step):
-        complete, damaged = folders.survey(directory)
-    decision = history.decide(base, listing(directory, complete, damaged),
-                              history.Flags(step, fresh_start, giving_up), run_lineage)
+        complete, damaged = survey(directory)  # a stale listing of a shared filesystem
+    decision = history.decide(base, tuple(
+        history.Folder(s, history.checkpoint_id(complete[s]), complete[s]["lineage"])
+        if s in complete else history.Folder(s) for s in step_folders(directory)),
+        history.Flags(step, fresh_start, giving_up), lineage)
     if decision.refusal:
         raise ValueError(" ".join([*decision.notes, decision.refusal]))
     candidates = decision.candidates
-    ours = [s for s in complete if complete[s]["lineage"] == run_lineage]
-    foreign = [s for s in complete if complete[s]["lineage"] != run_lineage and s > max(
-        candidates or ours or [-1]) and not decision.by_hand]
+    ours = [s for s in complete if complete[s]["lineage"] == lineage]
+    foreign = [s for s in complete if complete[s]["lineage"] != lineage
+               and s > max(candidates or ours or [-1]) and not decision.by_hand]
     if foreign and candidates:
         raise ValueError(
-            f"{directory}/{folders.tag_of(foreign[-1])} is another run's checkpoint (lineage "
-            f"{complete[foreign[-1]]['lineage']}; this run's is {run_lineage}), newer than this "
-            f"run's newest, {folders.tag_of(candidates[0])}: move {describe_steps(foreign)} out "
-            f"of {directory}, or resume this run's own with --resume-from "
-            f"{folders.tag_of(candidates[0])} (newer folders are then set aside, not deleted)")
+            f"{directory}/{tag_of(foreign[-1])} is another run's checkpoint (lineage "
+            f"{complete[foreign[-1]]['lineage']}; this run's is {lineage}), newer than this "
+            f"run's newest, {tag_of(candidates[0])}: move {tags(foreign)} out of {directory}, "
+            f"or resume this run's own with --resume-from {tag_of(candidates[0])} (newer "
+            "folders are then set aside, not deleted)")
     if complete and not ours and not candidates:
         raise ValueError(
-            f"{directory} holds no checkpoint of this run (lineage {run_lineage}), only another "
-            f"run's ({describe_steps(complete)}): to continue that run here, --resume-from "
-            f"{folders.tag_of(max(complete))}; else move them out of the folder")
-    newest = candidates[0] if candidates else -1
-    committed = {c.step for c in history.live(base)} - set(complete) - set(damaged)
-    problems = {**damaged, **{s: "no manifest.json, though the run's history records it committed"
-                              for s in committed if s in folders.step_folders(directory)}}
-    passed_over = tuple(f"{folders.tag_of(s)}: {problem}" for s, problem in sorted(problems.items())
-                        if s > newest)
-    plan = ResumePlan(directory, candidates, None, decision.by_hand, True, passed_over,
-                      notes + decision.notes, decision.fresh_start, tuple(records),
-                      tuple(appends) + decision.appends, run_lineage, giving_up)
-    if not candidates:
-        if not passed_over and not live:
-            return plan if plan.appends or plan.fresh_start or plan.notes else None
-        if decision.fresh_start is None:
-            found = [(folders.tag_of(s), damaged.get(s, "no manifest.json (not complete)"))
-                     for s in reversed(folders.step_folders(directory))]
-            raise ValueError(" ".join([*decision.notes, none_resumable(
-                directory, found, live[-1].id if live else "none",
-                                            "" if found else
-                                            f", though the run's history records "
-                                            f"{describe_steps(c.step for c in live)} as committed"
-                                            " (were they moved?)")]))
-        return plan
-    return dataclasses.replace(plan, resharding=plan_layout(directory, candidates[0], world_size,
-                                                            tp, pp, zero_stage))
+            f"{directory} holds no checkpoint of this run (lineage {lineage}), only another "
+            f"run's ({tags(complete)}): to continue that run here, --resume-from "
+            f"{tag_of(max(complete))}; else move them out of the folder")
+    unmarked = {c.step for c in live} - set(complete) - set(damaged)
+    problems = {**damaged, **{s: "no manifest.json, though the run's history records it "
+                              "committed" for s in unmarked if s in step_folders(directory)}}
+    plan = ResumePlan(directory, candidates, None, decision.by_hand, tuple(
+        f"{tag_of(s)}: {problem}" for s, problem in sorted(problems.items())
+        if s > (candidates[0] if candidates else -1)), notes + decision.notes,
+        decision.fresh_start, tuple(records), tuple(appends) + decision.appends, lineage)
+    if candidates:
+        return dataclasses.replace(plan, resharding=plan_layout(directory, candidates[0],
+                                                                world_size, tp, pp, zero_stage))
+    if not plan.passed_over and not live:
+        return plan if plan.appends or plan.fresh_start or plan.notes else None
+    if decision.fresh_start is None:
+        found = [(tag_of(s), damaged.get(s, "no manifest.json (not complete)"))
+                 for s in reversed(step_folders(directory))]
+        raise ValueError(" ".join([*decision.notes, none_resumable(
+            directory, found, live[-1].id if live else "none", "" if found else
+            f", though the run's history records {tags(c.step for c in live)} as committed "
+            "(were they moved?)")]))
+    return plan
 
 
-def applied_earlier(out: str, complete: dict) -> List[str]:
-    """The --resume-from an earlier tupe_ds recorded as applied (OUT/run.json's `resume_from`,
-    a manifest's `resume_from_applied`): spent, for a history made again."""
-    tags = [m["resume_from_applied"] for m in complete.values()
-            if isinstance(m.get("resume_from_applied"), str)]
-    recorded = run_description.recorded(out).get("resume_from")
-    if isinstance(recorded, dict) and type(recorded.get("step")) is int:
-        tags.append(folders.tag_of(recorded["step"]))
-    return tags
+def set_aside_manifests(directory: str) -> Dict[str, dict]:
+    """The manifests that read in CHECKPOINTS/set-aside/*/stepN, by checkpoint id."""
+    found, kept = {}, os.path.join(directory, SET_ASIDE)
+    for when in sorted(reads.list_folder(kept)):
+        for name in sorted(reads.list_folder(os.path.join(kept, when))):
+            step_dir = os.path.join(kept, when, name)
+            try:
+                if manifest.exists(step_dir):
+                    record = manifest.read(step_dir)
+                    found[history.checkpoint_id(record)] = record
+            except ValueError:
+                continue
+    return found
 
 
-def refuse_lost_newest(out: str, directory: str, complete: dict, kept: dict,
+def refuse_lost_newest(out: str, directory: str, held: set, older: Optional[int],
                        consented) -> None:
-    """With no history to tell, `latest` and an earlier tupe_ds's OUT/run.json name the newest
-    checkpoint committed: one the folder does not hold is refused, not an older one resumed."""
-    named = [folders.step_of(tag) for tag in [folders.latest_tag(directory)] if tag]
-    recorded = run_description.recorded(out).get("newest_checkpoint")
-    named += [recorded] if type(recorded) is int else []
-    held = set(complete) | {m["step"] for m in kept.values()}
-    missing = [step for step in named if step > max(held, default=-1)]
-    if missing and not consented:
-        older = max(complete, default=None)
+    """With no history to tell, `latest` names the newest checkpoint committed: one the folder
+    does not hold is refused, not an older one resumed."""
+    named = latest_tag(directory)
+    if named and step_of(named) > max(held, default=-1) and not consented:
         raise ValueError(
-            f"{out}/{history.FILE} is not there, and {folders.tag_of(max(missing))} (named by "
-            f"{directory}/latest or {out}/run.json as the newest checkpoint) is not in the folder "
-            "either: were both lost? Nothing was moved or deleted. Put them back and run the "
-            "same command" + (f"; or go on from {folders.tag_of(older)} deliberately: "
-                              f"--resume-from {folders.tag_of(older)}" if older is not None else
-                              "; or start over in another --out"))
+            f"{out}/{history.FILE} is not there, and {named} (named by {directory}/latest as the "
+            "newest checkpoint) is not in the folder either: were both lost? Nothing was moved "
+            "or deleted. Put them back and run the same command" + (
+                f"; or go on from {tag_of(older)} deliberately: --resume-from {tag_of(older)}"
+                if older is not None else "; or start over in another --out"))
 
 
 def appeared(directory: str, step: int) -> bool:
-    """Whether the manifest of step folder `step`, which the history records as the run's
-    newest, shows within the retry window (a stale NFS listing, or ENOENT for a while after a
-    server hiccup)."""
-    path = os.path.join(directory, folders.tag_of(step), manifest.MANIFEST)
+    """Whether the manifest of `step`, the history's newest, shows within the retry window."""
+    path = os.path.join(directory, tag_of(step), manifest.MANIFEST)
     try:
         reads.retried(path, lambda: os.stat(path), expected=True)
     except FileNotFoundError:
@@ -186,26 +157,21 @@ def appeared(directory: str, step: int) -> bool:
 
 
 def resume_from_step(directory: str, resume_from: str) -> int:
-    """The step --resume-from names: stepN, or the path of a step folder of --out's checkpoints;
-    ValueError for any other path (a checkpoint of another folder is --init-from's)."""
-    name = os.path.basename(resume_from.rstrip("/"))
-    if os.sep in resume_from.rstrip("/"):
-        inside = os.path.realpath(os.path.dirname(resume_from.rstrip("/")))
-        if inside != os.path.realpath(directory):
-            raise ValueError(
-                f"--resume-from {resume_from} is not a checkpoint of this run folder "
-                f"({directory}): give one of its own (stepN), start a new run from that "
-                f"checkpoint with --init-from {resume_from}, or give its run folder as --out")
+    """The step --resume-from names: stepN, or the path of a step folder of --out's."""
+    if os.sep in resume_from.rstrip("/") and os.path.realpath(
+            os.path.dirname(resume_from.rstrip("/"))) != os.path.realpath(directory):
+        raise ValueError(
+            f"--resume-from {resume_from} is not a checkpoint of this run folder ({directory}): "
+            f"give one of its own (stepN), start a new run from that checkpoint with --init-from "
+            f"{resume_from}, or give its run folder as --out")
     try:
-        return folders.step_of(name)
+        return step_of(os.path.basename(resume_from.rstrip("/")))
     except ValueError as error:
         raise ValueError(f"--resume-from {resume_from}: {error}") from None
 
 
 def none_resumable(directory: str, found, newest_id: str, recorded: str = "") -> str:
-    """The refusal of a run that would start from step 0 though --out holds checkpoints
-    (`found`: (stepN, why it cannot be resumed) each) or its history records some (`recorded`:
-    the text that says so), and what to do."""
+    """The refusal of a start from step 0 over checkpoints (`found`: (stepN, why not) each)."""
     fresh = f"--fresh-start --giving-up {newest_id}"
     if not found:
         return (f"{directory} holds no checkpoint{recorded}. Nothing was moved or deleted. Put "
@@ -215,50 +181,222 @@ def none_resumable(directory: str, found, newest_id: str, recorded: str = "") ->
             + "; ".join(f"{tag}: {why}" for tag, why in found) + recorded
             + ". Nothing was moved or deleted. Mend them (restore their files) and run the same "
             f"command; or, to start this run over from step 0, add {fresh} (they are then "
-            f"set aside in {os.path.join(directory, folders.SET_ASIDE)}, not deleted)")
-
-
-def what_is_where(out: str, plan: Optional[ResumePlan]) -> List[str]:
-    """tupe-pretrain --check-only: each step folder of OUT/checkpoints and each folder set
-    aside (folders.inventory), then what a run would start from."""
-    directory = os.path.join(out, "checkpoints")
-    lines = folders.inventory(directory) or [f"{directory}: no checkpoint"]
-    if plan is not None and plan.candidates:
-        fallbacks = [] if plan.by_hand else [folders.tag_of(s) for s in plan.candidates[1:]]
-        last = ("step 0 (--fresh-start)" if plan.fresh_start and not plan.by_hand else
-                "a refusal, with nothing moved")
-        lines.append(f"a run would resume {plan.tag} once its files verify; else, in turn: "
-                     + ", ".join([*fallbacks, last]))
-        newer = [s for s in folders.step_folders(directory) if s > plan.candidates[0]]
-        if newer:
-            lines.append(f"resuming {plan.tag}, it would set aside {describe_steps(newer)} "
-                         f"(into {os.path.join(directory, folders.SET_ASIDE)}, not deleted)")
-    else:
-        lines.append("a run would start from step 0" + (
-            ", setting the damaged checkpoints aside (--fresh-start)"
-            if plan and plan.fresh_start and (plan.passed_over or history.live(
-                [*plan.records, *plan.appends])) else ""))
-    return lines
+            f"set aside in {os.path.join(directory, SET_ASIDE)}, not deleted)")
 
 
 def plan_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
-                zero_stage: int, verified: bool = True) -> Optional[reshard.Reshard]:
-    """How checkpoint `step` loads on this layout (reshard.plan); for one of an earlier version
-    (no manifest) by its layout.json, and None without one (it resumes on its own layout)."""
-    tag = folders.tag_of(step)
-    step_dir = os.path.join(directory, tag)
-    saved = (reshard.saved_layout(manifest.read(step_dir)) if verified else
-             reshard.layout_file(step_dir))
-    if saved is None:
+                zero_stage: int) -> Optional[reshard.Reshard]:
+    """How checkpoint `step` loads on this layout (reshard.plan)."""
+    step_dir = os.path.join(directory, tag_of(step))
+    return reshard.plan(tag_of(step), reshard.saved_layout(manifest.read(step_dir)), world_size,
+                        tp, pp, zero_stage, reshard.has_zero_shards(step_dir))
+
+
+def what_is_where(out: str, plan: Optional[ResumePlan]) -> List[str]:
+    """tupe-pretrain --check-only: each step folder and folder set aside, and where a run would
+    start from."""
+    directory = os.path.join(out, "checkpoints")
+    complete, damaged = survey(directory)
+    lines = [f"{path}: " + (f"complete (lineage {complete[s]['lineage']})" if s in complete
+                            else f"damaged ({damaged[s]})" if s in damaged
+                            else "not a folder" if not os.path.isdir(path)
+                            else "incomplete (no manifest.json: a save cut short)")
+             for s, path in ((s, os.path.join(directory, tag_of(s)))
+                             for s in step_folders(directory))]
+    kept = os.path.join(directory, SET_ASIDE)
+    lines += [f"{os.path.join(kept, when, name)}: set aside (never resumed from, never deleted by "
+              "tupe_ds)" for when in sorted(reads.list_folder(kept))
+              for name in sorted(reads.list_folder(os.path.join(kept, when)))]
+    lines = lines or [f"{directory}: no checkpoint"]
+    if plan is not None and plan.candidates:
+        lines.append(f"a run would resume {plan.tag} once its files verify; else, in turn: "
+                     + ", ".join([*([] if plan.by_hand else map(tag_of, plan.candidates[1:])),
+                                  "step 0 (--fresh-start)" if plan.fresh_start
+                                  and not plan.by_hand else "a refusal, with nothing moved"]))
+        newer = [s for s in step_folders(directory) if s > plan.candidates[0]]
+        if newer:
+            lines.append(f"resuming {plan.tag}, it would set aside {tags(newer)} (into {kept}, "
+                         "not deleted)")
+    else:
+        lines.append("a run would start from step 0" + (
+            ", setting the damaged checkpoints aside (--fresh-start)" if plan and plan.fresh_start
+            and (plan.passed_over or history.live([*plan.records, *plan.appends])) else ""))
+    return lines
+
+
+# --- every rank, before the engine is built ------------------------------------------------------
+
+def agree_with_rank_0(plan: Optional[ResumePlan]) -> Optional[ResumePlan]:
+    """Collective: rank 0's plan, once every rank sees the manifests of its candidates as rank 0
+    does; Refused naming the ranks that do not (--out not shared, or files late)."""
+    shared = [plan]
+    dist.broadcast_object_list(shared, src=0)
+    plan = shared[0]
+
+    def seen():  # (step, the digest of its manifest, or None where it is not seen)
+        view = []
+        for step in plan.candidates if plan else ():
+            try:
+                view.append((step, manifest.digest(os.path.join(plan.directory, tag_of(step)))))
+            except (FileNotFoundError, NotRegularFile):
+                view.append((step, None))
+        return socket.gethostname(), tuple(view)
+
+    views = reads.gathered(seen, "every rank to read the manifests of the checkpoints rank 0 chose")
+    differing = [f"rank {rank} on {host} sees " + ", ".join(
+        f"{tag_of(step)} {'otherwise' if digest else 'not at all'}"
+        for (step, digest), (_, theirs) in zip(view, views[0][1]) if digest != theirs)
+        for rank, (host, view) in enumerate(views) if view != views[0][1]]
+    if differing:
+        raise Refused(
+            f"the ranks see different checkpoints in {plan.directory}: rank 0 would resume "
+            f"{plan.tag}, and {'; '.join(differing)}. Is --out a folder every node shares, the "
+            "same for every rank? (Or wait until the filesystem shows every node the same "
+            "files, then run the same command.)")
+    return plan
+
+
+def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_stage: int,
+           say, attempt: Optional[tuple] = None) -> Optional[ResumePlan]:
+    """Collective: the first of rank 0's candidates whose files every rank verifies, as a plan
+    of its own (None: from step 0); failures said file by file, the step folders newer than the
+    one chosen set aside. None verifies: Refused with nothing moved (--resume-from, or without
+    --fresh-start), else from step 0. Rank 0 first records the start (`attempt`: (OUT,
+    its fields)) and what it spends and moves in the history."""
+    plan = agree_with_rank_0(plan)
+    if plan is None:
+        if attempt is not None:
+            reads.gathered(lambda: record_start(attempt, None, None, []) if dist.get_rank() == 0
+                           else None, "rank 0 to record the start in the run's history")
         return None
-    return reshard.plan(tag, saved, world_size, tp, pp, zero_stage,
-                        reshard.has_zero_shards(os.path.join(directory, tag)))
+    for line in [f"tupe-pretrain: checkpoint {line}: not complete, not resumed"
+                 for line in plan.passed_over] + list(plan.notes):
+        say(line)
+    failed, chosen = {}, None
+    for step in plan.candidates:
+        problems = manifest.verify(os.path.join(plan.directory, tag_of(step)))
+        if not problems:
+            try:
+                chosen = plan if not failed else dataclasses.replace(
+                    plan, candidates=plan.candidates[len(failed):], resharding=plan_layout(
+                        plan.directory, step, world_size, tp, pp, zero_stage))
+            except ValueError as error:
+                raise Refused(f"falling back to {tag_of(step)}: {error}") from None
+            break
+        say(f"tupe-pretrain: checkpoint {tag_of(step)} failed verification: "
+            + "; ".join(problems))
+        failed[step] = problems
+        if plan.by_hand:
+            raise Refused(f"--resume-from {tag_of(step)}: the checkpoint does not verify "
+                          "(above); restore its files or choose another")
+    live = history.live([*plan.records, *plan.appends])
+    if chosen is not None and plan.fresh_start:
+        say(f"tupe-pretrain: --fresh-start not taken: {chosen.tag} can be resumed (a fresh start "
+            "is only for a folder none of whose checkpoints can; the flag is now spent: a later "
+            "attempt that needs it says so)")
+    if chosen is not None and failed:
+        say(f"tupe-pretrain: resuming from {chosen.tag}, the previous complete checkpoint")
+    elif chosen is None and plan.candidates and not plan.fresh_start:
+        raise Refused(none_resumable(plan.directory, [
+            (tag_of(step), problems[0] + (f" (and {len(problems) - 1} more, above)"
+                                          if len(problems) > 1 else ""))
+            for step, problems in sorted(failed.items(), reverse=True)],
+            live[-1].id if live else "none"))
+    elif chosen is None and (plan.candidates or plan.passed_over):
+        say(f"tupe-pretrain: no checkpoint of {plan.directory} can be resumed (above): starting "
+            "anew from step 0 (--fresh-start); they are set aside, not deleted")
+
+    def set_aside_newer():
+        complete = survey(plan.directory)[0]
+        # starting anew, another run's complete checkpoints stay where they are
+        newer = [s for s in step_folders(plan.directory) if s > (chosen.candidates[0] if chosen
+                                                                 else -1)
+                 and (chosen or s not in complete or complete[s]["lineage"] == plan.lineage)]
+        committed = {c.step: c.id for c in live}
+        moved = [history.record("set_aside", step=s, id=history.checkpoint_id(complete[s])
+                                if s in complete else committed.get(s), why="newer than the "
+                                "checkpoint resumed" if chosen else "--fresh-start") for s in newer]
+        record_start(attempt or (os.path.dirname(plan.directory), None), plan, chosen, moved)
+        said = set_aside(plan.directory, newer, (
+            f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
+            "none could be resumed, --fresh-start") + ": failed, damaged, incomplete or left by "
+            "--resume-from")
+        if said:
+            print(said, flush=True)
+
+    reads.gathered(set_aside_newer if dist.get_rank() == 0 else lambda: None,
+                   "rank 0 to set aside the folders newer than the checkpoint resumed")
+    return chosen
 
 
-def lineage_of(plan: Optional[ResumePlan], out: str) -> str:
-    """The lineage the run's checkpoints belong to: the plan's, else the one its history or
-    OUT/run.json records (a run started earlier in this folder), else a new one."""
-    if plan is not None:
-        return plan.lineage
-    return (history.lineage(history.read(out) or []) or run_description.lineage(out)
-            or uuid.uuid4().hex)
+def record_start(attempt: tuple, plan: Optional[ResumePlan], chosen: Optional[ResumePlan],
+                 moved: list) -> None:
+    """Rank 0: appends to the history, before anything moves, what the plan rebuilt, adopted
+    and spent, this start (`attempt`: (OUT, its fields or None)), --fresh-start's outcome and
+    the folders about to be set aside (`moved`)."""
+    out, fields = attempt
+    records = list(plan.records) if plan else history.read(out) or []
+    new = list(plan.appends) if plan else []
+    if fields is not None:
+        new.append(history.record("attempt", **fields))
+    if plan is not None and plan.fresh_start:
+        live = [c.id for c in history.live([*records, *new])]
+        taken = chosen is None and bool(plan.candidates or plan.passed_over or moved or live)
+        new.append({**plan.fresh_start, "outcome": "applied" if taken else "not taken",
+                    "gives_up": live if taken else []})
+    try:
+        history.append(out, records, [*new, *moved])
+    except OSError as error:  # a full disk: every rank stops alike, nothing moved
+        raise reads.Unreadable(f"could not write {os.path.join(out, history.FILE)} "
+                               f"({reads.error_text(error)}): nothing was moved or deleted; run "
+                               "the same command once the filesystem has space") from None
+
+
+# --- into the engine -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Start:
+    """What a start goes on from, agreed by every rank before its engine is built."""
+    plan: Optional[ResumePlan]  # the checkpoint it resumes (None: none)
+    training_changes: list  # lines: how it trains otherwise than that checkpoint
+    lineage: str
+
+
+def agreed(run, say) -> Start:
+    """Collective: the checkpoint the start resumes (choose) with the training changes it makes,
+    Refused where it may not make them; or the --init-from checked."""
+    lineage = run.resume_plan.lineage if run.resume_plan else (
+        history.lineage(history.read(run.out) or []) or uuid.uuid4().hex)
+    plan = choose(run.resume_plan, run.layout.world_size, run.layout.tp, run.layout.pp,
+                  run.ds_config.get("zero_optimization", {}).get("stage", 0),
+                  lambda line: say(line, flush=True),
+                  (run.out, history.attempt_fields(lineage, run.settings, run.setting_sources)))
+    try:
+        changes = same_run.training_changes(os.path.join(plan.directory, plan.tag), run.training,
+                                            run.allow_training_changes) if plan else []
+    except ValueError as error:
+        raise Refused(str(error)) from None
+    if plan is None and run.init_plan is not None:
+        init_from.check_init(run.init_plan)
+    run.ds_config.setdefault("checkpoint", {})["load_universal"] = bool(
+        plan and plan.resharding and plan.resharding.convert)
+    return Start(plan, changes, lineage)
+
+
+def load_or_initialise(run, engine, start: Start, say) -> tuple:
+    """Into the engine: the checkpoint resumed, its training changes said and applied; else
+    --branch's checkpoint or --init-from's weights. (The state the checkpoint held, or None;
+    whether the run branched.)"""
+    state = loading.load(engine, start.plan, run.seed) if start.plan is not None else None
+    if state is not None:
+        rate_from_schedule(engine)
+    branched = state is None and run.init_plan is not None and run.init_plan.branch
+    if branched:
+        state = init_from.branch_from(engine, run.init_plan)
+    elif state is None and run.init_plan is not None:
+        init_from.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
+    if start.training_changes or branched:  # a branch's schedule from its first step
+        apply_config(engine, run.ds_config)
+    for line in [*start.training_changes, *(run.init_plan.changes if branched else ())]:
+        say(line, flush=True)
+    return state, branched

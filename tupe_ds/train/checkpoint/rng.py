@@ -15,8 +15,7 @@ def file_name(rank: int) -> str:
 
 
 def rng_state() -> dict:
-    """This rank's random generators (dropout): the default ones (hidden dropout) and the
-    tensor-parallel one (its heads' attention dropout)."""
+    """This rank's generators: the default ones (hidden dropout), the tensor-parallel one."""
     accelerator = get_accelerator()
     on_device = accelerator.device_name() != "cpu"
     return {"cpu": torch.get_rng_state(),
@@ -29,15 +28,12 @@ def load_rng_state(path: str) -> None:
     torch.set_rng_state(state["cpu"])
     if state["accelerator"] is not None:
         get_accelerator().set_rng_state(state["accelerator"])
-    if "tensor_parallel" in state:  # not in checkpoints of earlier versions: seeded anew then
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tensor_parallel"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tensor_parallel"])
 
 
 def derive_rng_state(seed: int, step: int, dp_rank: int, pp_rank: int, tp_rank: int) -> None:
-    """Generators seeded from (seed, step, data-parallel rank, stage): a resumed run on a new
-    layout has ranks that did not exist, and old ranks that now draw for other samples. As at a
-    run's start, the default generators agree across the tensor-parallel ranks (hidden dropout)
-    and the tensor-parallel generator differs (each rank's heads)."""
+    """Generators seeded from (seed, step, data-parallel rank, stage), for a new layout: as at a
+    run's start, the default ones agree across tensor-parallel ranks, theirs differ."""
     derived = int(np.random.SeedSequence([seed, step, dp_rank, pp_rank]).generate_state(1)[0])
     torch.manual_seed(derived)
     accelerator = get_accelerator()

@@ -1,17 +1,6 @@
-"""Reading checkpoint files without running code from them.
-
-A .pt file is a pickle, and unpickling can run any code the file names. tupe_ds reads every
-checkpoint file with `torch.load(weights_only=True)`: only tensors, containers, and the few
-DeepSpeed types its checkpoints hold (ALLOWED). DeepSpeed's own loads (the engine's, zero_to_fp32,
-ds_to_universal) ask for weights_only=False; tupe-pretrain and tupe-export make every load of
-their process weights-only all the same (`weights_only_everywhere`), so that the very file
-DeepSpeed unpickles is read safely. Before that, verification reads each file of a checkpoint
-this way (`scan`: memory-mapped, so the tensors' bytes are not read), so that a file naming
-anything else fails the checkpoint, named, and the run falls back to an earlier one; unless the
-manifest says other versions of the software wrote it (an upgrade may have renamed a class it
-holds): then the run is refused, naming both versions (`OtherSoftware`), since every checkpoint
-of the run would fail alike.
-"""
+"""Reading checkpoint files without running code: tupe_ds's loads and DeepSpeed's read only tensors
+and the DeepSpeed types its checkpoints hold; a file naming another type is damage, unless other
+versions wrote it (OtherSoftware). See docs/reliability.md."""
 
 import contextlib
 import importlib.metadata
@@ -26,10 +15,12 @@ import torch
 from tupe_ds.tools.files import regular_file
 from tupe_ds.train.checkpoint import reads
 
+FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+SOFTWARE = ("torch", "deepspeed", "megatron-core", "tupe_ds")  # what decides what loads
+
 
 def allowed_globals() -> list:
-    """What DeepSpeed 0.19 pickles beside tensors: the loss scaler (fp16 and fp32), the ZeRO
-    stage, the fragment addresses of ZeRO's flat partitions."""
+    """What DeepSpeed 0.19 pickles beside tensors (loss scalers, ZeRO stage, fragment addresses)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -37,41 +28,29 @@ def allowed_globals() -> list:
 
 
 def weights_only_everywhere() -> None:
-    """Every torch.load of this process reads with weights_only and ALLOWED types, whatever its
-    caller asks (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD): DeepSpeed's engine, ds_to_universal and
-    zero_to_fp32 pass weights_only=False, so the very file DeepSpeed unpickles is read safely,
-    whether or not it was verified before (a file swapped after verification, or one of a
-    conversion's)."""
-    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    """Every torch.load of this process reads weights-only, even DeepSpeed's weights_only=False."""
+    os.environ.pop(FORCE[1], None)
+    os.environ[FORCE[0]] = "1"
     torch.serialization.add_safe_globals(allowed_globals())
 
 
 @contextlib.contextmanager
 def weights_only_loads():
-    """weights_only_everywhere while the block runs (tupe-export's reading, wherever it is
-    called from: tupe-compare, make demo); the environment as it was afterwards."""
-    saved = {name: os.environ.get(name) for name in
-             ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    """weights_only_everywhere while the block runs; the environment as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in FORCE}
     weights_only_everywhere()
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        for name in FORCE:
+            os.environ.pop(name, None)
+        os.environ.update({name: value for name, value in saved.items() if value is not None})
 
 
 def load(path: str, mmap: bool = False):
-    """torch.load(path) on the CPU, with only tensors and ALLOWED types; memory-mapped when
-    `mmap` and the file is in torch's zip format (files of torch's older format are read).
-    `path` must be a regular file (NotRegularFile: a FIFO would hang the load); a read that
-    fails is retried (reads.retried), then reads.Unreadable: the filesystem's error is not the
-    file's damage."""
-    # added for the process, not for this call: torch's safe_globals() context would take them
-    # away again from the loads weights_only_everywhere makes safe
+    """torch.load(path) weights-only on the CPU (mmap: memory-mapped, if in torch's zip format);
+    NotRegularFile, reads.Unreadable."""
+    # for the process, not this call: torch's safe_globals() context would take them away again
     torch.serialization.add_safe_globals(allowed_globals())
     return reads.retried(path, lambda: torch.load(
         regular_file(path), map_location="cpu", weights_only=True,
@@ -79,14 +58,13 @@ def load(path: str, mmap: bool = False):
 
 
 def scan(path: str) -> Optional[str]:
-    """None when `path` reads with only allowed types; else the line that says why not. A read
-    the filesystem does not give is not the file's damage: reads.Unreadable (FileNotFoundError
-    at once)."""
+    """None when `path` loads weights-only; else the line that says why not."""
     return inspect(path)[0]
 
 
 def inspect(path: str) -> Tuple[Optional[str], Optional[str]]:
-    """(scan's line, the global the file names that is not allowed, when that is why)."""
+    """(scan's line, the global the file names that is not allowed, when that is why);
+    FileNotFoundError and reads.Unreadable are raised."""
     try:
         load(path, mmap=True)
     except (FileNotFoundError, reads.Unreadable):
@@ -105,28 +83,20 @@ def inspect(path: str) -> Tuple[Optional[str], Optional[str]]:
     return None, None
 
 
-SOFTWARE = ("torch", "deepspeed", "megatron-core", "tupe_ds")  # what decides what loads
-
-
 def software_versions() -> Dict[str, str]:
-    """The installed versions of SOFTWARE (a checkpoint's manifest records its writer's)."""
     return {name: importlib.metadata.version(name) for name in SOFTWARE}
 
 
 def other_versions(written_by: Dict[str, str]) -> List[str]:
-    """`written_by`'s packages whose version differs from the installed one."""
     installed = software_versions()
     return [name for name in SOFTWARE if name in written_by and written_by[name] != installed[name]]
 
 
 class OtherSoftware(Exception):
-    """A checkpoint file that reads whole (its checksum the manifest's) names a type the
-    installed software does not load, and other versions wrote it: not damage (a fallback would
-    find every checkpoint so), but a refusal naming both versions."""
+    """An intact file names a type this software does not load, and other versions wrote it."""
 
     def __init__(self, path: str, named: str, written_by: Dict[str, str]):
-        installed = software_versions()
-        differing = other_versions(written_by)
+        installed, differing = software_versions(), other_versions(written_by)
         super().__init__(
             f"{path} names {named}, which the installed software does not load; the checkpoint "
             f"was written by " + ", ".join(f"{n} {written_by[n]}" for n in differing)
