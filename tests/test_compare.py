@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from test_finetune import FILLER, write_sentiment
 from tupe_ds.compare import cli, finetuning, results, runner
 from tupe_ds.compare.plan import Plan, Run, read_plan
 from tupe_ds.finetune.monitor import trial_of
+from tupe_ds.train.config import load
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "2",
         "--eval-samples", "32", "--lr", "2e-3", "--warmup-steps", "2"]
@@ -236,11 +238,22 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
 
 def fake_launch(failing: str):
     """runner.launch_command for tests: the run of `failing` exits 3; any other run writes what a
-    finished tupe-pretrain leaves (run.json, train_log.jsonl, a checkpoint as earlier versions
-    wrote it: a step folder and `latest`)."""
+    finished tupe-pretrain leaves (run.json, train_log.jsonl, a complete checkpoint: a step
+    folder with its manifest, and `latest`)."""
     def command(plan, run, launcher, port):
         if run.encoding == failing:
             return [sys.executable, "-c", "import sys; print('Traceback: boom'); sys.exit(3)"]
+        argv = plan.pretrain_argv(run)
+        with tempfile.TemporaryDirectory() as scratch:  # the run as its command makes it
+            argv[argv.index("--out") + 1] = scratch
+            made = load(argv, world_size=1)
+        record = {"tag": f"step{plan.steps}", "step": plan.steps, "lineage": run.name,
+                  "identity": made.identity, "training": made.training, "files": {},
+                  "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1,
+                             "zero_stage": made.ds_config["zero_optimization"]["stage"],
+                             "micro_batch": made.batch_split.micro_batch or 1,
+                             "gradient_accumulation": made.batch_split.accumulation or 1,
+                             "vocab_size": made.models[0].vocab_size}}
         script = f"""
 import json, os
 d = {plan.run_dir(run)!r}
@@ -253,7 +266,10 @@ with open(os.path.join(d, "train_log.jsonl"), "w") as f:
         entry = {{"step": step, "train/loss": 1.0, "throughput/seconds_per_step": 0.5}}
         f.write(json.dumps(entry) + "\\n")
     f.write(json.dumps({{"step": {plan.steps}, "valid/loss": 2.5}}) + "\\n")
-os.makedirs(os.path.join(d, "checkpoints", "step{plan.steps}"), exist_ok=True)
+step_dir = os.path.join(d, "checkpoints", "step{plan.steps}")
+os.makedirs(step_dir, exist_ok=True)
+from tupe_ds.train.checkpoint import manifest
+manifest.write(step_dir, json.loads({json.dumps(record)!r}))
 open(os.path.join(d, "checkpoints", "latest"), "w").write("step{plan.steps}")
 """
         return [sys.executable, "-c", script]

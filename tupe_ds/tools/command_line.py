@@ -1,7 +1,7 @@
 """Every command's settings from up to three places, the command line first: flags, then a TOML
 file (`--config FILE`, its keys spelled as the flags: `seq-length = 128`), then for tupe-pretrain
-the settings its run folder recorded (OUT/run.json). `--print-config` prints the result, itself a
-valid --config file, with where each setting came from, and exits.
+the settings its run folder recorded (OUT/history.jsonl). `--print-config` prints the result,
+itself a valid --config file, with where each setting came from, and exits.
 
 argparse does the parsing: the file's settings become the parser's defaults, so a flag given on
 the command line wins, and each value goes through the flag's own type and choices."""
@@ -23,7 +23,7 @@ NOT_SETTINGS = ("help", "config", "print_config", "local_rank", "verbose")
 MAX_CONFIG_BYTES = 1 << 20
 
 # A layer of settings below the file's, filling all they do not give: (where they came from,
-# {dest: value}), from what the command line and the file give (tupe-pretrain: OUT/run.json's,
+# {dest: value}), from what the command line and the file give (tupe-pretrain: the run's history's,
 # found through --out).
 Recorded = Callable[[argparse.Namespace], Optional[tuple]]
 
