@@ -9,7 +9,11 @@ clipping: bench/gpu/runners.HFRunner, the step a Hugging Face user writes); `ENC
 our model with ModelConfig.compile=COMPILE (block: the encoder one compiled region;
 elementwise: the bias-dropout-add and bias-GELU regions; none: eager) through
 deepspeed.initialize with the shipped BERT-Large config (ZeRO-1, DeepSpeed's timer off), the
-step tupe_ds.pretrain runs (bench/gpu/runners.OursRunner). One model at a time, the same
+step tupe_ds.pretrain runs (bench/gpu/runners.OursRunner); `ENCODING/COMPILE+cpp`, the same
+compiled with inductor's C++ wrapper (`cpp_wrapper`, which runs the compiled graphs' runtime from
+C++; tupe_ds does not set it). One model at a time, each in a failure boundary of its own (a
+row that raises is said with its first lines and the rest run; exit code 1 then), --json
+rewritten after each row, the same
 --accumulation micro-batches of --micro-batch samples for all, padded as the training loader
 pads (bench/real_lengths.py).
 
@@ -35,12 +39,14 @@ import json
 import os
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: bench.* from the repository's root
 
 import tupe_ds.tools.third_party_warnings  # noqa: F401,E402  (first: filters import warnings)
 import torch  # noqa: E402
+import torch._inductor.config  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from bench.gpu.counts import count_ops  # noqa: E402
@@ -54,7 +60,9 @@ from tupe_ds.model.config import COMPILE, DTYPES, ENCODINGS  # noqa: E402
 from tupe_ds.tools.files import write_atomically  # noqa: E402
 
 HF = "hf"
-ROWS = "hf,bert-a/block,tupe-a/block,tupe-r/block,bert-r/block,bert-a/none,bert-a/elementwise"
+CPP = "+cpp"  # ENCODING/COMPILE+cpp: compiled with inductor's C++ wrapper (cpp_wrapper)
+ROWS = ("hf,bert-a/block,bert-a/block+cpp,tupe-a/block,tupe-r/block,bert-r/block,bert-a/none,"
+        "bert-a/elementwise")
 SIZES = {  # BERT-Large's depth; on a CPU a tiny width, where the host's share is largest
     "cuda": dict(layers=24, hidden=1024, heads=16, ffn=4096, vocab=32768, seq=128, micro=64,
                  dtype="fp16"),
@@ -71,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default=ROWS,
                    help="comma-separated: hf, ENCODING/COMPILE (COMPILE one of "
-                        f"{', '.join(COMPILE)})")
+                        f"{', '.join(COMPILE)}), ENCODING/COMPILE{CPP} (inductor's C++ "
+                        "wrapper)")
     for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
         p.add_argument(f"--{name}", type=int, default=size[name])
     p.add_argument("--micro-batch", type=int, default=size["micro"])
@@ -91,10 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not settings.rows:
         p.error(f"--rows: name at least one: {HF}, ENCODING/COMPILE")
     for row in settings.rows:
-        encoding, _, compile_mode = row.partition("/")
+        encoding, _, compile_mode = row.removesuffix(CPP).partition("/")
         if row != HF and (encoding not in ENCODINGS or compile_mode not in COMPILE):
-            p.error(f"--rows: {row!r} is neither {HF} nor ENCODING/COMPILE (ENCODING one of "
-                    f"{', '.join(ENCODINGS)}; COMPILE one of {', '.join(COMPILE)})")
+            p.error(f"--rows: {row!r} is neither {HF} nor ENCODING/COMPILE[{CPP}] (ENCODING one "
+                    f"of {', '.join(ENCODINGS)}; COMPILE one of {', '.join(COMPILE)})")
     if settings.warmup < 1:
         p.error("--warmup: at least 1 (the first step compiles)")
     if settings.steps < 1:
@@ -123,13 +132,19 @@ def make_runner(settings, row: str, batches: list):
     config = ds_config(settings, settings.micro_batch)
     if row == HF:
         return HFRunner(settings, settings.seq, batches, config)
-    encoding, compile_mode = row.split("/")
+    encoding, compile_mode = row.removesuffix(CPP).split("/")
     return OursRunner(settings, settings.seq, batches, encoding, "fast", config, compile_mode)
 
 
 def measure(settings, row: str, batches: list) -> dict:
     """One row: built, warmed up (the first step timed: compiles included), its calls per phase,
-    its host (and device) ms per phase, on CUDA its launches and busy fraction."""
+    its host (and device) ms per phase, on CUDA its launches and busy fraction. A +cpp row
+    compiles (and so runs) with inductor's C++ wrapper."""
+    with torch._inductor.config.patch(cpp_wrapper=row.endswith(CPP)):
+        return measured(settings, row, batches)
+
+
+def measured(settings, row: str, batches: list) -> dict:
     synchronize = get_accelerator().synchronize
     runner = make_runner(settings, row, batches)
     first_step_s = timed_step(runner.step)
@@ -209,15 +224,25 @@ def main(argv=None) -> None:
                            settings.padding)
     started = time.perf_counter()
     print(f"bench/host_calls.py: {len(settings.rows)} rows on {settings.machine}", flush=True)
-    results = [measure(settings, row, batches) for row in settings.rows]
-    ratio_rows = ratios(results)
-    text = report(settings, results, ratio_rows)
+    results, failed = [], []
+    for row in settings.rows:  # each in a failure boundary of its own, the JSON after each
+        try:
+            results.append(measure(settings, row, batches))
+        except Exception as error:  # a compile error, a kernel the device lacks, ...
+            lines = "".join(traceback.format_exception_only(type(error), error)).splitlines()
+            failed.append({"row": row, "error": lines[:6]})
+            print(f"  {row:<22} failed: {lines[0]}; going on", flush=True)
+        if settings.json:
+            write_atomically(settings.json, json.dumps(
+                {"settings": {k: v for k, v in vars(settings).items() if k != "device"},
+                 "rows": results, "ratios": ratios(results), "failed": failed,
+                 "finished": row == settings.rows[-1]}, indent=1, default=str))
+    text = report(settings, results, ratios(results)) + "".join(
+        f"\nFailed: {f['row']}: " + " / ".join(f["error"]) for f in failed)
     print("\n" + text + f"\n({time.perf_counter() - started:.0f} s in all)")
-    if settings.json:
-        write_atomically(settings.json, json.dumps(
-            {"settings": {k: v for k, v in vars(settings).items() if k != "device"},
-             "rows": results, "ratios": ratio_rows}, indent=1, default=str))
     end_distributed()
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

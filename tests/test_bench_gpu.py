@@ -50,18 +50,23 @@ def rows_while_running(process, path, enough, timeout=600) -> str:
     raise AssertionError(f"no such rows in {path} after {timeout} s")
 
 
+def bench_environment() -> dict:
+    """A benchmark's environment on the CPU: one thread, a 1-process group of its own."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                  os.path.join(ROOT, "build", "torch_extensions"))}
+    for name in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def suite_run(tmp_path_factory) -> types.SimpleNamespace:
     """One run of the CPU plan: its report, markdown and rows, and its rows file as it was when
     it held HF's and bert-a's first rows of the step-time table (what a kill at that moment
     leaves: every line is flushed to the file when written)."""
-    folder = tmp_path_factory.mktemp("suite")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  os.path.join(ROOT, "build", "torch_extensions"))}
-    for name in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a 1-process group of its own
-        env.pop(name, None)
+    folder, env = tmp_path_factory.mktemp("suite"), bench_environment()
     paths = folder / "all.json", folder / "all.md", folder / "all.rows.jsonl"
     with open(folder / "output.txt", "w+") as output:
         process = subprocess.Popen([sys.executable, "-m", "bench.gpu.suite",
@@ -231,8 +236,9 @@ def test_budget_skips_the_builds_that_do_not_fit(suite_run, suite, tmp_path, cap
     now, built = [0.0], []
 
     def build(row):
-        def measure(settings):
+        def measure(settings, on_row, more):
             now[0] += 5
+            on_row(row)
             return [row]
         built.append(row["name"])
         return types.SimpleNamespace(model=row["model"], seq=row["seq"], padding=row["padding"],
@@ -241,13 +247,13 @@ def test_budget_skips_the_builds_that_do_not_fit(suite_run, suite, tmp_path, cap
     paths = suite.parse_args(["--json", str(tmp_path / "all.json")])
     with open(paths.rows, "w") as earlier:  # an earlier run's rows: moved aside, not replaced
         earlier.write('{"finished": 1}\n')
-    guesses = types.SimpleNamespace(seconds=lambda *kind: 2, learn=lambda rows: None)
+    guesses = types.SimpleNamespace(seconds=lambda *kind, **extra: 2, learn=lambda rows: None)
     budget = suite.Budget(8, guesses, clock=lambda: now[0], started=0)
     first = suite_run.lines
     run = suite.Run(paths, budget, None, first[0]["run"])
     run.rows.write(**next(line for line in first if "head" in line and line["part"] == "gpu"))
     firsts = [row for row in suite_run.report["gpu"]["rows"] if row["micro_batch"] == 4]
-    run.measure_rows("table", (build(row) for row in firsts))
+    run.part("table", lambda: run.measure_rows("table", (build(row) for row in firsts)))
     assert built == ["hf-bert, real padding", "bert-a, real padding"]  # no later build made
     printed = capsys.readouterr().out
     assert "skipped: table rows from bert-a, real padding, seq 32 on (5 s estimated, " \
@@ -259,6 +265,126 @@ def test_budget_skips_the_builds_that_do_not_fit(suite_run, suite, tmp_path, cap
     assert "Skipped: table rows from bert-a" in (tmp_path / "all.md").read_text()
     aside = [name for name in os.listdir(tmp_path) if name.startswith("all.rows.2")]
     assert len(aside) == 1 and (tmp_path / aside[0]).read_text() == '{"finished": 1}\n'
+
+
+def test_a_build_that_raises_is_reported_and_a_budget_spent_mid_build_keeps_its_rows(
+        suite_run, suite, tmp_path, capsys):
+    """On a clock of our own: a build that raises after its first row (a compile error at its
+    second micro-batch) is recorded with its first lines, its row kept, and the next build
+    measured; that one's larger micro-batches stop when the next one's time no longer fits
+    (2 s a micro-batch, 10 s in all)."""
+    now = [0.0]
+
+    def build(name, micros, raises=False):
+        def measure(settings, on_row, more):
+            for micro in micros:
+                if micro != micros[0] and not more():
+                    break
+                now[0] += 1 if raises else 4
+                on_row({**row, "name": f"{name}, real padding", "model": name,
+                        "micro_batch": micro})
+                if raises:
+                    raise RuntimeError("inductor: compile failed (injected)\nits second line")
+        return types.SimpleNamespace(model=name, seq=32, padding="real", family="ours",
+                                     micros=micros, measure=measure)
+
+    def seconds(part, seq, padding, family, micros=1):
+        return 2 * micros
+
+    row = next(row for row in suite_run.report["gpu"]["rows"] if row["model"] == "bert-a")
+    paths = suite.parse_args(["--json", str(tmp_path / "all.json")])
+    budget = suite.Budget(10, types.SimpleNamespace(seconds=seconds, learn=lambda rows: None),
+                          clock=lambda: now[0], started=0)
+    run = suite.Run(paths, budget, None, suite_run.lines[0]["run"])
+    run.rows.write(**next(line for line in suite_run.lines
+                          if "head" in line and line["part"] == "gpu"))
+    run.part("table", lambda: run.measure_rows("table", iter([
+        build("tupe-a", [4, 8], raises=True), build("bert-a", [4, 8, 16])])))
+    report = json.loads((tmp_path / "all.json").read_text())
+    assert [(r["model"], r["micro_batch"]) for r in report["gpu"]["rows"]] == [
+        ("tupe-a", 4), ("bert-a", 4), ("bert-a", 8)]
+    assert report["failed"] == [{"failed": "table: tupe-a, real padding, seq 32",
+                                 "error": ["RuntimeError: inductor: compile failed (injected)",
+                                           "its second line"],
+                                 "at": report["failed"][0]["at"]}]
+    assert "test_bench_gpu.py:" in report["failed"][0]["at"]  # where it was raised
+    assert report["skipped"] == ["the larger micro-batches of bert-a, real padding, seq 32 (2 s "
+                                 "estimated, 1 s of the 10 s budget left); to run table alone: "
+                                 "`python3 -m bench.gpu.suite --parts table --json "
+                                 "build/bench-gpu-all-table.json`"]
+    markdown = (tmp_path / "all.md").read_text()
+    assert "**Failed: table: tupe-a, real padding, seq 32** (at `" in markdown
+    assert "RuntimeError: inductor: compile failed (injected)\nits second line" in markdown
+    assert run.failures == 1
+    assert "failed: table: tupe-a, real padding, seq 32: RuntimeError: inductor: compile " \
+        "failed (injected) (at " in capsys.readouterr().out
+
+
+INJECT = """import sys
+from bench.gpu import measure
+real = measure.ours_runner
+
+
+def ours_runner(settings, seq, encoding, *rest):
+    if encoding == "tupe-a":
+        raise RuntimeError("inductor: compile failed (injected)")
+    return real(settings, seq, encoding, *rest)
+
+
+measure.ours_runner = ours_runner
+from bench.gpu import suite
+suite.main(sys.argv[1:])
+"""
+
+
+def test_a_model_that_fails_to_build_leaves_every_other_row_and_part(tmp_path):
+    """The CPU plan at 2 layers with tupe-a's build failing (as a compile error would): exit 1,
+    and the JSON and markdown hold every other model's rows, the failure's lines, and the part
+    after it."""
+    paths = tmp_path / "all.json", tmp_path / "all.md"
+    done = subprocess.run([sys.executable, "-c", INJECT, "--json", str(paths[0]), "--layers",
+                           "2", "--parts", "table,data_stream"], cwd=ROOT,
+                          env=bench_environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    report, markdown = json.loads(paths[0].read_text()), paths[1].read_text()
+    assert {row["model"] for row in report["gpu"]["rows"]} == {"hf-bert", *ENCODINGS} - {"tupe-a"}
+    assert [f["failed"] for f in report["failed"]] == [
+        f"table: tupe-a, {padding}, seq 32" for padding in PADDINGS.values()]
+    assert all(f["error"] == ["RuntimeError: inductor: compile failed (injected)"]
+               for f in report["failed"])
+    assert "data_stream" in report and "data_stream" in report["elapsed_s"]
+    assert "**Failed: table: tupe-a, real padding, seq 32**" in markdown
+    assert "2 part(s) or build(s) failed: see the report" in done.stdout
+
+
+def test_host_calls_keeps_the_rows_of_the_others_when_one_fails(tmp_path):
+    script = """import sys
+from bench import host_calls
+real = host_calls.make_runner
+
+
+def make_runner(settings, row, batches):
+    if row == "bert-a/none":
+        raise RuntimeError("inductor: compile failed (injected)")
+    return real(settings, row, batches)
+
+
+host_calls.make_runner = make_runner
+host_calls.main(sys.argv[1:])
+"""
+    path = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, "-c", script, "--rows", "hf,bert-a/none,tupe-r/none",
+                           "--layers", "2", "--warmup", "1", "--steps", "1", "--json", str(path)],
+                          cwd=ROOT, env=bench_environment(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(path.read_text())
+    assert [r["row"] for r in result["rows"]] == ["hf", "tupe-r/none"]
+    assert result["failed"] == [{"row": "bert-a/none", "error": [
+        "RuntimeError: inductor: compile failed (injected)"]}] and result["finished"]
+    assert [r["row"] for r in result["ratios"]] == ["tupe-r/none"]
+    assert "failed: RuntimeError: inductor: compile failed (injected); going on" in done.stdout
+    assert "Failed: bert-a/none: RuntimeError: inductor: compile failed (injected)" in done.stdout
 
 
 def test_report_of_unprofiled_rows_on_cuda(suite_run, suite):
@@ -519,4 +645,6 @@ def test_host_calls_report_and_rows(gpu_bench, capsys):
     assert "device ms" not in text  # CPU: host only
     with pytest.raises(SystemExit):
         host_calls.parse_args(["--rows", "hf,bert-a/fused"])
-    assert "neither hf nor ENCODING/COMPILE" in capsys.readouterr().err
+    assert "neither hf nor ENCODING/COMPILE[+cpp]" in capsys.readouterr().err
+    assert host_calls.parse_args(["--rows", "hf,bert-a/block+cpp"]).rows == [
+        "hf", "bert-a/block+cpp"]

@@ -155,13 +155,17 @@ def does_not_fit(settings, build, micro: int, error: Exception) -> dict:
     return {**row_head(settings, build, micro, fits=False), "error": str(error).splitlines()[0]}
 
 
-def measure(settings, build) -> list:
-    """Build's rows, one per micro-batch, smallest first on one runner; the first profiled (if
-    build.profile and its padding is profiled). An out-of-memory error makes that micro-batch's
-    row a `fits: False` one and ends the sweep (a larger one would not fit either)."""
+def measure(settings, build, on_row=lambda row: None, more=lambda: True) -> list:
+    """Build's rows, one per micro-batch, smallest first on one runner, each handed to
+    `on_row` as soon as it is measured; the first profiled (if build.profile and its padding is
+    profiled). An out-of-memory error makes that micro-batch's row a `fits: False` one and ends
+    the sweep (a larger one would not fit either); so does `more()` saying no before the next
+    micro-batch (a time budget spent)."""
     rows, runner = [], None
     try:
         for micro in build.micros:
+            if rows and not more():
+                break
             batches = batches_for(settings, build.seq, micro, build.padding)
             try:
                 if runner is None:
@@ -173,6 +177,8 @@ def measure(settings, build) -> list:
                 rows.append(measure_micro(settings, build, runner, micro, profile))
             except torch.OutOfMemoryError as error:
                 rows.append(does_not_fit(settings, build, micro, error))
+            on_row(rows[-1])
+            if not rows[-1]["fits"]:
                 break
     finally:
         if runner is not None:
@@ -211,8 +217,8 @@ class Build:
         """What its time is estimated from (bench/gpu/suite_budget.py): HF's model or ours."""
         return "hf" if self.model == HF else "ours"
 
-    def measure(self, settings) -> list:
-        return measure(settings, self)
+    def measure(self, settings, on_row=lambda row: None, more=lambda: True) -> list:
+        return measure(settings, self, on_row, more)
 
 
 def micro_batches(settings, seq: int, model: str) -> list:

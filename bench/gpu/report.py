@@ -191,8 +191,8 @@ def op_excess(rows: list) -> list:
           if r["model"] == HF and "op_names" in r}
     lines = []
     for r in rows:
-        if r["model"].split("/")[0] in ("bert-a", "tupe-r") and "op_names" in r:
-            theirs = hf[(r["seq"], r["padding"])]
+        theirs = hf.get((r["seq"], r["padding"]))  # None: HF's row failed or was skipped
+        if r["model"].split("/")[0] in ("bert-a", "tupe-r") and "op_names" in r and theirs:
             excess = {name: count - theirs.get(name, 0) for name, count in r["op_names"].items()
                       if count > theirs.get(name, 0)}
             top = sorted(excess.items(), key=lambda kv: -kv[1])[:8]

@@ -20,18 +20,24 @@ Parts (--parts), in this order:
 Without CUDA the tiny plan: step_time.py at its tiny width but BERT-Large's depth (24 layers, where
 the operator counts per step are BERT-Large's), one step each; the other parts at tiny sizes.
 
-Each row (a model build's rows of step_time.py, a padding's attention candidates, the data stream's
-figures) is appended to the rows file (--rows, JSON lines) and flushed to disk as soon as it is measured;
-the JSON and markdown are made from that file after each part, and by --report-only from the file
-alone: a run cut at any point keeps every finished row. A rows file of an earlier run is moved
-aside (its name stamped with its time), never overwritten.
+Each row (step_time.py's per micro-batch, a padding's attention candidates, the data stream's
+figures) is appended to the rows file (--rows, JSON lines) and flushed to disk as soon as it is
+measured; the JSON and markdown are made from that file after each part, whatever happened in it,
+and by --report-only from the file alone: a run cut at any point keeps every finished row. A rows
+file of an earlier run is moved aside (its name stamped with its time), never overwritten.
+
+Each part, each model build in it (its compile too) runs in a failure boundary of its own: an
+exception (a compile error, a kernel the device lacks) is recorded with its first lines and where
+it was raised, said in the report, and the run goes on with the next build and part; the exit
+code is then 1, after the reports are written.
 
 Before each model build and each other part, the time left of --budget-s (default 570 s,
 counted from the process's start: one 10-minute device call less margin) is checked against its
 estimate: the longest build of its kind (part, seq, padding, HF's or ours, micro-batches)
-measured in this run, else GUESSES, whose compile times are replaced by this run's once a
-compiled build has measured them. What does not fit is skipped with the rest of its part; the
-report says so and gives the command that runs it. The estimates are guesses (GUESSES), not
+measured in this run, else GUESSES, whose compile times are replaced by this run's as soon as a
+compiled build's first row has measured them (ELECTRA's pair compiles two graphs). What does not
+fit is skipped with the rest of its part, and a build's larger micro-batches when the next one's
+steps and recompile do not fit; the report says so and gives the command that runs it. The estimates are guesses (GUESSES), not
 measurements, and are labelled so wherever they are printed.
 """
 
@@ -39,6 +45,7 @@ import argparse
 import os
 import subprocess
 import time
+import traceback
 
 from deepspeed.accelerator import get_accelerator
 
@@ -77,14 +84,16 @@ class Run:
 
     def __init__(self, paths: argparse.Namespace, budget: Budget, gpu_settings, facts: dict):
         self.paths, self.budget, self.gpu_settings = paths, budget, gpu_settings
-        self.rows = RowsFile(paths.rows)
+        self.rows, self.failures = RowsFile(paths.rows), 0
         self.rows.write(run=facts)
         for path in (paths.json, paths.markdown):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    def fits(self, kind: tuple, what: str) -> bool:
-        """Whether `kind`'s estimate fits in what is left; if not, the skip is recorded."""
-        estimate, left = self.budget.estimate_s(kind), self.budget.left_s()
+    def fits(self, kind: tuple, what: str, estimate: float = None) -> bool:
+        """Whether `kind`'s estimate (or `estimate`) fits in what is left; if not, the skip is
+        recorded."""
+        left = self.budget.left_s()
+        estimate = self.budget.estimate_s(kind) if estimate is None else estimate
         if estimate <= left:
             return True
         part = kind[0]
@@ -97,40 +106,71 @@ class Run:
         self.rows.write(skipped=why)
         return False
 
+    def next_micro_batch_fits(self, kind: tuple, where: str) -> bool:
+        """Whether one more micro-batch of a build of `kind` (its steps and recompile) fits in
+        what is left; if not, the skip is recorded."""
+        one, two = (self.budget.guesses.seconds(*kind[:4], micros=n) for n in (1, 2))
+        return self.fits(kind, f"the larger micro-batches of {where}", estimate=two - one)
+
     def write_rows(self, part: str, key: str, rows: list) -> None:
         for row in rows:
             self.rows.write(part=part, key=key, row=row)
+
+    def failed(self, what: str, error: BaseException) -> None:
+        """A part, a build or a compile that raised: its error's first lines and where, in the
+        rows (and so the report); the run goes on with what comes next."""
+        lines = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
+        frames = traceback.extract_tb(error.__traceback__)
+        at = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        print(f"failed: {what}: {lines[0]} (at {at}); going on", flush=True)
+        self.rows.write(failed=what, error=lines[:6], at=at)
+        self.failures += 1
 
     def done(self, part: str, started: float) -> None:
         self.rows.write(part=part, elapsed_s=time.perf_counter() - started)
         write_reports(self.paths)
 
     def measure_rows(self, part: str, builds) -> None:
-        """step_time.py's `part`, one Build at a time while the next fits, its rows written when
-        measured."""
-        started = time.perf_counter()
+        """step_time.py's `part`, one Build at a time while the next fits, each row written as
+        it is measured and taught to the budget (its compile seconds); a build that raises is
+        recorded and the next one measured."""
         for build in builds:
             kind = build_kind(part, build)
             where = f"{build.model}, {PADDINGS[build.padding]}, seq {build.seq}"
             if not self.fits(kind, f"{part} rows from {where} on"):
                 break
-            rows = self.budget.timed(kind, lambda: build.measure(self.gpu_settings))
-            self.budget.guesses.learn(rows)
-            self.write_rows("gpu", step_time.PARTS[part], rows)
-        self.done(part, started)
+            measured = []
+
+            def on_row(row):
+                measured.append(row)
+                self.rows.write(part="gpu", key=step_time.PARTS[part], row=row)
+                self.budget.guesses.learn(measured)
+
+            try:
+                self.budget.timed(kind, lambda: build.measure(
+                    self.gpu_settings, on_row, lambda: self.next_micro_batch_fits(kind, where)))
+            except Exception as error:  # a compile error, a kernel the device lacks, ...
+                self.failed(f"{part}: {where}", error)
 
     def attention(self, argv: list) -> None:
         if self.fits(("attention",), "the attention candidates"):
-            started, settings = time.perf_counter(), attention.parse_args(argv)
+            settings = attention.parse_args(argv)
             self.rows.write(part="attention", head=attention.head(settings))
             attention.run(settings, lambda rows: self.write_rows("attention", "rows", rows))
-            self.done("attention", started)
 
     def data_stream(self, argv: list) -> None:
         if self.fits(("data_stream",), "the data stream"):
-            started = time.perf_counter()
             self.rows.write(part="data_stream", head=data_stream_figures(argv))
-            self.done("data_stream", started)
+
+    def part(self, part: str, measure) -> None:
+        """measure() in a failure boundary of its own; the reports written after it whatever
+        happened."""
+        started = time.perf_counter()
+        try:
+            measure()
+        except Exception as error:
+            self.failed(part, error)
+        self.done(part, started)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -185,19 +225,28 @@ def main(argv=None) -> None:
     run = Run(paths, budget, gpu_settings, dict(
         date=time.strftime("%Y-%m-%d"), commit=commit(), kind=kind, plan=plan, parts=paths.parts,
         estimate_s=estimate, budget_s=paths.budget_s))
-    if set(paths.parts) & set(step_time.PARTS):
-        run.rows.write(part="gpu", head=step_time.start(gpu_settings))
-    for part in paths.parts:
+    parts = paths.parts
+    if set(parts) & set(step_time.PARTS):
+        try:
+            run.rows.write(part="gpu", head=step_time.start(gpu_settings))
+        except Exception as error:  # no process group, no device: the other parts still run
+            run.failed("the start of step_time.py's parts", error)
+            parts = [part for part in parts if part not in step_time.PARTS]
+    for part in parts:
         if part in step_time.PARTS:
-            run.measure_rows(part, BUILDS[part](gpu_settings))
+            run.part(part, lambda: run.measure_rows(part, BUILDS[part](gpu_settings)))
         elif part == "attention":
-            run.attention(plan["attention"])
+            run.part(part, lambda: run.attention(plan["attention"]))
         else:
-            run.data_stream(plan["data_stream"])
+            run.part(part, lambda: run.data_stream(plan["data_stream"]))
     run.rows.write(finished=time.time() - budget.started)
     write_reports(paths)
-    print(f"\nwrote {paths.rows}, {paths.json} and {paths.markdown}")
+    print(f"\nwrote {paths.rows}, {paths.json} and {paths.markdown}"
+          + (f"; {run.failures} part(s) or build(s) failed: see the report" if run.failures
+             else ""))
     end_distributed()
+    if run.failures:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,9 @@ class Guesses:
             settings, seq, "bert-a", settings.attention[0], settings.compile
         ).compile_mode != "none"
         profiled = part != "sweep" and padding in settings.profiled_paddings
+        graphs = 2 if part == "electra" else 1  # ELECTRA's generator and discriminator
         return (guess["build_s"] + micros * (settings.warmup + settings.steps) * step_s
-                + compiles * (guess["compile_s"] + (micros - 1) * guess["recompile_s"])
+                + compiles * graphs * (guess["compile_s"] + (micros - 1) * guess["recompile_s"])
                 + profiled * (PROFILED_STEPS[self.kind] * step_s + guess["profile_s"][seq]))
 
 

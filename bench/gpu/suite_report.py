@@ -49,7 +49,8 @@ class RowsFile:
     """The run's measurements as JSON lines, each flushed and fsync'd as soon as it is known: a
     run killed at any point keeps every line written before. Each line is one of
     {"run": facts}, {"part", "head"}: a part's result before its rows, {"part", "key", "row"}:
-    a row of the head's list `key`, {"part", "elapsed_s"}, {"skipped": why}, {"finished": s}."""
+    a row of the head's list `key`, {"part", "elapsed_s"}, {"skipped": why}, {"failed": what,
+    "error": its first lines, "at": file:line}, {"finished": s}."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -83,7 +84,7 @@ def read_rows(path: str) -> list:
 
 def content_of(lines: list) -> dict:
     """The report's content from the rows file's lines, with the verdicts of what they hold."""
-    content = {"elapsed_s": {}, "skipped": []}
+    content = {"elapsed_s": {}, "skipped": [], "failed": []}
     for line in lines:
         if "run" in line:
             content.update(line["run"])
@@ -95,6 +96,8 @@ def content_of(lines: list) -> dict:
             content["elapsed_s"][line["part"]] = line["elapsed_s"]
         elif "skipped" in line:
             content["skipped"].append(line["skipped"])
+        elif "failed" in line:
+            content["failed"].append({key: line[key] for key in ("failed", "error", "at")})
         elif "finished" in line:
             content["finished_s"] = line["finished"]
     content["verdicts"] = []
@@ -124,6 +127,8 @@ def markdown(content: dict) -> str:
              + (f"; the whole run {content['finished_s']:.0f}." if "finished_s" in content else
                 "; unfinished: these are the rows written so far (or before the run was cut)."),
              "", *[f"Skipped: {why}\n" for why in content["skipped"]],
+             *[f"**Failed: {f['failed']}** (at `{f['at']}`; the rest ran):\n\n```\n"
+               + "\n".join(f["error"]) + "\n```\n" for f in content["failed"]],
              "## All verdicts", "", *verdict_table(content["verdicts"])]
     if "gpu" in content:
         lines += ["", "## Step time, ELECTRA, ZeRO sweep (bench/gpu/step_time.py)", "",
