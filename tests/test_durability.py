@@ -123,3 +123,22 @@ def test_a_folder_the_filesystem_cannot_flush_is_passed_over_a_failure_is_not(
     else:
         with pytest.raises(OSError, match="Input/output error"):
             files.sync_folder(str(tmp_path))
+
+
+def test_a_history_damaged_while_the_run_trains_fails_the_save_on_every_rank(tmp_path, engine):
+    """A history garbled between saves: the next save's commit stops alike on every rank
+    (SaveFailed, everywhere), naming the file and what to do, with its manifest written and the
+    previous checkpoint still `latest`; no traceback of the history's own error."""
+    directory = tmp_path / "run" / "checkpoints"
+    save_step(engine, directory, 2)
+    save_step(engine, directory, 3)  # committed, committed, retired: a first line not the last
+    path = tmp_path / "run" / "history.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join([b"garbled", *lines[1:]]))
+    with pytest.raises(save.SaveFailed) as failed:
+        save_step(engine, directory, 4)
+    assert failed.value.everywhere
+    assert str(failed.value).startswith(f"could not commit checkpoint step4 (rank 0: {path}, "
+                                        "line 1: not JSON")
+    assert manifest.exists(str(directory / "step4"))
+    assert (directory / "latest").read_text() == "step3"

@@ -15,7 +15,7 @@ from tupe_ds.compare import recipes
 from tupe_ds.distributed.parallel import accelerator_device, ensure_model_parallel
 from tupe_ds.train import auto_micro_batch
 from tupe_ds.train.batch_ramp import RampSettings
-from tupe_ds.train.checkpoint import ResumePlan
+from tupe_ds.train.checkpoint.resume import ResumePlan
 from tupe_ds.train.config import load
 from tupe_ds.train.ds_config import BatchSplit, micro_batch_candidates
 from tupe_ds.train.engine import build_engine, build_model

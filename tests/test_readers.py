@@ -682,6 +682,11 @@ def test_a_damaged_older_checkpoint_never_stops_the_newest_good_one_from_resumin
         good_checkpoint(directory, 40, "L")
         if run_json is not None:
             write_bytes(os.path.join(out, run_description.FILE), run_json)
+        others = {m["lineage"] for m in folder.survey(directory)[0].values()} - {"L"}
+        if others and run_description.lineage(out) != "L":  # no history, nor run.json, to tell
+            with pytest.raises(ValueError, match="holds checkpoints of 2 runs"):
+                plan_resume(out)
+            return
         plan = plan_resume(out)
         event(f"{len(older)} older, {len(plan.candidates)} candidates")
         assert plan is not None and plan.candidates[0] == 40 and plan.tag == "step40"

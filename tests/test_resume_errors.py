@@ -7,9 +7,11 @@ needed); whole runs: test_run_integrity.py, test_slurm.py."""
 
 import builtins
 import errno
+import json
 import os
 import shutil
 import time
+import types
 
 import pytest
 import torch
@@ -232,12 +234,17 @@ def test_damaged_manifests_alone_are_refused_before_any_process_starts(tmp_path)
     (checkpoint(out, 2) / "manifest.json").write_text("[")
     (out / "checkpoints" / "step4").mkdir()  # incomplete: not a checkpoint
     with pytest.raises(ValueError, match=f"holds checkpoints of which none can be resumed: step4: "
-                                         f"no manifest.json \\(not complete\\); step2: "
-                                         f"{out}/checkpoints/step2/manifest.json: not readable"):
+                                         f"no manifest.json: a save cut short, or a checkpoint of "
+                                         f"a tupe_ds before 2026-11-29 \\(resume it with that "
+                                         f"version\\); step2: {out}/checkpoints/step2/manifest."
+                                         f"json: not readable"):
         plan(out)
     assert plan(out, fresh_start=True).candidates == ()
     (out / "checkpoints" / "step2" / "manifest.json").unlink()
-    assert plan(out) is None  # only saves cut short, and run.json records no commit
+    with pytest.raises(ValueError, match="add --fresh-start \\(they are then set aside"):
+        plan(out)  # no history: step folders without a manifest may be an earlier tupe_ds's
+    history.append(str(out), [], [history.record("attempt", lineage="mine")])
+    assert plan(out) is None  # this run's history: only saves cut short
 
 
 def test_a_run_that_committed_checkpoints_never_starts_over_when_they_are_gone(tmp_path,
@@ -290,8 +297,8 @@ def test_resume_from_spent_is_told_by_the_manifests_when_the_history_is_gone(tmp
     os.remove(out / history.FILE)
     again = plan(out, "step2")
     assert again.candidates == (6, 4, 2) and not again.by_hand
-    assert again.notes[0] == (f"tupe-pretrain: {out}/history.jsonl is not there: the run's "
-                              "history is made again from its checkpoints' manifests")
+    assert again.notes[0] == (f"tupe-pretrain: {out}/history.jsonl is not there (or empty): "
+                              "the run's history is made again from its checkpoints' manifests")
     assert again.notes[1].startswith("tupe-pretrain: --resume-from step2 was spent by an earlier "
                                      "attempt")
     assert again.notes[1].endswith(": not applied again. To apply it to the run as it is now: "
@@ -439,3 +446,86 @@ def test_files_gone_from_a_checkpoint_are_waited_for_once_not_once_each(tmp_path
     started = time.monotonic()
     assert len(manifest.check_files(str(step_dir), record["files"])) == 3
     assert time.monotonic() - started < 2  # 3 s with a window per file
+
+
+def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_path):
+    """With the history lost: every checkpoint lost while `latest` names one is refused, and so
+    is an older one resumed with --fresh-start or a spent --resume-from repeated (only a fresh
+    start over nothing, or a --resume-from spent now, goes back); another run's newer checkpoint
+    copied in is refused, by run.json's lineage or, without it, as a folder of two runs."""
+    out = tmp_path / "run"
+    for step in (2, 4, 6):
+        commit(out, step)
+    (out / "checkpoints" / "latest").write_text("step6")
+    os.remove(out / history.FILE)
+    shutil.rmtree(out / "checkpoints" / "step6")
+    for flags in ({}, {"fresh_start": True}):
+        with pytest.raises(ValueError, match="step6 \\(named by .*/latest as the newest checkpoint"
+                                             "\\) is not in the folder either"):
+            plan(out, **flags)
+    assert plan(out, "step2").candidates == (2,)  # spent now: the deliberate way back
+    for step in (2, 4):
+        shutil.rmtree(out / "checkpoints" / f"step{step}")
+    with pytest.raises(ValueError, match="step6 \\(named by"):
+        plan(out)
+    assert plan(out, fresh_start=True).candidates == ()
+
+    other = tmp_path / "other"
+    commit(other, 2)
+    checkpoint(other, 8, lineage="another run")  # copied in, newer
+    os.remove(other / history.FILE)
+    with pytest.raises(ValueError, match="holds checkpoints of 2 runs \\(lineage another run: "
+                                         "step8; lineage mine: step2\\), of which .*/run.json "
+                                         "names none"):
+        plan(other)
+    (other / "run.json").write_text(json.dumps(
+        {"objective": "mlm", "data": "d", "tp": 1, "pp": 1, "models": [{}], "lineage": "mine"}))
+    with pytest.raises(ValueError, match="step8 is another run's checkpoint \\(lineage another "
+                                         "run; this run's is mine\\)"):
+        plan(other)
+
+
+def test_check_only_names_the_checkpoint_a_new_run_starts_from(tmp_path):
+    init = types.SimpleNamespace(step_dir="/runs/a/checkpoints/step4", step=4, branch=True,
+                                 with_optimizer=True)
+    assert resume.what_is_where(str(tmp_path), None, init)[-1] == (
+        "a run would branch from /runs/a/checkpoints/step4 at step 4")
+    weights = types.SimpleNamespace(**{**vars(init), "branch": False, "with_optimizer": False})
+    assert resume.what_is_where(str(tmp_path), None, weights)[-1] == (
+        "a run would start from step 0 with the weights of /runs/a/checkpoints/step4")
+
+
+def test_a_checkpoint_without_training_settings_names_the_version_to_resume_it_with(tmp_path):
+    from tupe_ds.train.checkpoint import same_run
+    step_dir = checkpoint(tmp_path / "run", 2)
+    with pytest.raises(ValueError, match="step2 records no training settings: a checkpoint of a "
+                                         "tupe_ds before 2026-11-29. Resume it with that version, "
+                                         "or start a new run from its weights: --out NEW "
+                                         "--init-from"):
+        same_run.training_changes(str(step_dir), {"optimizer": None}, allow=True)
+
+
+def test_with_the_history_moved_aside_the_settings_come_from_the_newest_manifest(tmp_path,
+                                                                                 capsys):
+    """What a damaged history's refusal says to do (move it aside, run the same command) works
+    with the short command: its settings are the newest checkpoint's; a run.json of an earlier
+    tupe_ds that alone holds settings is named, not read."""
+    from tupe_ds.train import recorded_settings
+    out = tmp_path / "run"
+    for step, steps in ((2, 6), (4, 8)):
+        step_dir = checkpoint(out, step)
+        record = manifest.read(str(step_dir))
+        manifest.write(str(step_dir), {**record, "settings": {"steps": steps, "resume": "auto"}})
+    args = types.SimpleNamespace(out=str(out))
+    assert recorded_settings.of_run_folder(args) == (
+        f"{out}/checkpoints/step4/manifest.json", {"steps": 8})
+    history.append(str(out), [], [history.record("attempt", lineage="mine",
+                                                 settings={"steps": 10})])
+    assert recorded_settings.of_run_folder(args) == (f"{out}/history.jsonl", {"steps": 10})
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "run.json").write_text(json.dumps(
+        {"objective": "mlm", "data": "d", "tp": 1, "pp": 1, "models": [{}], "settings": {}}))
+    assert recorded_settings.of_run_folder(types.SimpleNamespace(out=str(earlier))) is None
+    assert "run.json holds the settings of a run of a tupe_ds before 2026-11-29, which this one " \
+        "does not read: give the run's flags" in capsys.readouterr().err

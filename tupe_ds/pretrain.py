@@ -83,7 +83,7 @@ def run_or_check(run, launcher: str) -> int:
               f"{run.batch_split}{auto}")
         for line in run.resume_plan.notes if run.resume_plan else ():
             print(line)  # what a start would say: a consent spent, the history made again
-        for line in resume.what_is_where(run.out, run.resume_plan):
+        for line in resume.what_is_where(run.out, run.resume_plan, run.init_plan):
             print(f"tupe-pretrain: {line}")
         return 0
     said, code = None, 0

@@ -13,7 +13,7 @@ from tupe_ds.compare.recipes import Recipe
 from tupe_ds.finetune.tasks import TASKS, TaskDataError, check_glue_task, glue_files
 from tupe_ds.machine.doctor import probe
 from tupe_ds.tools.files import write_atomically
-from tupe_ds.train.checkpoint import latest_step
+from tupe_ds.train.checkpoint.folder import latest_step
 from tupe_ds.train.config import load
 
 PLAN_FILE = "compare.json"

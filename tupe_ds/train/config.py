@@ -5,6 +5,7 @@ a `RunConfig`, all checked before any heavy work."""
 
 import argparse
 import dataclasses
+import errno
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -17,10 +18,10 @@ from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
 from tupe_ds.train import nonfinite, optimizer_boundary, recorded_settings, run_lock
-from tupe_ds.train.checkpoint import InitPlan, ResumePlan, manifest
-from tupe_ds.train.checkpoint.init_from import (branch_rate_change, check_branch, plan_init,
-                                                refuse_another_branch)
-from tupe_ds.train.checkpoint.resume import plan_resume
+from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.checkpoint.init_from import (InitPlan, branch_rate_change, check_branch,
+                                                plan_init, refuse_another_branch)
+from tupe_ds.train.checkpoint.resume import ResumePlan, plan_resume
 from tupe_ds.train.checkpoint.same_run import refuse_another_run, run_identity
 from tupe_ds.train.data_folders import data_sources
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_config
@@ -144,8 +145,9 @@ def load(argv=None, world_size: Optional[int] = None,
         except RunFolderBusy as busy:
             fail(str(busy))
         except OSError as error:
-            fail(f"--out {args.out}: cannot take its lock ({error}); give a folder this job may "
-                 "write")
+            fail(f"--out {args.out}: cannot take its lock ({error}); " + (
+                "free space there and run the same command" if error.errno == errno.ENOSPC
+                else "give a folder this job may write"))
     try:
         return dataclasses.replace(checked_run(args, sources, layout, ds_config, dtype,
                                                batch_split, training, lock),

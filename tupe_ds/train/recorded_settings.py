@@ -7,7 +7,8 @@ import os
 import sys
 
 from tupe_ds.data.sources import named_folder
-from tupe_ds.train.checkpoint import history
+from tupe_ds.train import run_description
+from tupe_ds.train.checkpoint import folder, history
 
 # What one command asks once, not what the run is: never recorded, never taken from the history.
 ONE_SHOT = ("check_only", "print_config", "fresh_start", "giving_up", "resume", "resume_from",
@@ -30,17 +31,35 @@ def recordable(args: argparse.Namespace) -> dict:
 
 
 def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> tuple | None:
-    """(OUT/history.jsonl, {dest: value}) of the settings the run's last start recorded; None
-    for a new run or a damaged history (then said on stderr unless `quiet`)."""
+    """(where, {dest: value}) of the settings the run recorded: its history's last start, else
+    (a history lost or made again) its newest checkpoint's manifest; None for a new run or a
+    damaged history (then said on stderr unless `quiet`)."""
+    if not args.out:
+        return None
     try:
-        found = args.out and history.recorded_settings(history.read(args.out) or [])
+        found = recorded(args.out)
     except history.HistoryDamaged as error:
         if not quiet:
             print(f"tupe-pretrain: the run's settings cannot be taken from it: {error}",
                   file=sys.stderr)
         return None
-    return (os.path.join(args.out, history.FILE), {
-        dest: value for dest, value in found[0].items() if dest not in ONE_SHOT}) if found else None
+    if found is None and not quiet and "settings" in run_description.recorded(args.out):
+        print(f"tupe-pretrain: {os.path.join(args.out, run_description.FILE)} holds the settings "
+              "of a run of a tupe_ds before 2026-11-29, which this one does not read: give the "
+              "run's flags, or resume it with that version", file=sys.stderr)
+    return found and (found[0], {k: v for k, v in found[1].items() if k not in ONE_SHOT})
+
+
+def recorded(out: str) -> tuple | None:
+    """(where, the settings) the run recorded: its history's last start, else the settings the
+    manifest of its newest complete checkpoint carries; None when neither has any."""
+    found = history.recorded_settings(history.read(out) or [])
+    if found is not None:
+        return os.path.join(out, history.FILE), found[0]
+    directory = os.path.join(out, "checkpoints")
+    newest = max(folder.survey(directory)[0].items(), default=(None, {}))
+    return (os.path.join(directory, folder.tag_of(newest[0]), "manifest.json"),
+            newest[1]["settings"]) if isinstance(newest[1].get("settings"), dict) else None
 
 
 def say_taken(args: argparse.Namespace, sources: dict, defaults: dict) -> None:

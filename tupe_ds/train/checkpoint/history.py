@@ -34,7 +34,8 @@ def new_id() -> str:
 
 def checkpoint_id(manifest: dict) -> str:
     """A checkpoint's id: its manifest's (before ids, the manifest's checksum of itself)."""
-    return str(manifest.get("id") or manifest.get("manifest_xxh3_128", "")[:16])
+    return str(manifest.get("id") or manifest.get("manifest_xxh3_128", "")[:16]
+               or f"{manifest.get('lineage')}-{manifest.get('step')}")
 
 
 def checksum(record: dict) -> str:
@@ -238,7 +239,7 @@ def consent_of(records: List[dict], flags: Flags, state: List[Checkpoint],
     if ours is None:
         held = [c.step for c in state if complete.get(c.step) and complete[c.step].id == c.id]
         why = "is another run's checkpoint" if target else \
-            "is not a complete checkpoint of the run (no manifest.json)"
+            "is not a complete checkpoint of the run (its manifest.json is missing or damaged)"
         return None, (), (f"--resume-from {tag_of(flags.resume_from)}: "
                           f"{tag_of(flags.resume_from)} {why}; complete ones: "
                           f"{tags(held) or 'none'}")

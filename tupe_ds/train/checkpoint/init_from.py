@@ -3,7 +3,7 @@
 import dataclasses
 import os
 
-from tupe_ds.train import run_description, schedule
+from tupe_ds.train import recorded_settings, schedule
 from tupe_ds.train.checkpoint import folder as folders, loading, manifest, reshard, rng, same_run
 from tupe_ds.train.flags import Refused, fail
 
@@ -92,8 +92,11 @@ def load(engine, plan: InitPlan, **options) -> dict:
 
 
 def refuse_another_branch(out: str, origin: str, plan) -> None:
-    """Exits unless --out's checkpoints are of this branch of `origin` (the same command again)."""
-    recorded, held = run_description.branched_from(out), f"{plan.directory}/{plan.tag}"
+    """Exits unless --out's checkpoints are of this branch of `origin` (the same command again),
+    as the run's recorded settings say."""
+    settings = (recorded_settings.recorded(out) or (None, {}))[1]
+    recorded = settings.get("init_from") if settings.get("branch") else None
+    held = f"{plan.directory}/{plan.tag}"
     if recorded is None:
         fail(f"--branch: --out {out} holds checkpoints of a run that is not a branch ({held}); "
              "a decay branch starts in a folder of its own: give another --out")

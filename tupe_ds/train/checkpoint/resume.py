@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from tupe_ds.tools.files import NotRegularFile
+from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import history, init_from, loading, manifest, reads, reshard
 from tupe_ds.train.checkpoint import same_run
 from tupe_ds.train.checkpoint.folder import (SET_ASIDE, latest_tag, set_aside, step_folders,
@@ -47,17 +48,26 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
     directory = os.path.join(out, "checkpoints")
     complete, damaged = survey(directory)
     records, kept = history.read(out) or [], set_aside_manifests(directory)
-    appends = history.rebuilt(records, list(complete.values()), kept)
-    notes = ((f"tupe-pretrain: {out}/{history.FILE} is not there: the run's history is made "
-              "again from its checkpoints' manifests",) if not records else
+    lineages = sorted({m["lineage"] for m in complete.values()})
+    described = run_description.lineage(out)  # with the history lost, run.json names the run
+    lineage = history.lineage(records) or (described if described in lineages else None) or (
+        lineages[0] if len(lineages) == 1 else None)
+    if lineage is None and lineages:
+        raise ValueError(
+            f"{out}/{history.FILE} is not there (or empty), and {directory} holds checkpoints of "
+            f"{len(lineages)} runs (" + "; ".join(
+                f"lineage {one}: {tags(s for s, m in complete.items() if m['lineage'] == one)}"
+                for one in lineages) + f"), of which {out}/run.json names none. Nothing was moved "
+            "or deleted. Move the other runs' checkpoints out of the folder and run the same "
+            "command")
+    lineage = lineage or described or uuid.uuid4().hex
+    appends = history.rebuilt(records, [m for m in complete.values() if m["lineage"] == lineage],
+                              {i: m for i, m in kept.items() if m["lineage"] == lineage})
+    notes = ((f"tupe-pretrain: {out}/{history.FILE} is not there (or empty): the run's history "
+              "is made again from its checkpoints' manifests",) if not records else
              (f"tupe-pretrain: {out}/{history.FILE} lacks consents its checkpoints carry (its "
               "end was lost?): taken from their manifests",)) if appends else ()
-    if appends and not records:
-        refuse_lost_newest(out, directory, set(complete) | {m["step"] for m in kept.values()},
-                           max(complete, default=None), resume_from or fresh_start)
     base = [*records, *appends]
-    lineage = history.lineage(base) or (complete[max(complete)]["lineage"] if complete
-                                        else uuid.uuid4().hex)
     live = history.live(base)
     if resume == "never":
         held = sorted(set(complete) | set(damaged))
@@ -79,6 +89,10 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
         history.Flags(step, fresh_start, giving_up), lineage)
     if decision.refusal:
         raise ValueError(" ".join([*decision.notes, decision.refusal]))
+    if not records:  # only a --resume-from spent now, or a fresh start, may go back
+        refuse_lost_newest(out, directory, set(complete) | {m["step"] for m in kept.values()},
+                           max(complete, default=None), decision.by_hand or (
+                               decision.fresh_start is not None and not decision.candidates))
     candidates = decision.candidates
     ours = [s for s in complete if complete[s]["lineage"] == lineage]
     foreign = [s for s in complete if complete[s]["lineage"] != lineage
@@ -105,11 +119,14 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
     if candidates:
         return dataclasses.replace(plan, resharding=plan_layout(directory, candidates[0],
                                                                 world_size, tp, pp, zero_stage))
-    if not plan.passed_over and not live:
+    if not plan.passed_over and not live and (records or set(step_folders(directory)) <= set(
+            complete)):  # with no history, step folders without a manifest are not passed over
         return plan if plan.appends or plan.fresh_start or plan.notes else None
     if decision.fresh_start is None:
-        found = [(tag_of(s), damaged.get(s, "no manifest.json (not complete)"))
-                 for s in reversed(step_folders(directory))]
+        found = [(tag_of(s), damaged.get(s, "no manifest.json (not complete)" if records else
+                                          "no manifest.json: a save cut short, or a checkpoint "
+                                          "of a tupe_ds before 2026-11-29 (resume it with that "
+                                          "version)")) for s in reversed(step_folders(directory))]
         raise ValueError(" ".join([*decision.notes, none_resumable(
             directory, found, live[-1].id if live else "none", "" if found else
             f", though the run's history records {tags(c.step for c in live)} as committed "
@@ -172,7 +189,7 @@ def resume_from_step(directory: str, resume_from: str) -> int:
 
 def none_resumable(directory: str, found, newest_id: str, recorded: str = "") -> str:
     """The refusal of a start from step 0 over checkpoints (`found`: (stepN, why not) each)."""
-    fresh = f"--fresh-start --giving-up {newest_id}"
+    fresh = "--fresh-start" + (f" --giving-up {newest_id}" if newest_id != "none" else "")
     if not found:
         return (f"{directory} holds no checkpoint{recorded}. Nothing was moved or deleted. Put "
                 f"them back and run the same command; or, to start this run over from step 0, "
@@ -192,9 +209,9 @@ def plan_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
                         tp, pp, zero_stage, reshard.has_zero_shards(step_dir))
 
 
-def what_is_where(out: str, plan: Optional[ResumePlan]) -> List[str]:
+def what_is_where(out: str, plan: Optional[ResumePlan], init_plan=None) -> List[str]:
     """tupe-pretrain --check-only: each step folder and folder set aside, and where a run would
-    start from."""
+    start from (`init_plan`: --init-from's, where there is nothing to resume)."""
     directory = os.path.join(out, "checkpoints")
     complete, damaged = survey(directory)
     lines = [f"{path}: " + (f"complete (lineage {complete[s]['lineage']})" if s in complete
@@ -217,6 +234,11 @@ def what_is_where(out: str, plan: Optional[ResumePlan]) -> List[str]:
         if newer:
             lines.append(f"resuming {plan.tag}, it would set aside {tags(newer)} (into {kept}, "
                          "not deleted)")
+    elif init_plan is not None:
+        lines.append(f"a run would branch from {init_plan.step_dir} at step {init_plan.step}"
+                     if init_plan.branch else f"a run would start from step 0 with the weights "
+                     f"of {init_plan.step_dir}" + (" and its optimizer state"
+                                                   if init_plan.with_optimizer else ""))
     else:
         lines.append("a run would start from step 0" + (
             ", setting the damaged checkpoints aside (--fresh-start)" if plan and plan.fresh_start

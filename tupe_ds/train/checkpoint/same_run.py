@@ -91,7 +91,11 @@ def refuse_another_run(plan, current: dict, training: dict, allow_training_chang
 
 def training_changes(step_dir: str, training: dict, allow: bool, doing="resuming") -> list:
     """Lines naming the changes `allow` lets through; else, or if not changeable, ValueError."""
-    saved = manifest.read(step_dir).get("training", {})
+    saved = manifest.read(step_dir).get("training")
+    if saved is None:
+        raise ValueError(f"{step_dir} records no training settings: a checkpoint of a tupe_ds "
+                         "before 2026-11-29. Resume it with that version, or start a new run from "
+                         f"its weights: --out NEW --init-from {step_dir}")
     fixed = differences(saved, training, lambda key: not CHANGEABLE_AT_RESUME.match(key))
     changes = differences(saved, training, CHANGEABLE_AT_RESUME.match)
     if fixed:

@@ -50,6 +50,7 @@ def saved_layout(run, engine) -> reshard.SavedLayout:
 def checkpoint_record(run, lineage: str, plan=None) -> dict:
     """What the manifest of each checkpoint of this start records of the run."""
     return {"lineage": lineage, "identity": run.identity, "training": run.training,
+            "settings": run.settings,  # the run's, for a history lost
             "resumed_from": plan.tag if plan else None,
             "consents": history.consents(history.read(run.out) or []),  # for a lost history
             "init_from": run.init_plan.step_dir if run.init_plan else None,
@@ -183,7 +184,7 @@ def on_rank_0(work, failure: str, rank: int, waiting_for: str) -> None:
             work()
         except FolderTakenOver:  # rank 0 stops alone, writing nothing more
             raise
-        except WRITE_ERRORS as error:
+        except (*WRITE_ERRORS, history.HistoryDamaged) as error:  # a history damaged meanwhile
             problem = [f"{failure} (rank 0: {first_line(error)})"]
     with announced(waiting_for, rank):
         dist.broadcast_object_list(problem, src=0)
