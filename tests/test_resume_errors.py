@@ -529,3 +529,20 @@ def test_with_the_history_moved_aside_the_settings_come_from_the_newest_manifest
     assert recorded_settings.of_run_folder(types.SimpleNamespace(out=str(earlier))) is None
     assert "run.json holds the settings of a run of a tupe_ds before 2026-11-29, which this one " \
         "does not read: give the run's flags" in capsys.readouterr().err
+
+
+def test_a_folder_of_an_earlier_tupe_ds_is_refused_naming_its_folders(tmp_path):
+    """No history, step folders without a manifest, `latest` naming the newest (as earlier
+    versions left them): refused, each named with what to do, nothing moved."""
+    out = tmp_path / "run"
+    for step in (2, 4):
+        (out / "checkpoints" / f"step{step}").mkdir(parents=True)
+        (out / "checkpoints" / f"step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (out / "checkpoints" / "latest").write_text("step4")
+    before = everything_in(out)
+    with pytest.raises(ValueError, match="holds checkpoints of which none can be resumed: step4: "
+                                         "no manifest.json: a save cut short, or a checkpoint of "
+                                         "a tupe_ds before 2026-11-29 \\(resume it with that "
+                                         "version\\); step2: "):
+        plan(out)
+    assert everything_in(out) == before

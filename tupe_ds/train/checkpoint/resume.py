@@ -154,7 +154,8 @@ def refuse_lost_newest(out: str, directory: str, held: set, older: Optional[int]
     """With no history to tell, `latest` names the newest checkpoint committed: one the folder
     does not hold is refused, not an older one resumed."""
     named = latest_tag(directory)
-    if named and step_of(named) > max(held, default=-1) and not consented:
+    if named and step_of(named) > max(held, default=-1) and not consented and not os.path.isdir(
+            os.path.join(directory, named)):  # there but incomplete: refused below, named
         raise ValueError(
             f"{out}/{history.FILE} is not there, and {named} (named by {directory}/latest as the "
             "newest checkpoint) is not in the folder either: were both lost? Nothing was moved "
