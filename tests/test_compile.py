@@ -3,6 +3,7 @@ elementwise kernels (torch.compile'd bias-dropout-add and bias-GELU)."""
 
 import contextlib
 import math
+import subprocess
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ import torch._inductor.config
 from megatron.core.fusions import fused_bias_dropout
 from torch._dynamo.utils import counters
 
+from runs import command, environment
 from test_attention import inputs, loss_logits_grads
 from tupe_ds.distributed import parallel
 from tupe_ds.model import config
@@ -173,3 +175,124 @@ def test_compile_refused_where_it_would_not_be_one_region(overrides, words):
 def test_records_of_earlier_versions_read(fused, mode):
     """run.json and exports of an earlier tupe_ds hold `fused_elementwise`."""
     assert ModelConfig.from_record({"fused_elementwise": fused}).compile == mode
+
+
+@pytest.mark.parametrize("graph", ["forward", "backward"])
+def test_a_compile_that_fails_runs_eager_and_says_so(graph, tiny_model, compile_afresh,
+                                                     monkeypatch, caplog):
+    """Inductor failing on the forward or on the backward graph (as a Triton error or a kernel
+    the device lacks would): the encoder runs eager from that forward on, with eager's loss and
+    gradients, and one line names the error."""
+    import torch._inductor.compile_fx as inductor
+    compile_graph = inductor._compile_fx_inner
+
+    def fails_on_one_graph(gm, example_inputs, **kwargs):
+        if kwargs["is_backward"] == (graph == "backward"):
+            raise RuntimeError("injected: no kernel for this device")
+        return compile_graph(gm, example_inputs, **kwargs)
+
+    compile_afresh(fallback_random=False)
+    monkeypatch.setattr(inductor, "_compile_fx_inner", fails_on_one_graph)
+    ids, mask, labels = inputs(padded=True)
+    eager = tiny_model("tupe-r", compile="none")
+    block = tiny_model("tupe-r", compile="block")
+    expected_loss, _, expected_grads = loss_logits_grads(eager, ids, mask, labels)
+    with caplog.at_level("WARNING", logger="tupe_ds.model.compiled"):
+        loss, _, grads = loss_logits_grads(block, ids, mask, labels)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+    assert block.encoder.region.failure == "RuntimeError: injected: no kernel for this device"
+    assert block.encoder.region.compiled is None
+
+    def said():
+        return [r.getMessage() for r in caplog.records if r.name == "tupe_ds.model.compiled"]
+    assert said() == ["tupe_ds: torch.compile of the encoder failed (RuntimeError: injected: no "
+                      "kernel for this device): it runs eager from here"]
+    loss_logits_grads(block, ids, mask, labels)  # eager since: said once
+    assert len(said()) == 1
+
+
+def test_a_run_compiles_one_graph_for_training_and_one_for_evaluation(tiny_model, compile_afresh,
+                                                                      caplog):
+    """Padded batches and batches without padding (mask None), training and evaluation: two
+    graphs, each said in one line; a batch without padding runs the padded graph with eager's
+    result. A graph beyond the plan (here another batch size) is one warning naming the guard
+    that failed."""
+    compile_afresh(fallback_random=False)
+    eager = tiny_model("bert-a", compile="none")
+    block = tiny_model("bert-a", compile="block")
+    padded, unpadded = inputs(padded=True), inputs(padded=False)
+    unpadded = (unpadded[0], None, unpadded[2])
+    with caplog.at_level("INFO", logger="tupe_ds.model.compiled"):
+        for batch in (padded, unpadded, padded):
+            loss, _, _ = loss_logits_grads(block, *batch)
+            expected, _, _ = loss_logits_grads(eager, *batch)
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        block.eval()
+        with torch.no_grad():
+            for batch in (unpadded, padded):
+                block(*batch)
+    region = block.encoder.region
+    assert region.graphs == 2 and region.compile_seconds > 0
+    said = [r.getMessage() for r in caplog.records if r.name == "tupe_ds.model.compiled"]
+    assert len(said) == 2 and all(r.levelname == "INFO" for r in caplog.records
+                                  if r.name == "tupe_ds.model.compiled")
+    assert said[0].startswith("tupe_ds: compiled the training graph of the encoder in ")
+    assert said[1].startswith("tupe_ds: compiled the evaluation graph of the encoder in ")
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tupe_ds.model.compiled"), torch.no_grad():
+        ids, mask, labels = inputs(padded=True, b=5)
+        block(ids, mask, labels)
+    assert region.graphs == 3
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1
+    assert warned[0].startswith("tupe_ds: the encoder compiled graph 3, beyond the plan of 2 "
+                                "(training, evaluation): the guard that failed: ")
+    assert "size" in warned[0] and "\n" not in warned[0], warned[0]
+
+
+def test_inductor_cache_in_the_run_folder_unless_one_is_named(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from tupe_ds.model import compiled
+
+    run = tmp_path / "run"
+    for named in (None, "", default_cache_dir()):  # torch writes its default there itself
+        if named is None:
+            monkeypatch.delenv(compiled.CACHE_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(compiled.CACHE_VARIABLE, named)
+        assert compiled.keep_compiled_in(str(run)) == str(run / "compile-cache")
+    monkeypatch.setenv(compiled.CACHE_VARIABLE, str(tmp_path / "mine"))
+    assert compiled.keep_compiled_in(str(run)) == str(tmp_path / "mine")
+
+
+def test_a_requeue_reuses_the_compile_kept_in_the_run_folder(data, tmp_path):
+    """Two starts of a run with --compile block, each on a "node" whose own cache (its TMPDIR,
+    where inductor's default lives) is empty: the second finds every graph the first compiled
+    in RUN/compile-cache, and each start says what it compiled and what the cache held."""
+    run = tmp_path / "run"
+    outputs = []
+    for steps, node in ((2, "node-a"), (4, "node-b")):
+        (tmp_path / node).mkdir()
+        env = {**environment(), "TMPDIR": str(tmp_path / node)}
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        result = subprocess.run(
+            command("torchrun", 1, data, run, "--steps", str(steps), "--eval-interval", "2",
+                    "--compile", "block", "--allow-training-changes"),
+            env=env, capture_output=True, text=True, timeout=400)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        outputs.append(result.stdout)
+        # but the C++ headers inductor precompiles on a CPU (always under its default folder)
+        assert {path.name for path in (tmp_path / node).glob("torchinductor*/*")} <= {
+            "precompiled_headers"}
+    cache = run / "compile-cache"
+    for output, held in zip(outputs, (0, 3)):
+        said = [line for line in output.splitlines() if "compile" in line]
+        assert [line.split(" in ")[0] for line in said] == [
+            "tupe_ds: compiled the training graph of the encoder",
+            "tupe_ds: compiled the evaluation graph of the encoder",
+            "tupe-pretrain: torch.compile: 2 graphs"], said
+        assert said[-1].endswith(f"inductor's cache {cache} held {held} of the 3 forward and "
+                                 "backward graphs"), said[-1]

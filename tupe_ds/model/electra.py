@@ -55,10 +55,10 @@ class ElectraForPretraining(MegatronModule):
         width = discriminator.hidden_size
         self.embedding = token_embedding(discriminator, tconfig)  # shared by both networks
         self.generator_projection = nn.Linear(width, generator.hidden_size)
-        self.generator = Encoder(generator, generator_tconfig)
+        self.generator = Encoder(generator, generator_tconfig, "generator")
         self.generator_head = MaskedLMHead(generator.hidden_size, width, discriminator.vocab_size,
                                            generator_tconfig)
-        self.discriminator = Encoder(discriminator, tconfig)
+        self.discriminator = Encoder(discriminator, tconfig, "discriminator")
         self.discriminator_head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1))
         for linear in (self.generator_projection, self.discriminator_head[0], self.discriminator_head[2]):
             tconfig.init_method(linear.weight.data)

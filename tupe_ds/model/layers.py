@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import gather_tensor_parallel
 from tupe_ds.model.attention import encoder_layer_spec
+from tupe_ds.model.compiled import CompiledRegion
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.positional import PositionalEncoding
 
@@ -42,30 +43,34 @@ class Encoder(MegatronModule):
     """The positional module and megatron-core's TransformerBlock: [n, b, h] -> [n, b, h].
 
     With ModelConfig.compile_mode "block" the positional terms and every layer are one
-    torch.compile region, the backward one compiled graph: a micro-batch runs a few thousand
-    Python calls where the eager layers ran tens of thousands (bench/host_calls.py). It compiles
-    at the first forward and again for each new kind of batch: padded or not, training or
-    evaluation, and each shape (static shapes, the fastest kernels: a run's shapes are fixed;
-    ELECTRA's two widths make 8 graphs, dynamo's default limit). Inductor caches the kernels on
-    disk for the next start; its size assertions are off in the region (dynamo's guards check
-    the inputs' sizes and strides already: 880 calls a micro-batch fewer at BERT-Large's depth).
+    torch.compile region (compiled.py), the backward one compiled graph: a micro-batch runs a few
+    thousand Python calls where the eager layers ran tens of thousands (bench/host_calls.py).
+    The region always gets a padding mask (all False where nothing is padded), so that a batch
+    without padding runs the padded batches' graph: real micro-batches are padded
+    (bench/padding.py), and a second graph would be a whole compile in the middle of a run.
+    Inductor's size assertions are off in the region (dynamo's guards check the inputs' sizes
+    and strides already: 880 calls a micro-batch fewer at BERT-Large's depth).
     """
 
-    def __init__(self, config: ModelConfig, tconfig: TransformerConfig):
+    def __init__(self, config: ModelConfig, tconfig: TransformerConfig, name: str = "encoder"):
         super().__init__(config=tconfig)
         self.positional = PositionalEncoding(config, tconfig)
         self.block = TransformerBlock(tconfig, spec=encoder_layer_spec(config))
-        if config.compile_mode == "block":
-            self.encode = torch.compile(self.encode, dynamic=False,
-                                        options={"size_asserts": False})
+        self.region = CompiledRegion(self.encode, f"the {name}") \
+            if config.compile_mode == "block" else None
 
     def forward(self, hidden: Tensor, padding) -> Tensor:
         """padding: [batch, seq] True at padded positions, or None."""
         # The block makes a view (ELECTRA's generator reads a projection) viewless with an
         # assignment to `.data`, which dynamo does not trace: a compiled block broke there and
         # then ran a graph on the wrong input. Done here, outside the region, it costs nothing.
-        return self.encode(make_viewless_tensor(hidden, requires_grad=True, keep_graph=True),
-                           padding)
+        hidden = make_viewless_tensor(hidden, requires_grad=True, keep_graph=True)
+        if self.region is None:
+            return self.encode(hidden, padding)
+        if padding is None:
+            padding = torch.zeros(hidden.shape[1], hidden.shape[0], dtype=torch.bool,
+                                  device=hidden.device)
+        return self.region(hidden, padding)
 
     def encode(self, hidden: Tensor, padding) -> Tensor:
         n = hidden.shape[0]

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from tupe_ds.distributed.parallel import gather_tensor_parallel
 from tupe_ds.model.bert import BertForMaskedLM
+from tupe_ds.model.compiled import CompiledRegion
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.layers import embed
 from tupe_ds.model.pipeline_names import POSITIONAL, WORD_EMBEDDINGS
@@ -72,14 +73,14 @@ class TransformerLayerPipe(nn.Module):
     def __init__(self, model: weakref.ref, index: int):
         super().__init__()
         self.layer = model().encoder.block.layers[index]
-        if model().model_config.compile_mode == "block":
-            self.layer.compile(dynamic=False)
+        self.region = CompiledRegion(self.layer, f"layer {index}") \
+            if model().model_config.compile_mode == "block" else None
 
     def forward(self, inputs):
         hidden, attention_mask, positional = inputs
         bias, rotary = positional
-        hidden, _ = self.layer(hidden_states=hidden, attention_mask=None, attention_bias=bias,
-                               rotary_pos_emb=rotary)
+        hidden, _ = (self.region or self.layer)(hidden_states=hidden, attention_mask=None,
+                                                attention_bias=bias, rotary_pos_emb=rotary)
         return hidden, attention_mask, positional
 
 

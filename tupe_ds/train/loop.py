@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from tupe_ds.data.loader import TrainBatches
 from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, start_distributed
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
+from tupe_ds.model import compiled
 from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_files, run_lock
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest, resume
@@ -34,6 +35,7 @@ from tupe_ds.train.run_description import describe_run
 from tupe_ds.train.steps import EngineSteps, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal, before_first_step
 from tupe_ds.train.validation import evaluate
+from tupe_ds.tools import log_lines
 from tupe_ds.train.waits import announced, rendezvous_text, waiting_with_extensions
 
 
@@ -69,6 +71,8 @@ def train(run: RunConfig, launcher: str) -> None:
     device, rank = start_process_groups(run)
     os.makedirs(run.out, exist_ok=True)
     say = print if rank == 0 else (lambda *a, **k: None)
+    log_lines.show(rank)
+    compiled.keep_compiled_in(run.out)
     run_lock.confirm_on_every_rank(run.lock, run.out)
     dtype = precision.of_run(run.ds_config, say)
     start = resume.agreed(run, say)
@@ -299,3 +303,6 @@ def finish(run: RunConfig, training: Training, outcome: Outcome, device, say) ->
     if outcome.stopped_early:
         return
     say(training.monitor.summary(outcome.step, metrics["valid/loss"], outcome.last_checkpoint))
+    said = compiled.summary(training.model)
+    if said:  # rank 0's: every rank compiles the same graphs
+        say(f"tupe-pretrain: {said}")
