@@ -3,7 +3,9 @@ elementwise kernels (torch.compile'd bias-dropout-add and bias-GELU)."""
 
 import contextlib
 import math
+import os
 import subprocess
+import sys
 import warnings
 
 import pytest
@@ -12,7 +14,7 @@ import torch._inductor.config
 from megatron.core.fusions import fused_bias_dropout
 from torch._dynamo.utils import counters
 
-from runs import command, environment
+from runs import ROOT, command, environment, free_port
 from test_attention import inputs, loss_logits_grads
 from tupe_ds.distributed import parallel
 from tupe_ds.model import config
@@ -202,8 +204,9 @@ def test_a_compile_that_fails_runs_eager_and_says_so(graph, tiny_model, compile_
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
-    assert block.encoder.region.failure == "RuntimeError: injected: no kernel for this device"
-    assert block.encoder.region.compiled is None
+    region = block.encoder.region
+    assert region.graphs.failure == "RuntimeError: injected: no kernel for this device"
+    assert region.compiled is None
 
     def said():
         return [r.getMessage() for r in caplog.records if r.name == "tupe_ds.model.compiled"]
@@ -233,8 +236,8 @@ def test_a_run_compiles_one_graph_for_training_and_one_for_evaluation(tiny_model
         with torch.no_grad():
             for batch in (unpadded, padded):
                 block(*batch)
-    region = block.encoder.region
-    assert region.graphs == 2 and region.compile_seconds > 0
+    graphs = block.encoder.region.graphs
+    assert graphs.count == 2 and graphs.seconds > 0
     said = [r.getMessage() for r in caplog.records if r.name == "tupe_ds.model.compiled"]
     assert len(said) == 2 and all(r.levelname == "INFO" for r in caplog.records
                                   if r.name == "tupe_ds.model.compiled")
@@ -245,7 +248,7 @@ def test_a_run_compiles_one_graph_for_training_and_one_for_evaluation(tiny_model
     with caplog.at_level("INFO", logger="tupe_ds.model.compiled"), torch.no_grad():
         ids, mask, labels = inputs(padded=True, b=5)
         block(ids, mask, labels)
-    assert region.graphs == 3
+    assert graphs.count == 3
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1
     assert warned[0].startswith("tupe_ds: the encoder compiled graph 3, beyond the plan of 2 "
@@ -269,9 +272,11 @@ def test_inductor_cache_in_the_run_folder_unless_one_is_named(tmp_path, monkeypa
 
 
 def test_a_requeue_reuses_the_compile_kept_in_the_run_folder(data, tmp_path):
-    """Two starts of a run with --compile block, each on a "node" whose own cache (its TMPDIR,
-    where inductor's default lives) is empty: the second finds every graph the first compiled
-    in RUN/compile-cache, and each start says what it compiled and what the cache held."""
+    """Two starts of a run with --compile block on two pipeline stages of two layers each, each
+    start on a "node" whose own cache (its TMPDIR, where inductor's default lives) is empty: the
+    second finds every graph the first compiled in RUN/compile-cache; each start compiles two
+    graphs (the stage's layers share them; DeepSpeed's received activations need no gradient in
+    evaluation), says each once (rank 0) and what the cache held."""
     run = tmp_path / "run"
     outputs = []
     for steps, node in ((2, "node-a"), (4, "node-b")):
@@ -279,8 +284,9 @@ def test_a_requeue_reuses_the_compile_kept_in_the_run_folder(data, tmp_path):
         env = {**environment(), "TMPDIR": str(tmp_path / node)}
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         result = subprocess.run(
-            command("torchrun", 1, data, run, "--steps", str(steps), "--eval-interval", "2",
-                    "--compile", "block", "--allow-training-changes"),
+            command("torchrun", 2, data, run, "--steps", str(steps), "--eval-interval", "2",
+                    "--compile", "block", "--allow-training-changes", "--pp", "2",
+                    "--zero-stage", "1", "--num-layers", "4"),
             env=env, capture_output=True, text=True, timeout=400)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         outputs.append(result.stdout)
@@ -288,11 +294,50 @@ def test_a_requeue_reuses_the_compile_kept_in_the_run_folder(data, tmp_path):
         assert {path.name for path in (tmp_path / node).glob("torchinductor*/*")} <= {
             "precompiled_headers"}
     cache = run / "compile-cache"
-    for output, held in zip(outputs, (0, 3)):
+    for output, held in zip(outputs, (0, 4)):
         said = [line for line in output.splitlines() if "compile" in line]
         assert [line.split(" in ")[0] for line in said] == [
             "tupe_ds: compiled the training graph of the encoder",
             "tupe_ds: compiled the evaluation graph of the encoder",
             "tupe-pretrain: torch.compile: 2 graphs"], said
-        assert said[-1].endswith(f"inductor's cache {cache} held {held} of the 3 forward and "
+        assert said[-1].endswith(f"inductor's cache {cache} held {held} of the 4 forward and "
                                  "backward graphs"), said[-1]
+
+
+def test_an_unusable_cache_folder_falls_back_to_the_nodes(tmp_path, monkeypatch, caplog):
+    """RUN/compile-cache a file (or a dangling link, or no permission): the node's cache, with a
+    warning that says a start elsewhere compiles again."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from tupe_ds.model import compiled
+
+    monkeypatch.delenv(compiled.CACHE_VARIABLE, raising=False)
+    (tmp_path / "compile-cache").write_text("")
+    with caplog.at_level("WARNING", logger="tupe_ds.model.compiled"):
+        assert compiled.keep_compiled_in(str(tmp_path)) == default_cache_dir()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tupe_ds: inductor's cache cannot be {tmp_path / 'compile-cache'} ([Errno 17] File "
+        f"exists: '{tmp_path / 'compile-cache'}'): this node's {default_cache_dir()} is used, "
+        "and a start on another node compiles again"]
+
+
+def test_a_compile_that_fails_on_one_rank_is_said_by_that_rank_and_in_the_summary(tmp_path):
+    """Inductor fails on rank 1 only (a node whose compiler or GPU does not work): rank 1 says so
+    in one line of its own, and rank 0's summary names the rank that ran eager."""
+    worker = os.path.join(ROOT, "tests", "support", "compile_failure_worker.py")
+    env = {**environment(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
+                                          os.path.join(ROOT, "tests", "support")])}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                             "2", "--master_port", free_port(), worker], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    failed = ("torch.compile of the encoder failed (RuntimeError: injected: no compiler on this "
+              "node): it runs eager from here")
+    assert [line for line in lines if "failed" in line] == [
+        f"rank 1: tupe_ds: {failed}",
+        "summary: torch.compile failed on rank 1 of 2, which ran eager from then on: "
+        "RuntimeError: injected: no compiler on this node"], lines
+    assert [line for line in lines if "compiled the" in line] == [
+        line for line in lines if line.startswith("tupe_ds: compiled the training graph of the "
+                                                  "encoder in ")]

@@ -159,6 +159,7 @@ def test_one_process_needs_no_launcher_no_mpi_and_no_port(data, tmp_path):
         assert "1 process, no launcher" in output
         assert_quiet(output)
         assert sorted(losses(tmp_path / f"run{index}")) == [1, 2, 3]
+        assert not (tmp_path / f"run{index}" / "compile-cache").exists()  # eager on a CPU
     left = {name for name in set(os.listdir("/dev/shm")) - shared_memory_before
             if name.startswith("deepspeed")}
     assert not left

@@ -10,18 +10,20 @@ that does not fall, or is not finite, makes the command exit non-zero.
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
+import logging
 import math
 import sys
 import time
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.model import ENCODINGS, PRESETS, build_model
 from tupe_ds.model.config import COMPILE
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, log_lines
 
 MASK_PROBABILITY = 0.15
 
@@ -39,6 +41,7 @@ def masked_batch(batch: int, seq: int, vocab: int, seed: int):
 
 def train(encoding: str, args) -> dict:
     torch.manual_seed(args.seed)
+    torch._dynamo.reset()  # the earlier encodings' graphs: dynamo keeps 8 of a function
     model = build_model(args.preset, pos_encoding=encoding, seq_length=args.seq,
                         compile=args.compile,
                         max_position_embeddings=max(args.seq, PRESETS[args.preset].get(
@@ -91,9 +94,11 @@ def main(argv=None) -> int:
           f"device {accelerator_device()}")
     print(f"{'encoding':>15} {'params':>11} {'loss first':>10} {'loss last':>10} {'ms/step':>8}  "
           "positional_scores")
+    log_lines.show(rank=0)  # each encoding's compile, with --compile block
     failed = []
     for encoding in args.encodings:
-        r = train(encoding, args)
+        with logging_redirect_tqdm([logging.getLogger("tupe_ds")]):  # a line of its own
+            r = train(encoding, args)
         print(f"{r['encoding']:>15} {r['params']:>11,} {r['first']:>10.3f} {r['last']:>10.3f} "
               f"{r['ms']:>8.1f}  {'[heads, n, n]' if r['scores'] else '-'}")
         if not (math.isfinite(r["last"]) and r["last"] < r["first"]):

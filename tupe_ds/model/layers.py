@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import gather_tensor_parallel
 from tupe_ds.model.attention import encoder_layer_spec
-from tupe_ds.model.compiled import CompiledRegion
+from tupe_ds.model.compiled import CompiledRegion, Graphs
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.positional import PositionalEncoding
 
@@ -56,7 +56,7 @@ class Encoder(MegatronModule):
         super().__init__(config=tconfig)
         self.positional = PositionalEncoding(config, tconfig)
         self.block = TransformerBlock(tconfig, spec=encoder_layer_spec(config))
-        self.region = CompiledRegion(self.encode, f"the {name}") \
+        self.region = CompiledRegion(self.encode, Graphs(f"the {name}")) \
             if config.compile_mode == "block" else None
 
     def forward(self, hidden: Tensor, padding) -> Tensor:

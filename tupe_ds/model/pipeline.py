@@ -68,17 +68,22 @@ class PositionalPipe(nn.Module):
 class TransformerLayerPipe(nn.Module):
     """One megatron-core TransformerLayer, reading the positional term its stage computed. With
     compile_mode "block" each layer is a compiled region (DeepSpeed's pipeline calls the layers
-    of a stage one by one): one compiled graph serves every layer of the stage."""
+    of a stage one by one): one compiled graph serves every layer of the stage, counted as the
+    encoder's."""
 
     def __init__(self, model: weakref.ref, index: int):
         super().__init__()
         self.layer = model().encoder.block.layers[index]
-        self.region = CompiledRegion(self.layer, f"layer {index}") \
-            if model().model_config.compile_mode == "block" else None
+        encoder = model().encoder.region  # its graphs counted as the stage's, which share them
+        self.region = None if encoder is None else CompiledRegion(self.layer, encoder.graphs)
 
     def forward(self, inputs):
         hidden, attention_mask, positional = inputs
         bias, rotary = positional
+        if not torch.is_grad_enabled():
+            # DeepSpeed's pipeline marks a stage's received activations as needing gradients,
+            # in evaluation too: a compiled layer would compile one more graph for them
+            hidden = hidden.detach()
         hidden, _ = (self.region or self.layer)(hidden_states=hidden, attention_mask=None,
                                                 attention_bias=bias, rotary_pos_emb=rotary)
         return hidden, attention_mask, positional

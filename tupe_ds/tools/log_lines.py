@@ -1,6 +1,8 @@
 """tupe_ds's `logging` lines on a terminal or in a Slurm log, as the rest of the output prints:
-the bare message on stdout, in order with the printed lines; every line from rank 0, only errors
-from the other ranks (they would repeat rank 0's lines N times)."""
+the bare message on stdout, in order with the printed lines. Rank 0 says every line; the other
+ranks only errors and the lines logged with `extra={"every_rank": True}` (what happened on that
+rank alone, as a compile that failed there), each after "rank N: ": they would repeat rank 0's
+other lines N times."""
 
 import logging
 import sys
@@ -11,7 +13,6 @@ class _Stdout(logging.StreamHandler):
 
     def __init__(self):
         super().__init__()
-        self.setFormatter(logging.Formatter("%(message)s"))
 
     @property
     def stream(self):
@@ -25,7 +26,13 @@ class _Stdout(logging.StreamHandler):
 def show(rank: int) -> None:
     """Show the `tupe_ds` loggers' lines as this rank should; called again, changes nothing."""
     root = logging.getLogger("tupe_ds")
-    root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    if not any(isinstance(handler, _Stdout) for handler in root.handlers):
-        root.addHandler(_Stdout())
+    root.setLevel(logging.INFO)
     root.propagate = False
+    handler = next((h for h in root.handlers if isinstance(h, _Stdout)), None)
+    if handler is None:
+        handler = _Stdout()
+        root.addHandler(handler)
+    handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else
+                                           f"rank {rank}: %(message)s"))
+    handler.filters = [] if rank == 0 else [
+        lambda record: record.levelno >= logging.ERROR or getattr(record, "every_rank", False)]

@@ -72,7 +72,8 @@ def train(run: RunConfig, launcher: str) -> None:
     os.makedirs(run.out, exist_ok=True)
     say = print if rank == 0 else (lambda *a, **k: None)
     log_lines.show(rank)
-    compiled.keep_compiled_in(run.out)
+    if any(model.compile_mode == "block" for model in run.models):
+        compiled.keep_compiled_in(run.out)
     run_lock.confirm_on_every_rank(run.lock, run.out)
     dtype = precision.of_run(run.ds_config, say)
     start = resume.agreed(run, say)
@@ -304,5 +305,5 @@ def finish(run: RunConfig, training: Training, outcome: Outcome, device, say) ->
         return
     say(training.monitor.summary(outcome.step, metrics["valid/loss"], outcome.last_checkpoint))
     said = compiled.summary(training.model)
-    if said:  # rank 0's: every rank compiles the same graphs
+    if said:
         say(f"tupe-pretrain: {said}")
