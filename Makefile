@@ -22,7 +22,7 @@ COMPARE_FINETUNE ?=
 COMPARE_FINETUNE_FLAGS ?= --tasks rte mrpc stsb cola --finetune-lr 1e-4 3e-4 \
   --finetune-seeds 1 2 3 --finetune-epochs 3 --finetune-max-length 128
 
-.PHONY: venv test demo compare smoke bench bench-gpu bench-gpu-all docs clean
+.PHONY: venv test test-fast demo compare smoke bench bench-gpu bench-gpu-all docs clean
 
 venv: $(VENV)/.installed
 
@@ -38,6 +38,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 test: venv
 	CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -n 3 \
 	  --durations=15 tests
+
+# The inner loop's tier: the tests not marked slow (unit and property tests; no process started,
+# nothing trained through DeepSpeed or compiled), in under 3 minutes on 2 cores.
+test-fast: venv
+	CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -n 3 -m "not slow" \
+	  --durations=10 tests
 
 # The main job on the bundled corpus: prepare it, then pretrain a tiny TUPE-R BERT under the
 # deepspeed launcher: on every GPU found (up to 8, bf16 where they have it, else fp16), else with 2

@@ -44,7 +44,17 @@ def work_unit(nodeid: str) -> str:
     return ONE_AT_A_TIME.get(name, name)
 
 
+# Fixtures that train or start processes (a reference run, a Slurm cluster, a demo): a test that
+# uses one is slow, whatever its own time.
+SLOW_FIXTURES = {"cluster", "prep_arrays", "two_nodes", "references", "reference", "constant_lr",
+                 "two_stage_steps", "runs", "dp2_run", "finished", "tp2_results", "suite_run",
+                 "topic_data", "demo_out", "getting_started_output"}
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: -LONGEST.get(work_unit(item.nodeid), 0))
 
 
@@ -64,6 +74,29 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # keep the longest first, not the most tests
     return FileScheduling(config, log)
+
+
+# A test over 3 s here (setup and call) is marked slow; `make test-fast` (`-m "not slow"`) names
+# each unmarked one it ran over this many seconds (3 s and the noise of a loaded machine), so
+# that the tier stays fast as tests change.
+FAST_TEST_SECONDS = 5.0
+_seconds = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if "not slow" not in (config.getoption("markexpr") or ""):
+        return
+    slow = sorted(((seconds, nodeid) for nodeid, seconds in _seconds.items()
+                   if seconds > FAST_TEST_SECONDS), reverse=True)
+    if slow:
+        terminalreporter.section(f"unmarked tests over {FAST_TEST_SECONDS:.0f} s: mark them slow")
+        for seconds, nodeid in slow:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
 
 
 def perturb(model, seed=1):

@@ -182,6 +182,7 @@ def test_gpu_benchmarks_do_nothing_at_import(monkeypatch):  # first: before they
     assert torch.distributed.is_initialized() == initialized
 
 
+@pytest.mark.slow
 def test_bench_gpu_all_on_cpu(suite_run):
     # 22 rows of step_time.py at LAYERS layers, 33 attention candidates,
     # the data stream of a tiny corpus (written once into build/bench-data-stream).
@@ -337,6 +338,7 @@ suite.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_a_model_that_fails_to_build_leaves_every_other_row_and_part(tmp_path):
     """The CPU plan at 2 layers with tupe-a's build failing (as a compile error would): exit 1,
     and the JSON and markdown hold every other model's rows, the failure's lines, and the part
@@ -357,6 +359,7 @@ def test_a_model_that_fails_to_build_leaves_every_other_row_and_part(tmp_path):
     assert "2 part(s) or build(s) failed: see the report" in done.stdout
 
 
+@pytest.mark.slow
 def test_host_calls_keeps_the_rows_of_the_others_when_one_fails(tmp_path):
     script = """import sys
 from bench import host_calls

@@ -247,6 +247,7 @@ def test_a_folder_with_an_empty_split_is_refused_before_work(data, tmp_path):
               CPU_CONFIG, "--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "64"])
 
 
+@pytest.mark.slow
 def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, tmp_path):
     """Two ranks, 6 steps of 16 samples on 0.75 / 0.25, the second source named novel: valid/loss
     is the blend of the sources' validation losses, train/share/NAME the shares of each logged

@@ -28,6 +28,7 @@ def references(data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("seed, split_changes, attempts", [(11, True, 16), (12, False, 4)])
+@pytest.mark.slow
 def test_a_run_through_random_faults_ends_as_the_uninterrupted_one(data, references, tmp_path,
                                                                    seed, split_changes,
                                                                    attempts):

@@ -77,6 +77,7 @@ def first_validated_at_or_below(logged: dict, loss: float):
                  if entry.get("valid/loss", float("inf")) <= loss), None)
 
 
+@pytest.mark.slow
 def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing(data, tmp_path):
     out = tmp_path / "cmp"
     command = compare_command(data, out, "--encodings", "bert-a,tupe-r", "--steps", "40",
@@ -146,6 +147,7 @@ def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing
     assert json.loads((out / "report.json").read_text()) == made
 
 
+@pytest.mark.slow
 def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp_path):
     out = tmp_path / "cmp"
     command = compare_command(data, out, "--encodings", "bert-a,tupe-r", "--steps", "6",
@@ -276,6 +278,7 @@ open(os.path.join(d, "checkpoints", "latest"), "w").write("step{plan.steps}")
     return command
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_reported_and_the_others_go_on(data, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(runner, "launch_command", fake_launch(failing="bert-a"))
     argv = ["run", "--data", data, "--out", str(tmp_path / "cmp"), "--encodings", "bert-a,rope",
@@ -298,6 +301,7 @@ def test_a_failed_run_is_reported_and_the_others_go_on(data, tmp_path, monkeypat
     assert read_plan(str(tmp_path / "cmp")).runs == [Run("bert-a", 1), Run("rope", 1)]
 
 
+@pytest.mark.slow
 def test_a_failed_fine_tune_is_recorded_and_the_others_go_on(data, tmp_path, monkeypatch,
                                                              capsys):
     monkeypatch.setattr(runner, "launch_command", fake_launch(failing="none"))

@@ -39,6 +39,7 @@ def compile_afresh():
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_fused_elementwise_matches_eager(tiny_model, compile_afresh):
     """With dropout on, the fused model (compiled bias-dropout-add and bias-GELU) gives eager's
     loss, logits and gradients: its dropout drops the same elements and scales the kept ones by
@@ -107,6 +108,7 @@ BLOCK_CASES = [("tupe-r", True, dict(hidden_dropout=0.1, attention_dropout=0.1))
 
 
 @pytest.mark.parametrize("encoding, padded, overrides", BLOCK_CASES)
+@pytest.mark.slow
 def test_compiled_block_matches_eager(tiny_model, compile_afresh, encoding, padded, overrides):
     """The whole TransformerBlock as one compiled region gives eager's loss, logits and every
     gradient (1e-5): one graph for both layers, forward and backward, no graph break (the
@@ -180,6 +182,7 @@ def test_records_of_earlier_versions_read(fused, mode):
 
 
 @pytest.mark.parametrize("graph", ["forward", "backward"])
+@pytest.mark.slow
 def test_a_compile_that_fails_runs_eager_and_says_so(graph, tiny_model, compile_afresh,
                                                      monkeypatch, caplog):
     """Inductor failing on the forward or on the backward graph (as a Triton error or a kernel
@@ -216,6 +219,7 @@ def test_a_compile_that_fails_runs_eager_and_says_so(graph, tiny_model, compile_
     assert len(said()) == 1
 
 
+@pytest.mark.slow
 def test_a_run_compiles_one_graph_for_training_and_one_for_evaluation(tiny_model, compile_afresh,
                                                                       caplog):
     """Padded batches and batches without padding (mask None), training and evaluation: two
@@ -271,6 +275,7 @@ def test_inductor_cache_in_the_run_folder_unless_one_is_named(tmp_path, monkeypa
     assert compiled.keep_compiled_in(str(run)) == str(tmp_path / "mine")
 
 
+@pytest.mark.slow
 def test_a_requeue_reuses_the_compile_kept_in_the_run_folder(data, tmp_path):
     """Two starts of a run with --compile block on two pipeline stages of two layers each, each
     start on a "node" whose own cache (its TMPDIR, where inductor's default lives) is empty: the
@@ -320,6 +325,7 @@ def test_an_unusable_cache_folder_falls_back_to_the_nodes(tmp_path, monkeypatch,
         "and a start on another node compiles again"]
 
 
+@pytest.mark.slow
 def test_a_compile_that_fails_on_one_rank_is_said_by_that_rank_and_in_the_summary(tmp_path):
     """Inductor fails on rank 1 only (a node whose compiler or GPU does not work): rank 1 says so
     in one line of its own, and rank 0's summary names the rank that ran eager."""

@@ -194,6 +194,7 @@ def test_recorded_settings_are_absolute_and_one_shot_flags_are_not_recorded(tmp_
     assert complete.mask_split == (0.7, 0.2) and complete.data == ["d"]
 
 
+@pytest.mark.slow
 def test_tupe_pretrain_print_config_is_refused_or_printed_before_any_work(tmp_path):
     result = subprocess.run([sys.executable, "-m", "tupe_ds.pretrain", "--out", str(tmp_path),
                              "--print-config"], capture_output=True, text=True, timeout=120,

@@ -204,6 +204,7 @@ def test_invalid_utf8_nul_and_empty_files(tmp_path):
     assert_no_output(tmp_path / "nothing")
 
 
+@pytest.mark.slow
 def test_ten_megabyte_single_line(tmp_path):
     rng = random.Random(2)
     line = " ".join(unique_document(rng, words=30) for _ in range(8000))
@@ -340,6 +341,7 @@ def test_inputs_of_every_kind(tmp_path):
     assert manifest["documents_out"] == 4
 
 
+@pytest.mark.slow
 def test_shards_merged_equal_one_run_with_the_same_tokenizer(tmp_path):
     rng = random.Random(4)
     documents = [unique_document(rng) for _ in range(40)]
@@ -389,6 +391,7 @@ def kept_texts(folder):
             for doc in documents_of(os.path.join(folder, split), tokenizer)]
 
 
+@pytest.mark.slow
 def test_near_duplicates_across_shards_and_corpora_go_the_first_copy_stays(tmp_path):
     """Shard 1 holds near-copies of 3 of shard 0's documents, and another corpus near-copies of
     3 more and an exact copy: the merge removes the first 3 from whichever shard comes later,
@@ -439,6 +442,7 @@ def test_near_duplicates_across_shards_and_corpora_go_the_first_copy_stays(tmp_p
     assert again["cross_shard_near_duplicates_removed"] == 3 and again["documents_out"] == 36
 
 
+@pytest.mark.slow
 def test_merging_a_merged_folder_removes_what_one_merge_removes(tmp_path, capsys):
     """merge(merge(a, b), c) == merge(a, b, c): the merged folder records its de-duplication
     settings and keeps every kept document's near-duplicate files; a folder without them is
@@ -544,6 +548,7 @@ def assert_precise_at_the_threshold(result):
             assert removed >= 0.95 * planted, (level, removed, planted)
 
 
+@pytest.mark.slow
 def test_pages_sharing_a_block_are_kept_and_their_near_copies_removed(tmp_path, monkeypatch):
     """Across shards and within one run, over buckets of thousands: exact at the threshold, and
     each page checks a bounded number of candidates (the old LSH compared each page with its
@@ -627,6 +632,7 @@ def test_a_buckets_heads_span_the_merged_parts_read_from_their_stored_indexes(tm
     assert sorted(heads) == sorted([*range(8), *range(10, 18)] * tables.shape[0])
 
 
+@pytest.mark.slow
 def test_removed_documents_take_no_place_among_a_buckets_candidates(tmp_path):
     """30 documents W, each removed as a near-copy of one of A's, fill the buckets they share
     with Y (J(W, Y) = 0.995) before Y; X is a near-copy of Y (0.95) and of no kept one else: it
@@ -676,6 +682,7 @@ def test_dedup_against_at_other_settings_and_wordless_documents(tmp_path):
     assert manifest["near_duplicates_removed"] == 0 and manifest["documents_out"] == 5
 
 
+@pytest.mark.slow
 def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_path):
     """Two merge commands into one folder, one --quiet, take turns; the other shows its
     progress on stderr. Then a damaged shard's file is named."""

@@ -81,6 +81,7 @@ def most_frequent_answers_share(data: str, out: str, seq_len: int) -> float:
     return (counts.max() / counts.sum()).item()
 
 
+@pytest.mark.slow
 def test_the_demos_settings_learn_context_in_a_few_dozen_steps_for_every_seed(topic_data,
                                                                                tmp_path):
     outs = {seed: str(tmp_path / f"seed{seed}") for seed in SEEDS}

@@ -123,6 +123,7 @@ def getting_started_output(demo_out) -> dict:
             for command in bash_commands(GETTING_STARTED.read_text())}
 
 
+@pytest.mark.slow
 def test_getting_started_commands_run(getting_started_output, demo_out):
     assert "make demo" in getting_started_output  # the page still shows it
     demo = getting_started_output["make demo"]

@@ -174,6 +174,7 @@ def test_losses_and_metrics_as_before_the_speed_work():
             optimizer.step()
 
 
+@pytest.mark.slow
 def test_tiny_electra_run_learns(data, tmp_path):
     out = tmp_path / "electra"
     train("deepspeed", 2, data, out, "--objective", "electra", "--steps", "100", "--lr", "5e-4",
@@ -199,6 +200,7 @@ def test_tiny_electra_run_learns(data, tmp_path):
 
 @pytest.mark.parametrize("config", [None, "electra_base_fp16.json"],
                          ids=["cpu-config", "shipped-config"])
+@pytest.mark.slow
 def test_electra_checkpoints_hold_both_networks(data, tmp_path, config):
     """Resume a copy of a finished run from its step-4 checkpoint: steps 5 and 6 come out the same
     only if both networks, the optimizer and the data position were restored. Also with the

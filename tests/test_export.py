@@ -34,6 +34,7 @@ def train_and_record_logits(data, out, *flags):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow
 def test_exported_model_gives_the_live_engines_logits(data, tmp_path, layout):
     live = train_and_record_logits(data, tmp_path / "run", *LAYOUTS[layout])
     export(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "exported"))
@@ -121,6 +122,7 @@ def electra_logits(run, ids, mask):
     return scores.t(), generated.transpose(0, 1)
 
 
+@pytest.mark.slow
 def test_electra_exports_its_discriminator(data, tmp_path):
     """The discriminator and the shared embedding become the exported encoder (for tupe_ds and
     transformers, with the replaced-token head); the generator too for transformers."""

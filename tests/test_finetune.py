@@ -107,6 +107,7 @@ def finetune_flags(files, out, *extra):
             "--epochs", "4", "--batch-size", "16", "--max-length", "32", *extra]
 
 
+@pytest.mark.slow
 def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_path, capsys):
     assert finetune(finetune_flags(sentiment, tmp_path / "out")) == 0
     summary = json.loads((tmp_path / "out" / "sst2.json").read_text())
@@ -168,6 +169,7 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
     assert row in results
 
 
+@pytest.mark.slow
 def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
     """2 ranks, each exiting with no process group left; 241 examples leave a last batch of
     one, too small to split (it is skipped)."""
@@ -189,6 +191,7 @@ def test_finetuning_under_the_deepspeed_launcher(sentiment, tmp_path):
     assert train[-1]["train/lr"] == pytest.approx(3e-3 / (60 - round(0.06 * 60)))
 
 
+@pytest.mark.slow
 def test_sigusr1_stops_keeping_the_finished_runs_and_the_same_command_goes_on(sentiment,
                                                                                tmp_path):
     """What Slurm's --signal=B:USR1 does to a fine-tune of slurm/compare_finetune.sbatch."""

@@ -35,6 +35,7 @@ def scalars(folder, tag) -> list:
     return [(event.step, event.value) for event in events.Scalars(tag)]
 
 
+@pytest.mark.slow
 def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_once(
         sentiment, tmp_path, capsys):
     """240 examples in batches of 4: 60 steps an epoch, a log point every 3 (5%)."""

@@ -306,6 +306,7 @@ TRIALS = 1000
 # grid), 3x4 `--finetune-seeds 1,2,3`, 3x2 `make compare`, 3x1 one learning rate, 2x2 the fewest
 @pytest.mark.parametrize("seeds, lrs", [(5, 4), (3, 4), (3, 2), (3, 1), (2, 2)])
 @pytest.mark.parametrize("shift, noise", [(0.0, 0.02), (0.03, 0.03)])
+@pytest.mark.slow
 def test_intervals_cover_the_true_difference_95_percent_of_the_time(seeds, lrs, shift, noise):
     """No difference, and 3 points with noisier fine-tunes."""
     rng = np.random.default_rng([seeds, lrs, int(100 * shift)])
@@ -316,6 +317,7 @@ def test_intervals_cover_the_true_difference_95_percent_of_the_time(seeds, lrs, 
 
 
 @pytest.mark.parametrize("level, outside", [(0.85, 0), (0.99, 1)])
+@pytest.mark.slow
 def test_coverage_check_fails_for_an_85_and_a_99_percent_interval(monkeypatch, level, outside):
     """The band tells a 95% interval from a narrower and a wider one."""
     monkeypatch.setattr(glue_intervals, "LEVEL", level)
@@ -377,6 +379,7 @@ def choice_bias(rng, seeds, dev_effect, trials=2000):
 
 
 @pytest.mark.parametrize("seeds", [5, 3])
+@pytest.mark.slow
 def test_bias_of_the_learning_rate_choices(seeds):
     """The paper's choice is favoured by the seeds' noise, and more with a dev-set effect; the
     held-out choice by neither, noisier."""

@@ -83,6 +83,7 @@ def assert_transformers_match(result, layers=2, heads=4, n=40):
     assert result["TokenClassification"] == [[3, n, 3], True]
 
 
+@pytest.mark.slow
 def test_every_encoding_loads_in_transformers_with_the_same_logits(data, tmp_path):
     jobs = []
     for encoding in ENCODINGS:
@@ -107,6 +108,7 @@ def test_every_encoding_loads_in_transformers_with_the_same_logits(data, tmp_pat
     assert config["seq_length"] == 64 and config["tokenizer_vocab_size"] == TOKENS
 
 
+@pytest.mark.slow
 def test_fill_mask_and_trainer_after_a_short_pretraining(data, tmp_path):
     model = pretrained(data, "tupe-r", steps=1000, batch=32)  # past predicting "," everywhere
     export_with_logits(model, data, tmp_path / "model")
@@ -177,6 +179,7 @@ def test_exports_limit_length_mask_vocabulary_padding_and_stay_finite_in_fp16(da
             assert exported(input_ids=torch.ones(1, 33, dtype=torch.long)).logits.shape[1] == 33
 
 
+@pytest.mark.slow
 def test_tupe_finetune_reads_both_folder_kinds(data, tmp_path):
     sentiment = write_sentiment(tmp_path / "train.tsv", 48, 1)
     for format in ("hf", "tupe"):

@@ -558,6 +558,7 @@ def run_machine(machine_class, examples: int):
     state().runTest()
 
 
+@pytest.mark.slow
 def test_random_histories():
     run_machine(RunFolder, 300)
 

@@ -126,6 +126,7 @@ def test_a_changed_rule_builds_another_index(tmp_path, monkeypatch):
     assert PackedSentences(prefix, 32, CLS, SEP, cache).index_path != before
 
 
+@pytest.mark.slow
 def test_processes_starting_together_build_the_index_once(tmp_path):
     prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
     write_corpus(prefix, seed=0)
@@ -143,6 +144,7 @@ def test_processes_starting_together_build_the_index_once(tmp_path):
     assert index_files(cache) == [os.path.basename(packed.index_path)]
 
 
+@pytest.mark.slow
 def test_a_killed_build_leaves_no_index_that_is_used(tmp_path):
     prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
     write_corpus(prefix, seed=0)
@@ -355,6 +357,7 @@ def test_a_builder_removes_only_its_hosts_dead_builders_remains(tmp_path):
                                                   for n in (mine_alive, other_host))
 
 
+@pytest.mark.slow
 def test_one_index_per_run_where_file_locks_hold_per_node_only(data, tmp_path):
     """Two ranks under torchrun with the cache's lock made a no-op (as two nodes see a node-local
     lock): rank 0 builds each index once while the other waits, and both map the same file."""

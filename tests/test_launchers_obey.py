@@ -62,6 +62,7 @@ def test_a_users_master_address_and_port_are_the_launchers(monkeypatch):
     assert launchers.FIRST_PORT <= chosen < launchers.ephemeral_ports()[0]
 
 
+@pytest.mark.slow
 def test_a_real_launch_meets_on_the_users_master_port_and_says_nothing(monkeypatch):
     """The deepspeed launcher as tupe-compare starts it, where the user set MASTER_PORT and no
     DS_ACCELERATOR: its ranks meet on that port, and neither it nor DeepSpeed warns."""
@@ -77,6 +78,7 @@ def test_a_real_launch_meets_on_the_users_master_port_and_says_nothing(monkeypat
     assert_quiet(result.stdout + result.stderr)
 
 
+@pytest.mark.slow
 def test_a_chosen_port_taken_before_the_run_listens_is_chosen_again(monkeypatch):
     """The port chosen for torchrun taken by another process as it starts: its store fails to
     listen, and the launch is made again on another port."""

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from runs import CPU_CONFIG, ROOT, environment, free_port
@@ -59,6 +61,7 @@ def deepspeed_events(out):
     return steps
 
 
+@pytest.mark.slow
 def test_a_run_taken_over_mid_run_stops_before_its_next_log_line(data, tmp_path):
     out = tmp_path / "run"
     taken_over(data, out, "step:3")
@@ -68,6 +71,7 @@ def test_a_run_taken_over_mid_run_stops_before_its_next_log_line(data, tmp_path)
     assert deepspeed_events(out) and max(deepspeed_events(out)) <= 2 * samples_per_step
 
 
+@pytest.mark.slow
 def test_a_run_taken_over_mid_save_commits_nothing(data, tmp_path):
     """Taken over once the files of step4 are written, before its manifest: no manifest, `latest`
     still at step2, and retention (one checkpoint kept) has not removed step2."""

@@ -104,6 +104,7 @@ def constant_lr(tmp_path_factory):
 
 @pytest.mark.parametrize("objective,layouts", [("mlm", list(LAYOUTS)),
                                                ("electra", ELECTRA_LAYOUTS)])
+@pytest.mark.slow
 def test_every_layout_trains_the_same_parameters(data, tmp_path, constant_lr, objective, layouts):
     assert_micro_batches_differ(data, objective, layouts)
     reference = run_layout(data, tmp_path / layouts[0], objective, LAYOUTS[layouts[0]],

@@ -121,6 +121,7 @@ def tasks_on(cluster, node):
     return pids
 
 
+@pytest.mark.slow
 def test_sbatch_on_two_nodes_preempted_and_requeued_trains_like_one_process(
         two_nodes, data, one_process, tmp_path):
     """dp=4 across the nodes; SIGUSR1 (Slurm's warning before the time limit) midway: every
@@ -144,6 +145,7 @@ def test_sbatch_on_two_nodes_preempted_and_requeued_trains_like_one_process(
     assert_trains_like_one_process(out, one_process, tmp_path)
 
 
+@pytest.mark.slow
 def test_node_killed_mid_save_resumes_from_the_previous_checkpoint(two_nodes, data, one_process,
                                                                     tmp_path):
     """tp=2 inside each node and dp=2 across them. Node 2's tasks are frozen while a checkpoint
@@ -192,6 +194,7 @@ def test_node_killed_mid_save_resumes_from_the_previous_checkpoint(two_nodes, da
     assert_trains_like_one_process(out, one_process, tmp_path)
 
 
+@pytest.mark.slow
 def test_torchrun_on_two_nodes_with_the_rendezvous_on_node_1(two_nodes, data, one_process,
                                                               tmp_path):
     """One torchrun per node (c10d rendezvous at n1's address, --local-addr as on nodes whose
@@ -244,6 +247,7 @@ BUILDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_nodes_without_a_shared_lock_both_build_and_map_the_first_copy(two_nodes, tmp_path):
     """Two processes outside any process group (as tools open data) on n1 and n2, each PID 1 of
     its node, whose cache lock holds per node: both build the index at once, neither deletes
@@ -269,6 +273,7 @@ def test_two_nodes_without_a_shared_lock_both_build_and_map_the_first_copy(two_n
     assert reports[0]["samples"] == reports[1]["samples"] > 0
 
 
+@pytest.mark.slow
 def test_srun_tasks_meet_without_scontrol_on_the_cpus_the_job_asked_for(two_nodes, tmp_path):
     """A job of one task per node with --cpus-per-task 2 on nodes that bind tasks to CPUs. Its
     steps run with no scontrol on PATH (as in containers) and meet over gloo at the first node

@@ -167,6 +167,7 @@ NO_DYNAMIC_SCALER = {  # precision, stage, settings, optimizer, loss scale
 
 
 @pytest.mark.parametrize("case", NO_DYNAMIC_SCALER)
+@pytest.mark.slow
 def test_without_a_dynamic_loss_scaler_every_skip_counts(case, build):
     precision, stage, settings, optimizer, scale = NO_DYNAMIC_SCALER[case]
     engine = build(precision, stage, **settings)

@@ -230,6 +230,7 @@ UNSUPPORTED = {  # precision, stage, settings, DeepSpeed's optimizer
 
 
 @pytest.mark.parametrize("case", UNSUPPORTED)
+@pytest.mark.slow
 def test_other_optimizers_keep_deepspeed_s_boundary(case, build):
     precision, stage, settings, optimizer = UNSUPPORTED[case]
     engine = build(precision, stage, "foreach", **settings)

@@ -50,6 +50,7 @@ def two_stage_steps(tmp_path_factory):
 
 
 @pytest.mark.parametrize("encoding", list(ENCODINGS))
+@pytest.mark.slow
 def test_every_encoding_on_two_stages_equals_one_process(two_stage_steps, encoding):
     torch.manual_seed(0)
     model = tupe_ds.build_model("tiny", num_layers=4, pos_encoding=encoding, hidden_dropout=0.0,
@@ -90,6 +91,7 @@ def runs(data, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_pipeline_layouts_equal_one_process(runs):
     one = log(runs / "pp1")
     for name in ("pp2", "tp2pp2"):
@@ -129,6 +131,7 @@ def test_tied_copies_are_identical_on_every_stage_after_training(runs, layout):
                                            rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_pipeline_run_resumes_from_its_checkpoint(runs, data, tmp_path):
     """A copy of the pp=2 run, resumed from its step-2 checkpoint, reproduces steps 3-5."""
     copy = tmp_path / "copy"
@@ -145,6 +148,7 @@ def test_pipeline_run_resumes_from_its_checkpoint(runs, data, tmp_path):
                                                             abs=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_pipeline_follows_one_process(data, tmp_path):
     """bf16 (what GPUs train in; fp16 needs CUDA): 2 stages against one process, to bf16's
     precision."""

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import termios
 
+import pytest
+
 from data_prep.cli import main, merge_parser, prep_parser
 from test_data_prep import unique_document, write_txt
 
@@ -58,6 +60,7 @@ def bars_drawn(stderr: str) -> list:
     return [name for name, _ in itertools.groupby(names)]
 
 
+@pytest.mark.slow
 def test_pass_one_draws_one_bar_at_a_time_on_a_terminal(tmp_path):
     """Pass 1's bar counts the documents fed to the BPE trainer while the trainer counts their
     words: the trainer's own bars stay off, and its last step (the merges) is said in a line."""

@@ -66,6 +66,7 @@ def assert_progress_lines(stdout: str, out, steps: int) -> None:
 
 
 @pytest.mark.parametrize("encoding", ["tupe-r", "bert-a"])
+@pytest.mark.slow
 def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     out = tmp_path / encoding
     stdout = train("deepspeed", 2, data, out, "--pos-encoding", encoding, "--steps", "30",
@@ -100,6 +101,7 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     assert "Train/Samples/lr" in deepspeed_events.Tags()["scalars"]  # DeepSpeed's own monitor
 
 
+@pytest.mark.slow
 def test_the_shipped_config_on_two_ranks_equals_one_rank_split_otherwise(data, tmp_path):
     """The shipped BERT config's step (ZeRO-1 without gradient hooks), its micro-batch of 128
     cut to each rank's share of 8 and said so, against one rank in micro-batches of 4: the loss
@@ -133,10 +135,12 @@ def assert_tp2_matches_tp1(data, tmp_path, steps, names, *flags):
             assert two[step][name] == pytest.approx(one[step][name], rel=1e-4, abs=1e-4), (step, name)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_equals_one_under_torchrun(data, tmp_path):
     assert_tp2_matches_tp1(data, tmp_path, 5, ["train/loss"], "--pos-encoding", "tupe-r")
 
 
+@pytest.mark.slow
 def test_one_process_needs_no_launcher_no_mpi_and_no_port(data, tmp_path):
     """tupe-pretrain typed as is, twice at once on one machine, where no MPI library loads
     (mpi4py pointed at none), no launcher set RANK or MASTER_PORT and DS_ACCELERATOR is unset:
@@ -173,6 +177,7 @@ def wait_for(condition, process, timeout=300):
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_sigusr1_saves_a_checkpoint_and_stops_cleanly(data, tmp_path):
     out = tmp_path / "preempted"
     process = subprocess.Popen(command("torchrun", 2, data, out, "--steps", "1000",
@@ -192,6 +197,7 @@ def test_sigusr1_saves_a_checkpoint_and_stops_cleanly(data, tmp_path):
     assert 3 <= step < 1000
 
 
+@pytest.mark.slow
 def test_fp16_without_cuda_stops_before_training_and_names_the_cpu_config(data, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "tupe_ds.pretrain", "--data", data, "--out", str(tmp_path / "x"),
@@ -216,6 +222,7 @@ def test_cpu_ranks_share_the_cores_unless_omp_num_threads_says():
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_one_process_variables_are_removed_when_its_group_ends():
     """A notebook or test that runs a command's main() in its own process: RANK, WORLD_SIZE and
     LOCAL_RANK exist while the one-process group does, and not afterwards (a process it starts

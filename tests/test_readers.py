@@ -239,6 +239,7 @@ extra_names = st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), 
 @given(damage=st.fixed_dictionaries({name: file_damage for name in FILES}),
        cut=st.integers(0, len(PICKLE) - 1), noise=st.binary(min_size=1, max_size=len(PICKLE)),
        extras=st.lists(st.tuples(extra_names, st.booleans()), max_size=3))
+@pytest.mark.slow
 def test_check_files_and_unlisted_name_each_damaged_file_in_a_line(damage, cut, noise, extras):
     """manifest.check_files on a checkpoint whose files were removed, truncated, extended,
     overwritten or replaced by a folder: exactly one line per changed file, naming it, none for

@@ -391,6 +391,7 @@ def test_a_listed_file_the_filesystem_hides_for_a_moment_is_waited_for_not_missi
         f"{step_dir}/mp_rank_00_model_states.pt: missing"]
 
 
+@pytest.mark.slow
 def test_the_newest_checkpoint_the_history_records_gone_is_refused_not_an_older_one_resumed(
         tmp_path):
     """A run never goes back quietly: the history's newest checkpoint missing while older ones

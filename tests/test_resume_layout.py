@@ -65,6 +65,7 @@ def resume(dp2_run, data, copy, processes, *flags):
     return resumed, stdout
 
 
+@pytest.mark.slow
 def test_a_dp2_checkpoint_resumes_on_one_rank(dp2_run, data, tmp_path):
     """Micro-batches of 8 (8 x 4 at dp=1): the uninterrupted dp=2 run is also the uninterrupted
     run of the new layout."""
@@ -80,6 +81,7 @@ def test_a_dp2_checkpoint_resumes_on_one_rank(dp2_run, data, tmp_path):
     assert (layout["dp"], layout["micro_batch"], layout["gradient_accumulation"]) == (1, 8, 4)
 
 
+@pytest.mark.slow
 def test_a_dp2_checkpoint_resumes_on_four_ranks_and_another_micro_batch_split(dp2_run, data,
                                                                               tmp_path):
     """At dp=4 in micro-batches of 4 (4 x 2 instead of 8 x 2) the checkpoint goes through the
@@ -93,6 +95,7 @@ def test_a_dp2_checkpoint_resumes_on_four_ranks_and_another_micro_batch_split(dp
     assert_same_steps(converted, dp2_run[1])
 
 
+@pytest.mark.slow
 def test_a_tp2_checkpoint_resumes_at_tp1(data, tmp_path):
     whole = tmp_path / "tp2"
     train("torchrun", 2, data, whole, *STEPS, "--tp", "2", "--micro-batch", "8")

@@ -37,6 +37,7 @@ def run(finished, tmp_path, monkeypatch):
     return str(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_retyped_required_flags_keep_the_recorded_settings(run, data, capsys):
     """--data, --ds-config and --steps given: the run's --save-interval, --model, --seq-len and
     --warmup-steps still fill the rest (a command complete on its own took the defaults)."""
@@ -68,6 +69,7 @@ def test_a_longer_steps_that_moves_the_decay_is_refused_with_both_rates(run, mon
     assert load(["--out", run, "--steps", "30"]).resume_plan.notes == ()  # the same schedule
 
 
+@pytest.mark.slow
 def test_a_moved_rate_allowed_is_said_and_trained(run, data):
     said = train("torchrun", 1, data, run, "--steps", "32", "--allow-training-changes")
     assert (f"tupe-pretrain: resuming step30 with --steps 32 (--allow-training-changes): step 31 "
@@ -76,6 +78,7 @@ def test_a_moved_rate_allowed_is_said_and_trained(run, data):
     assert log(run)[31]["train/lr"] == pytest.approx(decay_rate(31, 32), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_longer_steps_at_a_constant_rate_proceeds_unsaid(data, tmp_path, monkeypatch, capsys):
     with open(CPU_CONFIG) as f:
         config = {k: v for k, v in json.load(f).items() if k != "scheduler"}

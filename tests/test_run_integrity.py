@@ -81,6 +81,7 @@ def reference(data, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_killed_at_every_phase_of_a_save_the_run_loses_nothing(data, reference, tmp_path):
     """SIGKILL to every rank and the launcher: after rank 0's model file, after rank 1's
     optimizer shard, after the manifest (before `latest` moved), during retention's deletion,
@@ -131,6 +132,7 @@ def read_errors(files, seconds=None):
             **({"TUPE_DS_EIO_SECONDS": str(seconds)} if seconds else {})}
 
 
+@pytest.mark.slow
 def test_a_read_error_stops_the_run_with_nothing_moved_and_a_short_one_is_waited_out(
         data, reference, tmp_path):
     """EIO on step12's pickles (a Lustre or NFS client after a server hiccup; its manifest
@@ -163,6 +165,7 @@ def flip_byte(path, offset):
         f.write(bytes([byte[0] ^ 0x01]))
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_reported_and_the_run_falls_back(data, reference, tmp_path):
     """`latest` missing, step12 without rank 1's random state, one flipped byte in step10, a
     truncated optimizer shard in step8, and a stray checkpoint of another run: the run names each
@@ -205,6 +208,7 @@ def nan_config(tmp_path, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.slow
 def test_steps_that_are_not_finite_are_not_applied_and_a_run_of_them_stops(data, tmp_path,
                                                                            precision):
     """NaN in rank 1's loss at step 3 and in one gradient element of rank 0 at step 5: both
@@ -232,6 +236,7 @@ def test_steps_that_are_not_finite_are_not_applied_and_a_run_of_them_stops(data,
             assert not torch.is_tensor(tensor) or torch.isfinite(tensor).all(), (step, name)
 
 
+@pytest.mark.slow
 def test_a_weight_that_is_not_finite_is_never_saved(data, tmp_path):
     out = tmp_path / "run"
     said = run(data, out, "--steps", "6", "--save-interval", "2", "--eval-interval", "6",
@@ -241,6 +246,7 @@ def test_a_weight_that_is_not_finite_is_never_saved(data, tmp_path):
     assert steps_in(out) == ["step2"]
 
 
+@pytest.mark.slow
 def test_init_from_starts_a_new_run_at_a_longer_seq_len_from_a_checkpoint(data, tmp_path):
     """BERT's two phases in small: phase 1 at seq 32, phase 2 at seq 64 from its last
     checkpoint. At step 1 the learning rate is 0 (the new warm-up), so phase 2's step-1
@@ -380,6 +386,7 @@ def wait_for(path, process, seconds=240):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_one_job_per_run_folder(data, reference, tmp_path, monkeypatch):
     """A second job (and --check-only) on a folder whose run trains is refused before any work,
     naming the holder; the first goes on and logs each step once. Killed, its lock is taken over
@@ -432,6 +439,7 @@ def list_in_manifest(step_dir, *names):
     manifest.write(step_dir, record)
 
 
+@pytest.mark.slow
 def test_a_file_that_would_run_code_never_runs_listed_unlisted_or_renamed(data, reference,
                                                                             tmp_path):
     """Planted pickles that would create a file: in step12 in place of an optimizer shard with
@@ -491,6 +499,7 @@ def rewrite_manifest(step_dir, source=None, **fields):
     manifest.write(step_dir, record)
 
 
+@pytest.mark.slow
 def test_damage_means_fallback_never_a_refusal(data, reference, tmp_path):
     """A flipped character in step12's manifest (its vocabulary digest: read as such, another
     run's), step10's layout.json rewritten, the older step6's manifest unreadable, run.json,
@@ -522,6 +531,7 @@ def test_damage_means_fallback_never_a_refusal(data, reference, tmp_path):
     assert {"step10", "step12"} <= set(set_aside(out))
 
 
+@pytest.mark.slow
 def test_ranks_that_see_different_checkpoints_stop_before_loading(data, reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
@@ -610,6 +620,7 @@ def test_resume_refusals_name_what_to_change_and_accept_it(data, reference, tmp_
     assert plan.candidates == (10,)
 
 
+@pytest.mark.slow
 def test_allowed_training_changes_hold_from_the_first_step(data, reference, tmp_path):
     """--lr and betas changed at a resume, with --allow-training-changes: said, and the
     optimizer uses them (DeepSpeed restores the checkpoint's parameter groups)."""
@@ -641,6 +652,7 @@ def test_allowed_training_changes_hold_from_the_first_step(data, reference, tmp_
     assert "exit worker: rank 0, exit code 2" in said and "[rank0]: Traceback" not in said
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_nothing(data, reference,
                                                                             tmp_path):
     """A full disk: for rank 0's manifest alone (after every rank wrote its files), every rank
@@ -695,6 +707,7 @@ def test_an_export_ships_the_tokenizer_the_run_was_trained_with(data, reference,
         (tmp_path / "x" / "README.md").read_text()  # the masking its manifest records
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_stops_the_run_and_loses_nothing(data, reference, tmp_path):
     """The run folder on a small tmpfs, filled while the run trains: the save that cannot be
     written (torch's C++ writer fails, not Python's) stops the run (exit 3) naming the last
@@ -728,6 +741,7 @@ def test_a_real_full_disk_stops_the_run_and_loses_nothing(data, reference, tmp_p
         subprocess.run(["umount", "-l", str(disk)])
 
 
+@pytest.mark.slow
 def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path, monkeypatch):
     """A config without a scheduler (a constant learning rate): --lr changed at a resume with
     --allow-training-changes is the one the next steps use. Such a run is a stable phase a WSD
@@ -768,6 +782,7 @@ def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path, monkeyp
     assert f"holds the branch of {step4} (" in said and "give this branch another --out" in said
 
 
+@pytest.mark.slow
 def test_a_preemption_warning_while_the_run_starts_stops_it_cleanly(data, reference, tmp_path):
     """SIGUSR1 (Slurm's warning) to one rank while the engine is built: the run stops before its
     first step (nothing new to save), exit 3 and not requeued (the time limit leaves no time to

@@ -256,6 +256,7 @@ def contend(out, start, results):
         results.put(("refused", str(busy)))
 
 
+@pytest.mark.slow
 def test_jobs_racing_for_a_stale_lock_one_wins(tmp_path):
     """Six processes at once, on a lock whose holder died: exactly one takes it over, the
     others are refused naming it (a take-over is exclusive: run.lock.break)."""

@@ -197,6 +197,7 @@ def test_a_ramp_reads_each_sample_once_in_order_on_every_layout_and_resumes_mid_
     assert all(torch.equal(a, b) for a, b in zip(resumed, single[3:]))
 
 
+@pytest.mark.slow
 def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_branches(
         data, tmp_path, monkeypatch):
     """A stable WSD run with a ramp (dp 2), resumed after step 2, mid-ramp, with tp 2: every

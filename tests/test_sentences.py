@@ -31,6 +31,7 @@ def sample():
     return [document.text for document in Reader().documents(expand_inputs([SAMPLE]))]
 
 
+@pytest.mark.slow
 def test_fast_splitter_gives_the_sentencizer_sentences_on_the_bundled_corpus(splitters, sample):
     fast, reference = splitters
     cleaned = [Cleaner().normalize(text) for text in sample]

@@ -57,6 +57,7 @@ def logged_steps(out):
         return [entry["step"] for entry in map(json.loads, f) if "train/loss" in entry]
 
 
+@pytest.mark.slow
 def test_sbatch_pretraining_leaves_a_checkpoint_and_tensorboard(cluster, data, tmp_path):
     out = tmp_path / "run"
     job = cluster.wait_until_done(submit_pretraining(cluster, data, out, "--steps", "6",
@@ -71,6 +72,7 @@ def test_sbatch_pretraining_leaves_a_checkpoint_and_tensorboard(cluster, data, t
     assert logged_steps(out) == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_resume_from_left_in_a_requeued_job_applies_once(cluster, data, tmp_path):
     """--resume-from step2 in a job's command (pretrain.sbatch passes flags through): its first
     attempt sets the run's step4 aside, resumes step2 and writes step4 and step6 anew; requeued
@@ -97,6 +99,7 @@ def test_resume_from_left_in_a_requeued_job_applies_once(cluster, data, tmp_path
     assert logged_steps(out) == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_a_wrong_layout_fails_the_job_before_any_task_starts(cluster, data, tmp_path):
     job = cluster.wait_until_done(submit_pretraining(cluster, data, tmp_path / "run", "--steps",
                                                      "6", "--tp", "4"))
@@ -106,6 +109,7 @@ def test_a_wrong_layout_fails_the_job_before_any_task_starts(cluster, data, tmp_
     assert "starting step" not in output and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_compare_arrays_run_every_encoding_its_fine_tunes_then_the_report(cluster, data,
                                                                          tmp_path):
     out = tmp_path / "cmp"
@@ -152,6 +156,7 @@ def test_compare_arrays_run_every_encoding_its_fine_tunes_then_the_report(cluste
             assert finetune["table"]["scores"][run.split("-seed")[0]][task]["mean"] == score
 
 
+@pytest.mark.slow
 def test_two_phase_chain_starts_phase_2_from_phase_1_once_it_succeeded(cluster, data, tmp_path):
     """slurm/submit_two_phase.sh: phase 1 (seq 32 here), then, after it, phase 2 (seq 64) from
     its last checkpoint through --init-from (afterok)."""
@@ -206,6 +211,7 @@ def job_outputs(folder):
     return "".join(f"== {path}\n{path.read_text()[-2000:]}" for path in folder.glob("*.out"))
 
 
+@pytest.mark.slow
 def test_prep_arrays_of_two_sources_equal_one_run_and_the_second_loses_the_firsts_texts(
         prep_arrays):
     """a's merge equals one tupe-prep run; b's merge, after a's and --dedup-against it (an
@@ -229,6 +235,7 @@ def file_states(folder):
             for path in sorted(folder.rglob("*")) if path.is_file() and path.name != LOCK}
 
 
+@pytest.mark.slow
 def test_the_printed_command_re_runs_one_shard_of_the_array_and_nothing_else(cluster,
                                                                               prep_arrays):
     """`sbatch --array=1 ...` as submit_prep.sh prints it (--export=NONE too) writes shard 1 of
@@ -255,6 +262,7 @@ def test_the_printed_command_re_runs_one_shard_of_the_array_and_nothing_else(clu
     assert {**again, "seconds": None} == {**first, "seconds": None}
 
 
+@pytest.mark.slow
 def test_mpirun_trains_like_the_deepspeed_launcher(cluster, data, tmp_path):
     """OpenMPI's mpirun (installed with the cluster), ranks read through mpi4py."""
     pytest.importorskip("mpi4py", reason="pip install tupe_ds[mpi]")

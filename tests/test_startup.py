@@ -64,6 +64,7 @@ def test_every_console_script_is_a_command_whose_main_resumes_the_collector():
 
 
 @pytest.mark.parametrize("how", ["console script", "python -m"])
+@pytest.mark.slow
 def test_a_command_pauses_the_collector_while_it_imports_and_resumes_it_in_main(how):
     seen = probe(how, "tupe_ds.pretrain", "tupe-pretrain")
     if how == "console script":
@@ -74,6 +75,7 @@ def test_a_command_pauses_the_collector_while_it_imports_and_resumes_it_in_main(
     assert reference["main"] == [True, 0] and reference.get("import", [True, 0]) == [True, 0]
 
 
+@pytest.mark.slow
 def test_a_program_that_imports_tupe_ds_keeps_its_collector():
     code = "import gc, tupe_ds.pretrain; print(gc.isenabled(), gc.get_freeze_count())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -81,6 +83,7 @@ def test_a_program_that_imports_tupe_ds_keeps_its_collector():
     assert result.stdout.split() == ["True", "0"], result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_run_trains_the_same_with_the_collector_on(data, tmp_path):
     runs = {}
     for gc_setting in ("", "on"):
@@ -133,6 +136,7 @@ print("\\n".join(failed))
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_first():
     """A circular import shows only for some orders: each module of tupe_ds imported before any
     other of tupe_ds's (the run lock once failed so, through the checkpoint package)."""

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from runs import CPU_CONFIG, ROOT, environment, free_port
 
 WORKER = os.path.join(ROOT, "tests", "support", "file_fault_worker.py")
@@ -40,6 +42,7 @@ def newest_checkpoint(out):
                key=lambda name: int(name[len("step"):]))
 
 
+@pytest.mark.slow
 def test_a_full_disk_on_the_log_between_saves_stops_every_rank_naming_the_newest_checkpoint(
         data, tmp_path):
     """The 7th append to train_log.jsonl (step 5's line: steps 1-4 and the saves of steps 2
@@ -53,6 +56,7 @@ def test_a_full_disk_on_the_log_between_saves_stops_every_rank_naming_the_newest
     assert newest_checkpoint(out) == "step4"
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_deepspeeds_tensorboard_stops_every_rank(data, tmp_path):
     """DeepSpeed's own monitor writes its events every step, from TensorBoard's writer thread:
     its failure is said in the line, not as that thread's traceback."""
@@ -63,6 +67,7 @@ def test_a_full_disk_under_deepspeeds_tensorboard_stops_every_rank(data, tmp_pat
     assert "; the newest intact checkpoint is step" in said
 
 
+@pytest.mark.slow
 def test_a_read_error_while_one_rank_loads_the_checkpoint_stops_every_rank(data, tmp_path):
     """After verification, DeepSpeed's load fails with EIO on rank 1 alone: every rank stops
     (exit code 3) before any goes on into a collective, nothing moved."""
@@ -80,6 +85,7 @@ def test_a_read_error_while_one_rank_loads_the_checkpoint_stops_every_rank(data,
     assert sorted(os.listdir(out / "checkpoints")) == before
 
 
+@pytest.mark.slow
 def test_a_read_error_on_the_data_of_one_rank_stops_every_rank(data, tmp_path):
     """Rank 1 cannot open the training data's tokens (EIO): every rank stops at the start. (The
     __del__ of megatron-core's half-built IndexedDataset prints its own "Exception ignored"

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from runs import CPU_CONFIG, environment, losses
 
 # tupe-pretrain, the signal `SIGNAL` (an environment variable) sent to itself while it opens its
@@ -39,6 +41,7 @@ def started_with(name, data, out):
     return result.returncode, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_at_the_end_of_the_step_and_says_how_to_go_on(data, tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "tupe_ds.pretrain", *flags(data, out)],
@@ -58,6 +61,7 @@ def test_ctrl_c_saves_a_checkpoint_at_the_end_of_the_step_and_says_how_to_go_on(
     assert 3 <= step < 1000 and not (out / "run.lock").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_run_starts_ends_it_with_nothing_to_save(data, tmp_path):
     code, said = started_with("SIGINT", data, tmp_path / "run")
     assert code == 0, said[-4000:]
@@ -67,6 +71,7 @@ def test_ctrl_c_while_the_run_starts_ends_it_with_nothing_to_save(data, tmp_path
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_slurms_warning_before_the_first_step_ends_the_job_saying_why(data, tmp_path):
     """A time limit within the USR1 lead plus the start-up: every attempt would be warned before
     its first step. Exit 3 (slurm/srun_requeue.sh requeues only 0), and what to change."""

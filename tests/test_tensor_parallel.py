@@ -30,6 +30,7 @@ def tp2_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.slow
 def test_tp2_matches_tp1(tp2_results, encoding):
     torch.manual_seed(0)
     model = tupe_ds.build_model("tiny", pos_encoding=encoding.partition(":")[0], hidden_dropout=0.0,

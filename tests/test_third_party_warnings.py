@@ -25,6 +25,7 @@ def help_stderr(command: str, *flags, **env) -> str:
 
 @pytest.mark.parametrize("command, flag, variable", [("tupe-pretrain", "--verbose", ""),
                                                      ("tupe-prep", "--help", "1")])
+@pytest.mark.slow
 def test_commands_start_quietly_and_verbose_shows_everything(command, flag, variable):
     """Each command quiet, then verbose one way: --verbose, or TUPE_DS_VERBOSE=1 (both go
     through add_verbose_flag and quiet(), the same for every command)."""

@@ -83,6 +83,7 @@ def test_the_time_axis_reads_the_training_seconds_or_estimates_an_older_log_s(tm
     assert training_time(mixed)[1][-2:] == [pytest.approx(3.6), 4.8]
 
 
+@pytest.mark.slow
 def test_a_run_resumed_twice_records_the_training_time_its_steps_took(data, tmp_path):
     """12 steps, stopped by SIGUSR1 in steps 4 and 8 (it saves and exits) and run again: the
     recorded training seconds equal a clock outside the run (each start's first to last step)

@@ -110,12 +110,14 @@ def waiting_line(env, data, out, config=CPU_CONFIG):
         process.wait()
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_for_the_others_at_the_rendezvous_says_so(data, tmp_path):
     line = waiting_line({"RANK": "1", "WORLD_SIZE": "2"}, data, tmp_path / "run")
     assert line.startswith("tupe-pretrain rank 1: waiting "), line
     assert "for the rendezvous of 2 processes at 127.0.0.1:" in line
 
 
+@pytest.mark.slow
 def test_a_run_waiting_on_another_process_s_extension_build_names_it(data, tmp_path):
     """DeepSpeed's FusedAdam (`"torch_adam": false`), which it builds for the CPU too, while
     another process holds the build's lock."""
