@@ -330,7 +330,7 @@ def test_a_compile_that_fails_on_one_rank_is_said_by_that_rank_and_in_the_summar
     """Inductor fails on rank 1 only (a node whose compiler or GPU does not work): rank 1 says so
     in one line of its own, and rank 0's summary names the rank that ran eager."""
     worker = os.path.join(ROOT, "tests", "support", "compile_failure_worker.py")
-    env = {**environment(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+    env = {**environment(),
            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
                                           os.path.join(ROOT, "tests", "support")])}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
