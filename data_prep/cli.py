@@ -32,7 +32,7 @@ def add_out_flag(p: argparse.ArgumentParser) -> None:
 
 
 def prep_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tupe-prep", description=__doc__, allow_abbrev=False,
+    p = command_line.Parser(prog="tupe-prep", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_verbose_flag(p)
     command_line.add_config_flags(p)
@@ -72,7 +72,7 @@ def prep_parser() -> argparse.ArgumentParser:
 
 
 def merge_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tupe-prep merge", allow_abbrev=False,
+    p = command_line.Parser(prog="tupe-prep merge", allow_abbrev=False,
                                 description="Merge shard outputs, removing duplicates across "
                                             "shards: exact ones, and near ones where the shards "
                                             "were prepared with --dedup minhash.")

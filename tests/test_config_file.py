@@ -53,6 +53,18 @@ def test_the_file_sets_what_the_flags_do_not_and_the_flags_win(tmp_path):
     assert args.lr == 1e-4
 
 
+def test_a_mistyped_flag_is_one_line_with_the_flag_meant_then_where_help_is(capsys):
+    """As the same typo in a file: "did you mean", and argparse's usage block left out."""
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_args(["--out", "run", "--data", "d", "--seq-lenght", "64", "--stpes=3",
+                       "extra"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "tupe-pretrain: error: unrecognized arguments: --seq-lenght 64 --stpes=3 extra; "
+        "--seq-lenght: did you mean --seq-length?; --stpes: did you mean --steps?",
+        "see tupe-pretrain --help"]
+
+
 @pytest.mark.parametrize("text, said", [
     ("seqlen = 1\n", "seqlen is not a setting of tupe-pretrain"),
     ("seqlen = 1\n", "did you mean seq-len?"),

@@ -39,7 +39,7 @@ from tupe_ds.tools import command_line
 
 
 def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
+    p = command_line.Parser(prog=prog, description=description, allow_abbrev=False,
                                 epilog="Other flags (--ds-config, --seq-len, --global-batch, "
                                        "--lr, --eval-interval, ...) go to every tupe-pretrain run.")
     add_verbose_flag(p)

@@ -11,7 +11,6 @@ vocabulary of 8,192, 300 steps) it learned word frequencies and nothing else.
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
-import argparse
 import os
 import re
 import subprocess
@@ -66,7 +65,7 @@ def train(command: list) -> int:
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    p = argparse.ArgumentParser(prog="python -m tupe_ds.demo.run",
+    p = command_line.Parser(prog="python -m tupe_ds.demo.run",
                                 description=__doc__.split("\n")[0], allow_abbrev=False)
     add_verbose_flag(p)
     command_line.add_config_flags(p)

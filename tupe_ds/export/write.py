@@ -20,7 +20,6 @@ installed).
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
-import argparse
 import os
 import sys
 from typing import Optional
@@ -130,7 +129,7 @@ def check_tokenizer(path: str, step_dir: str) -> None:
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    p = argparse.ArgumentParser(prog="tupe-export", description=__doc__.split("\n")[0],
+    p = command_line.Parser(prog="tupe-export", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     command_line.add_config_flags(p)
     add_verbose_flag(p)

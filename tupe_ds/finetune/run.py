@@ -164,7 +164,7 @@ def stop_for_requeue(progress: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tupe-finetune", description=__doc__.split("\n")[0],
+    p = command_line.Parser(prog="tupe-finetune", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     add_verbose_flag(p)
     command_line.add_config_flags(p)

@@ -18,7 +18,6 @@ run.
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
-import argparse
 import json
 import os
 import shutil
@@ -205,7 +204,7 @@ def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    p = argparse.ArgumentParser(prog="tupe-doctor", description=__doc__.split("\n")[0],
+    p = command_line.Parser(prog="tupe-doctor", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     command_line.add_config_flags(p)
     add_verbose_flag(p)

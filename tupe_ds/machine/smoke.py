@@ -69,7 +69,7 @@ def train(encoding: str, args) -> dict:
 
 def main(argv=None) -> int:
     startup.resume_collector()
-    parser = argparse.ArgumentParser(prog="tupe-smoke", description=__doc__.split("\n")[0],
+    parser = command_line.Parser(prog="tupe-smoke", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      allow_abbrev=False)
     add_verbose_flag(parser)

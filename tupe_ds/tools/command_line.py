@@ -28,6 +28,21 @@ MAX_CONFIG_BYTES = 1 << 20
 Recorded = Callable[[argparse.Namespace], Optional[tuple]]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are what a busy user reads: one line, `PROG: error: ...`
+    (argparse prints its whole usage block above it), a "did you mean" for each mistyped flag,
+    then where the help is."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            flags = [option for option in self._option_string_actions if option.startswith("--")]
+            for given in message.split(": ", 1)[1].split():
+                close = difflib.get_close_matches(given.split("=")[0], flags, n=1)
+                if given.startswith("--") and close:
+                    message += f"; {given.split('=')[0]}: did you mean {close[0]}?"
+        self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="a TOML file of settings, keys spelled as the flags (seq-length = "

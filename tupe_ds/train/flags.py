@@ -25,7 +25,7 @@ DATA_STREAMS = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = command_line.Parser(
         prog="tupe-pretrain", allow_abbrev=False,  # tupe-compare's recipes read the flags
         description="Masked-LM pretraining with DeepSpeed. Start it with `deepspeed --num_gpus N "
                     "--module tupe_ds.pretrain ...` or `torchrun --nproc_per_node N -m "
