@@ -11,9 +11,6 @@ import sys
 class _Stdout(logging.StreamHandler):
     """Writes to the sys.stdout of the moment (pytest's capture replaces it)."""
 
-    def __init__(self):
-        super().__init__()
-
     @property
     def stream(self):
         return sys.stdout
