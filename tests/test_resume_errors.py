@@ -486,6 +486,34 @@ def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_pa
         plan(other)
 
 
+def test_a_lost_history_with_a_same_numbered_folder_set_aside_still_refuses_a_lost_newest(
+        tmp_path):
+    """`latest` names a step: the step6 set aside by a --resume-from step4 does not stand for
+    the step6 committed after it (`latest` written later), which is lost; a step6 set aside
+    after `latest` named it (the --resume-from itself) is no loss."""
+    out = tmp_path / "run"
+    for step in (2, 4, 6):
+        commit(out, step)
+    checkpoints = out / "checkpoints"
+    latest = checkpoints / "latest"
+    latest.write_text("step6")
+    os.utime(latest, (1_000, 1_000))
+    kept = checkpoints / "set-aside" / "20261128T000000Z"
+    kept.mkdir(parents=True)
+    os.rename(checkpoints / "step6", kept / "step6")  # --resume-from step4 sets step6 aside
+    os.utime(kept, (2_000, 2_000))
+    os.remove(out / history.FILE)
+    assert plan(out).candidates == (4, 2)  # the step6 `latest` names was set aside since
+    commit(out, 6)  # the run goes on: a new step6, and `latest` names it
+    os.utime(latest, (3_000, 3_000))
+    os.remove(out / history.FILE)
+    shutil.rmtree(checkpoints / "step6")
+    with pytest.raises(ValueError, match="step6 \\(named by .*/latest as the newest checkpoint"
+                                         "\\) is not in the folder either: were both lost\\? .*"
+                                         "--resume-from step4"):
+        plan(out)
+
+
 def test_check_only_names_the_checkpoint_a_new_run_starts_from(tmp_path):
     init = types.SimpleNamespace(step_dir="/runs/a/checkpoints/step4", step=4, branch=True,
                                  with_optimizer=True)

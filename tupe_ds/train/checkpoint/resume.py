@@ -90,9 +90,8 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
     if decision.refusal:
         raise ValueError(" ".join([*decision.notes, decision.refusal]))
     if not records:  # only a --resume-from spent now, or a fresh start, may go back
-        refuse_lost_newest(out, directory, set(complete) | {m["step"] for m in kept.values()},
-                           max(complete, default=None), decision.by_hand or (
-                               decision.fresh_start is not None and not decision.candidates))
+        refuse_lost_newest(out, directory, set(complete), decision.by_hand or (
+            decision.fresh_start is not None and not decision.candidates))
     candidates = decision.candidates
     ours = [s for s in complete if complete[s]["lineage"] == lineage]
     foreign = [s for s in complete if complete[s]["lineage"] != lineage
@@ -149,19 +148,28 @@ def set_aside_manifests(directory: str) -> Dict[str, dict]:
     return found
 
 
-def refuse_lost_newest(out: str, directory: str, held: set, older: Optional[int],
-                       consented) -> None:
+def refuse_lost_newest(out: str, directory: str, complete: set, consented) -> None:
     """With no history to tell, `latest` names the newest checkpoint committed: one the folder
-    does not hold is refused, not an older one resumed."""
+    does not hold is refused, not an older one resumed. `latest` names a step, not a checkpoint:
+    a folder of that step set aside counts only if it was set aside after `latest` was written
+    (else a checkpoint of the same step committed since is the one lost); both times are the
+    filesystem's, so no two clocks are compared."""
     named = latest_tag(directory)
-    if named and step_of(named) > max(held, default=-1) and not consented and not os.path.isdir(
+    if not named or consented or step_of(named) <= max(complete, default=-1) or os.path.isdir(
             os.path.join(directory, named)):  # there but incomplete: refused below, named
-        raise ValueError(
-            f"{out}/{history.FILE} is not there, and {named} (named by {directory}/latest as the "
-            "newest checkpoint) is not in the folder either: were both lost? Nothing was moved "
-            "or deleted. Put them back and run the same command" + (
-                f"; or go on from {tag_of(older)} deliberately: --resume-from {tag_of(older)}"
-                if older is not None else "; or start over in another --out"))
+        return
+    kept, pointed = os.path.join(directory, SET_ASIDE), os.stat(os.path.join(directory, "latest"))
+    if any(named in reads.list_folder(os.path.join(kept, when))
+           and os.stat(os.path.join(kept, when)).st_mtime_ns >= pointed.st_mtime_ns
+           for when in reads.list_folder(kept)):
+        return
+    older = max(complete, default=None)
+    raise ValueError(
+        f"{out}/{history.FILE} is not there, and {named} (named by {directory}/latest as the "
+        "newest checkpoint) is not in the folder either: were both lost? Nothing was moved "
+        "or deleted. Put them back and run the same command" + (
+            f"; or go on from {tag_of(older)} deliberately: --resume-from {tag_of(older)}"
+            if older is not None else "; or start over in another --out"))
 
 
 def appeared(directory: str, step: int) -> bool:
