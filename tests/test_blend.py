@@ -20,6 +20,7 @@ from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.sources import parse_sources
+from tupe_ds.tools.errors import Refused
 
 from runs import log, train
 from test_index_cache import write_corpus
@@ -228,7 +229,7 @@ def test_a_blend_of_folders_with_different_tokenizers_is_refused_naming_both(dat
     from tupe_ds.train.config import CPU_CONFIG, load
 
     other = other_vocabulary(data, tmp_path)
-    with pytest.raises(SystemExit, match=rf"{data}/tokenizer.json and {other}/tokenizer.json "
+    with pytest.raises(Refused, match=rf"{data}/tokenizer.json and {other}/tokenizer.json "
                                          "differ; a blend needs every folder prepared with one "
                                          "tokenizer"):
         load(["--data", "0.5", data, "0.5", other, "--model", "tiny", "--ds-config", CPU_CONFIG,
@@ -241,7 +242,7 @@ def test_a_folder_with_an_empty_split_is_refused_before_work(data, tmp_path):
     empty = tmp_path / "no-valid"
     shutil.copytree(data, empty)
     (empty / "valid.bin").write_bytes(b"")
-    with pytest.raises(SystemExit, match=rf"--data {empty}: its valid split holds no document; "
+    with pytest.raises(Refused, match=rf"--data {empty}: its valid split holds no document; "
                                          "prepare it again with more text or a --valid-fraction"):
         load(["--data", "0.5", data, "0.5", str(empty), "--model", "tiny", "--ds-config",
               CPU_CONFIG, "--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "64"])
@@ -271,7 +272,7 @@ def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, t
     description = json.loads((out / "run.json").read_text())
     assert [(s["folder"], s["weight"], s["name"]) for s in description["sources"]] == [
         (data, 0.75, first), (second, 0.25, "novel")]
-    with pytest.raises(SystemExit, match=r"the data \(--data\): other content than the "
+    with pytest.raises(Refused, match=r"the data \(--data\): other content than the "
                                          r"checkpoint's \(data.blend\[0\].per_period\)"):
         load(["--data", "0.5", data, "0.5", second, "--model", "tiny", "--ds-config", CPU_CONFIG,
               "--out", str(out), "--steps", "7", "--seq-len", "64", "--global-batch", "16"],

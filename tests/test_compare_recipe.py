@@ -17,10 +17,11 @@ from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBat
 from runs import CPU_CONFIG
 from tupe_ds.compare import cli, recipes, results
 from tupe_ds.compare import plan as plan_module
-from tupe_ds.compare.plan import CompareError, Plan, read_plan
+from tupe_ds.compare.plan import Plan, read_plan
 from tupe_ds.compare.recipes import Recipe, batch_ramp, modern
 from tupe_ds.compare.report import write_report
 from tupe_ds.machine.doctor import Machine
+from tupe_ds.tools.errors import CompareError, Refused
 from tupe_ds.train.ds_config import BatchSplit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +217,7 @@ def test_another_recipe_is_refused_before_tupe_pretrain_reads_the_runs(tmp_path,
     plan(out, modern_recipe()).save()
 
     def load(*args, **kwargs):  # what a run's checkpoint made under the recipe's flags says
-        raise SystemExit("tupe-pretrain: error: its checkpoint is another run than this command's")
+        raise Refused("its checkpoint is another run than this command's")
 
     monkeypatch.setattr(plan_module, "load", load)
     with pytest.raises(CompareError, match="started with --recipe modern, not paper"):

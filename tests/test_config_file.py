@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tupe_ds.tools import command_line
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train import flags, recorded_settings
 from tupe_ds.train.checkpoint import history
 from tupe_ds.train.config import load
@@ -165,14 +166,14 @@ def test_shape_flags_change_the_preset_and_are_checked(data, tmp_path, monkeypat
                         (["--hidden-size", "65"], "65"),
                         (["--ffn-hidden-size", "33", "--tp", "2"], "33 cannot be split over")]:
         monkeypatch.setenv("WORLD_SIZE", "2" if "--tp" in extra else "1")
-        with pytest.raises(SystemExit) as error:
+        with pytest.raises(Refused) as error:
             load([*common, "--out", str(tmp_path / "b"), "--model", "tiny", *extra])
         assert said in str(error.value), str(error.value)
 
 
 def test_decay_shape_without_wsd_is_refused(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(SystemExit) as error:
+    with pytest.raises(Refused) as error:
         load(["--data", data, "--ds-config", CPU_CONFIG, "--steps", "2", "--model", "tiny",
               "--out", str(tmp_path / "run"), "--decay-shape", "1-sqrt"])
     assert "--decay-shape is --lr-schedule wsd's: add --lr-schedule wsd --decay-steps N" in \

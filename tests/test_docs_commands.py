@@ -44,10 +44,10 @@ from typing import Optional
 import pytest
 
 from tupe_ds.compare.cli import FINETUNE_FLAGS, make_plan, plan_parser
-from tupe_ds.compare.plan import CompareError
 from tupe_ds.compare.recipes import given
 from tupe_ds.machine import doctor
 from tupe_ds.tools import command_line
+from tupe_ds.tools.errors import CompareError, Refused
 from tupe_ds.train import config, flags, nonfinite
 from tupe_ds.train.ds_config import deepspeed_config
 
@@ -369,9 +369,9 @@ def refusal(check) -> Optional[str]:
     except SystemExit as refused:
         if refused.code in (0, None):  # --help, --print-config: the command ends there, content
             return None
-        if isinstance(refused.code, str):  # flags.fail's
-            return refused.code
         return (said.getvalue().strip().splitlines() or [f"exit {refused.code}"])[-1]
+    except Refused as refused:  # flags.fail's
+        return f"tupe-pretrain: error: {refused}"
     except CompareError as refused:
         return str(refused)
     return None

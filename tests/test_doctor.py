@@ -11,6 +11,7 @@ from tupe_ds.demo.run import demo_launch
 from tupe_ds.distributed import launch
 from tupe_ds.finetune.run import main as finetune
 from tupe_ds.machine import doctor
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train.config import load
 
 HOPPER, AMPERE, VOLTA, KEPLER = (9, 0), (8, 0), (7, 0), (3, 7)
@@ -119,10 +120,10 @@ def test_doctor_command_on_this_machine(capsys):
 
 def test_pretraining_config_fails_before_work_on_the_wrong_hardware(data, tmp_path, monkeypatch):
     flags = ["--data", data, "--out", str(tmp_path / "run"), "--steps", "5", "--model", "tiny"]
-    with pytest.raises(SystemExit, match="enables bf16, which needs GPUs of compute capability"):
+    with pytest.raises(Refused, match="enables bf16, which needs GPUs of compute capability"):
         load([*flags, "--ds-config", BF16_CONFIG], world_size=1, machine=gpus(1, VOLTA))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc_per_node 4 on a 2-GPU node
-    with pytest.raises(SystemExit, match="4 processes on this machine, but it has 2 GPU"):
+    with pytest.raises(Refused, match="4 processes on this machine, but it has 2 GPU"):
         load([*flags, "--ds-config", FP16_CONFIG], world_size=4, machine=gpus(2))
     assert load([*flags, "--ds-config", BF16_CONFIG], world_size=4, machine=gpus(4)).models
     assert not (tmp_path / "run").exists()

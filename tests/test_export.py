@@ -15,7 +15,8 @@ from test_hf_export import assert_transformers_match, run_transformers
 from tp_inputs import inputs
 from tupe_ds.export.hf.convert import tokenizer_files
 from tupe_ds.export.read import load_exported
-from tupe_ds.export.write import ExportError, export
+from tupe_ds.export.write import export
+from tupe_ds.tools.errors import ExportError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"zero2": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--zero-stage", "1"]}

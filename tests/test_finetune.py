@@ -22,7 +22,8 @@ from runs import EXIT_WORKER, environment, free_port
 from tupe_ds.export.formats import save_exported
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.run import main as finetune
-from tupe_ds.finetune.tasks import TASKS, TaskDataError, read_examples
+from tupe_ds.finetune.tasks import TASKS, read_examples
+from tupe_ds.tools.errors import TaskDataError
 
 POSITIVE, NEGATIVE = ["happy", "pleased", "delighted"], ["sad", "unhappy", "distressed"]
 FILLER = "the a lady gentleman house day walked saw was very quite there morning letter".split()

@@ -35,6 +35,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train.checkpoint import history
 
 LINEAGE = "L"
@@ -612,7 +613,6 @@ def started(out, resume_from=None, fresh_start=False, giving_up=None):
     """A start as tupe-pretrain makes it (plan_resume, then choose on every rank, which records
     it): (the step resumed, 0 for step 0, or the refusal; what it said)."""
     from tupe_ds.train.checkpoint import resume
-    from tupe_ds.train.flags import Refused
 
     said = []
     try:

@@ -13,13 +13,13 @@ import torch
 
 from tupe_ds.compare import recipes
 from tupe_ds.distributed.parallel import accelerator_device, ensure_model_parallel
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train import auto_micro_batch
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.resume import ResumePlan
 from tupe_ds.train.config import load
 from tupe_ds.train.ds_config import BatchSplit, micro_batch_candidates
 from tupe_ds.train.engine import build_engine, build_model
-from tupe_ds.train.flags import Refused
 from tupe_ds.train.micro_batch_search import Probe, largest_fitting
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.run_description import write_run_description
@@ -161,7 +161,7 @@ def test_auto_is_checked_before_any_work(data, tmp_path, monkeypatch):
     """A pipeline is refused (whether the flag or the config says auto), and so is a ramp that
     no micro-batch allows; --micro-batch takes a count or auto."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit, match=r"--pp 2: --micro-batch auto probes the whole model on "
+    with pytest.raises(Refused, match=r"--pp 2: --micro-batch auto probes the whole model on "
                                          r"one device.*give --micro-batch N, a divisor of each "
                                          r"data-parallel rank's 16 samples"):
         load(flags(data, tmp_path, "--pp", "2", "--zero-stage", "1"))
@@ -171,17 +171,17 @@ def test_auto_is_checked_before_any_work(data, tmp_path, monkeypatch):
     argv = flags(data, tmp_path, "--pp", "2", "--zero-stage", "1", "--ds-config", str(config))
     argv.remove("--micro-batch")
     argv.remove("auto")
-    with pytest.raises(SystemExit, match=f"--pp 2: {config}'s micro-batch \"auto\" probes"):
+    with pytest.raises(Refused, match=f"--pp 2: {config}'s micro-batch \"auto\" probes"):
         load(argv)
-    with pytest.raises(SystemExit, match="START 3 is not a multiple of micro-batch 1 x 2"):
+    with pytest.raises(Refused, match="START 3 is not a multiple of micro-batch 1 x 2"):
         load(flags(data, tmp_path, "--rampup-batch-size", "3", "4", "100"))
     monkeypatch.setenv("WORLD_SIZE", "1")
     for wrong in ("0", "some"):
         with pytest.raises(SystemExit):
             load(flags(data, tmp_path, "--micro-batch", wrong))
-    with pytest.raises(SystemExit, match="--loss-normalization micro-batch with --micro-batch "
+    with pytest.raises(Refused, match="--loss-normalization micro-batch with --micro-batch "
                                          "auto: the mean of each micro-batch's mean depends on "
                                          "the split"):
         load(flags(data, tmp_path, "--loss-normalization", "micro-batch"))
-    with pytest.raises(SystemExit, match="--global-batch 0: give a count of samples"):
+    with pytest.raises(Refused, match="--global-batch 0: give a count of samples"):
         load(flags(data, tmp_path, "--global-batch", "0"))

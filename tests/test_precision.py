@@ -8,6 +8,7 @@ import os
 import pytest
 
 from tupe_ds.machine.doctor import Machine
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train import precision
 from tupe_ds.train.config import load
 
@@ -37,10 +38,10 @@ def test_bf16_trains_the_config_in_bf16(data, tmp_path):
 
 
 def test_bf16_is_refused_where_a_gpu_lacks_it(data, tmp_path):
-    with pytest.raises(SystemExit) as refused:
+    with pytest.raises(Refused) as refused:
         run_config(data, tmp_path, Machine("cuda", 2, ((8, 0), (7, 0))), "--bf16")
     assert str(refused.value) == (
-        "tupe-pretrain: error: --bf16: bf16 needs GPUs of compute capability 8.0 or newer "
+        "--bf16: bf16 needs GPUs of compute capability 8.0 or newer "
         "(A100, H100, H200); these have 7.0, 8.0: leave --bf16 out (the --ds-config's precision "
         "runs here)")
     assert not os.path.exists(tmp_path / "run")

@@ -16,9 +16,9 @@ from test_checkpoint import LAYOUT
 from test_resume_errors import read_errors  # noqa: F401  (a fixture)
 from tupe_ds.export import consolidate
 from tupe_ds.model.config import ModelConfig
+from tupe_ds.tools.errors import TrainingStopped
 from tupe_ds.train import monitor
 from tupe_ds.train.checkpoint import reads, reshard, safe_load
-from tupe_ds.train.flags import TrainingStopped
 
 LOG_LINES = b'{"step": 2, "time/training_seconds": 1.5}\n{"step": 4}\n'
 

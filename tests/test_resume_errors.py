@@ -18,9 +18,9 @@ import torch
 
 from one_process import deepspeed_group  # noqa: F401
 from test_checkpoint import LAYOUT
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train.checkpoint import (folder, history, loading, manifest, reads, resume,
                                       safe_load)
-from tupe_ds.train.flags import Refused
 
 
 def checkpoint(out, step, lineage="mine", software=None, consents=()):
@@ -355,7 +355,7 @@ def test_fresh_start_and_resume_from_are_refused_together():
 
     args = parser().parse_args(["--data", "d", "--ds-config", "c", "--out", "o", "--steps", "1",
                                 "--resume-from", "step2", "--fresh-start"])
-    with pytest.raises(SystemExit, match="--resume-from with --fresh-start: choose one"):
+    with pytest.raises(Refused, match="--resume-from with --fresh-start: choose one"):
         check_flags(args)
 
 

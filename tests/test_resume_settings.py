@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from runs import CPU_CONFIG, log, train
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train.config import load
 from tupe_ds.train.schedule import WSD_TYPE, resume_rate_change
 
@@ -59,10 +60,10 @@ def test_a_setting_given_anew_is_named_old_to_new(run, capsys):
 
 
 def test_a_longer_steps_that_moves_the_decay_is_refused_with_both_rates(run, monkeypatch):
-    with pytest.raises(SystemExit) as refusal:
+    with pytest.raises(Refused) as refusal:
         load(["--out", run, "--steps", "40"])
     assert str(refusal.value) == (
-        f"tupe-pretrain: error: resuming step30 with --steps 40: step 31 would run at learning "
+        f"resuming step30 with --steps 40: step 31 would run at learning "
         f"rate {decay_rate(31, 40):.4g}, not the {decay_rate(31, 30):.4g} of the schedule step 30 "
         "ran under. Resume with --steps 30 to keep that schedule, or add "
         "--allow-training-changes to go on with this one")

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train import config
 from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.config import load
@@ -15,7 +16,7 @@ CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
 
 def fails(argv, monkeypatch, world=2):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    with pytest.raises(SystemExit) as error:
+    with pytest.raises(Refused) as error:
         load(argv)
     return str(error.value)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runs import CPU_CONFIG, ROOT, environment, free_port, log, losses
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train.checkpoint import manifest, safe_load, same_run
 
 FAULT_WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
@@ -277,7 +278,7 @@ def refusal(argv, monkeypatch, world=2):
     from tupe_ds.train.config import load
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    with pytest.raises(SystemExit) as error:
+    with pytest.raises(Refused) as error:
         load(argv)
     return str(error.value)
 

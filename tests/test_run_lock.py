@@ -14,9 +14,10 @@ import time
 import pytest
 
 from tupe_ds.tools import lock_file, lock_holder
+from tupe_ds.tools.errors import RunFolderBusy
 from tupe_ds.tools.lock_holder import process_start, this_holder
 from tupe_ds.train import run_lock
-from tupe_ds.train.run_lock import RunFolderBusy, RunLock
+from tupe_ds.train.run_lock import RunLock
 
 
 def said():

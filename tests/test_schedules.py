@@ -19,6 +19,7 @@ from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.consolidate import consolidated_state
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train.batch_ramp import BatchRamp, RampSettings
 from tupe_ds.train.config import load
 from tupe_ds.train.schedule import client_scheduler
@@ -134,7 +135,7 @@ def test_schedule_and_ramp_flags_are_checked_before_any_process_starts(data, tmp
                                                                       monkeypatch, capsys):
     def refusal(*extra, world=2):
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        with pytest.raises(SystemExit) as error:
+        with pytest.raises((SystemExit, Refused)) as error:  # argparse's, or a check's
             load(flags(data, tmp_path, "--steps", "20", *extra))
         return str(error.value) + capsys.readouterr().err
 
@@ -255,7 +256,7 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
 
     def refusal(out, *extra, checkpoint=step4):
         monkeypatch.setenv("WORLD_SIZE", "2")
-        with pytest.raises(SystemExit) as error:
+        with pytest.raises(Refused) as error:
             load(["--data", data, "--model", "tiny", "--seq-len", "64", "--out", str(out),
                   *extra, "--init-from", checkpoint, "--branch"])
         return str(error.value)
@@ -283,7 +284,7 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
     monkeypatch.setenv("WORLD_SIZE", "2")
     other_ramp = [*common[:common.index("--rampup-batch-size") + 3], "16",
                   *common[common.index("--rampup-batch-size") + 4:]]
-    with pytest.raises(SystemExit) as error:  # a resume with another ramp
+    with pytest.raises(Refused) as error:  # a resume with another ramp
         load(["--data", data, "--model", "tiny", "--seq-len", "64", "--out", str(stable),
               "--steps", "8", *other_ramp, "--tp", "2", "--allow-training-changes"])
     assert "rampup_batch_size: '4 4 8' in the checkpoint, '4 4 16' now (--rampup-batch-size)" \

@@ -13,6 +13,7 @@ import pytest
 
 from runs import CPU_CONFIG, environment, free_port
 from tupe_ds.machine import doctor
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train import waits
 from tupe_ds.train.config import load
 
@@ -85,7 +86,7 @@ def test_a_lock_on_a_shared_filesystem_is_not_called_stale(tmp_path, monkeypatch
 def test_tupe_pretrain_refuses_a_stale_lock_before_any_work(data, tmp_path, monkeypatch):
     stale = lock(tmp_path / "extensions", age=20 * 60)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    with pytest.raises(SystemExit, match=f"{stale}: .* rm {stale}"):
+    with pytest.raises(Refused, match=f"{stale}: .* rm {stale}"):
         load(["--data", data, "--ds-config", CPU_CONFIG, "--out", str(tmp_path / "run"),
               "--steps", "1", "--model", "tiny"])
     assert not (tmp_path / "run").exists()

@@ -36,10 +36,9 @@ if __name__ == "__main__":  # python -m: from before the imports below (StopSign
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.machine import doctor
+from tupe_ds.tools.errors import Refused, TrainingStopped, Unreadable
 from tupe_ds.train.checkpoint import resume, safe_load
-from tupe_ds.train.checkpoint.reads import Unreadable
 from tupe_ds.train.config import load
-from tupe_ds.train.flags import Refused, TrainingStopped
 from tupe_ds.train.loop import train
 
 
@@ -51,11 +50,9 @@ def main(argv=None) -> int:
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock
     try:
         run = load(argv, take_lock=first_rank())
-    except SystemExit as refused:  # flags.fail: the message, and the exit code of a refusal
-        if isinstance(refused.code, str):
-            print(refused.code, file=sys.stderr, flush=True)
-            return 2
-        raise
+    except Refused as refused:  # its message says what to change
+        print(f"tupe-pretrain: error: {refused}", file=sys.stderr, flush=True)
+        return 2
     except Unreadable as unreadable:  # every rank reads the run folder before the launch
         print(f"tupe-pretrain: {unreadable}", file=sys.stderr, flush=True)
         return 3

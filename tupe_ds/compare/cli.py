@@ -16,6 +16,7 @@ space-separated, or comma-separated as earlier versions did (--seeds 1,2,3).
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.errors import CompareError
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import contextlib
@@ -26,7 +27,7 @@ import sys
 
 from tupe_ds.compare.finetuning import finetune_flags, status_name
 from tupe_ds.compare.launching import record_status
-from tupe_ds.compare.plan import CompareError, Plan, read_plan
+from tupe_ds.compare.plan import Plan, read_plan
 from tupe_ds.compare.recipes import RECIPES, SCHEDULE_FLAGS, modern, without
 from tupe_ds.compare.report import headline, write_report
 from tupe_ds.compare.runner import run_all

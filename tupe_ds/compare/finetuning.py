@@ -17,13 +17,14 @@ import sys
 from tqdm import tqdm
 
 from tupe_ds.compare.launching import follow, read_status, record_status
-from tupe_ds.compare.plan import CompareError, Plan, Run
+from tupe_ds.compare.plan import Plan, Run
 from tupe_ds.distributed.launchers import launcher_command, on_a_free_port
-from tupe_ds.export.read import ExportError, read_export_description
+from tupe_ds.export.read import read_export_description
 from tupe_ds.finetune import run as tupe_finetune
 from tupe_ds.finetune.flags import global_batch_size
 from tupe_ds.finetune.progress import finetune_settings, finished
 from tupe_ds.finetune.tasks import TASKS
+from tupe_ds.tools.errors import CompareError, ExportError
 from tupe_ds.tools.files import locked
 
 EPOCH_LINE = re.compile(r"^\S+ lr \S+ seed \S+ epoch \d+/\d+ train loss ")

@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from tupe_ds.compare.recipes import Recipe
-from tupe_ds.finetune.tasks import TASKS, TaskDataError, check_glue_task, glue_files
+from tupe_ds.finetune.tasks import TASKS, check_glue_task, glue_files
 from tupe_ds.machine.doctor import probe
+from tupe_ds.tools.errors import CompareError, Refused, TaskDataError
 from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint.folder import latest_step
 from tupe_ds.train.config import load
@@ -20,10 +21,6 @@ PLAN_FILE = "compare.json"
 # tupe-compare sets these for every run; the other tupe-pretrain flags are shared by all runs.
 RESERVED_FLAGS = ("--data", "--out", "--pos-encoding", "--seed", "--steps", "--resume",
                   "--check-only")
-
-
-class CompareError(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -106,8 +103,8 @@ class Plan:
             argv[argv.index("--out") + 1] = scratch
             try:
                 return load(argv, world_size=self.processes, machine=machine)
-            except SystemExit as error:
-                message = str(error).replace("tupe-pretrain: error: ", "")
+            except Refused as error:
+                message = str(error)
                 raise CompareError(f"run {run.name}: "
                                    f"{message.replace(scratch, self.run_dir(run))}") from None
 
@@ -134,8 +131,8 @@ class Plan:
                         for flag in self.pretrain_argv(run)]
                 try:
                     load(argv, world_size=self.processes, machine=machine)
-                except SystemExit as error:
-                    message = str(error).replace("tupe-pretrain: error: ", "")
+                except Refused as error:
+                    message = str(error)
                     if made is not None:
                         message = message.replace(copy, made)
                     raise CompareError(f"run {run.name}: {message}") from None

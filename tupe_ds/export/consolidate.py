@@ -18,11 +18,11 @@ import torch
 from torch import Tensor
 
 from tupe_ds.distributed.parallel import ensure_model_parallel
-from tupe_ds.export.read import ExportError
 from tupe_ds.model.bert import BertForMaskedLM
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
+from tupe_ds.tools.errors import ExportError
 from tupe_ds.train.checkpoint import reads, safe_load
 
 

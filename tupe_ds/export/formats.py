@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from tupe_ds.export.hf.convert import write_folder
-from tupe_ds.export.read import ExportError
 from tupe_ds.model.config import ModelConfig
+from tupe_ds.tools.errors import ExportError
 from tupe_ds.tools.files import replacing_folder
 
 FORMATS = {

@@ -13,10 +13,7 @@ from safetensors.torch import load_file
 from tupe_ds.export.hf.convert import from_transformers
 from tupe_ds.model.bert import build_model
 from tupe_ds.model.config import ModelConfig
-
-
-class ExportError(Exception):
-    pass
+from tupe_ds.tools.errors import ExportError
 
 
 def read_export_description(directory: str) -> dict:

@@ -19,6 +19,7 @@ installed).
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.errors import ExportError
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import os
 import sys
@@ -27,7 +28,6 @@ from typing import Optional
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.export.consolidate import consolidated_state, files_named, network_state
 from tupe_ds.export.formats import FORMATS, save_exported
-from tupe_ds.export.read import ExportError
 from tupe_ds.tools import command_line
 from tupe_ds.tools.files import file_digest
 from tupe_ds.train import run_description

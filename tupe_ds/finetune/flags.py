@@ -2,6 +2,7 @@
 Megatron's spelling (global) or HF's (per device)."""
 
 import argparse
+from tupe_ds.tools.errors import BatchSizeError
 
 DEFAULT_GLOBAL_BATCH = 32  # the paper's (Table 2)
 
@@ -44,10 +45,6 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: at least 1")
     return value
-
-
-class BatchSizeError(ValueError):
-    pass
 
 
 def global_batch_size(args, processes: int) -> int:

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Optional
 
+from tupe_ds.tools.errors import TaskBusy
 from tupe_ds.tools.files import write_atomically
 
 
@@ -38,10 +39,6 @@ def finished(out: str, task: str, settings: dict, lrs: list, seeds: list) -> boo
     return (summary.get("settings") == settings
             and sorted(c["lr"] for c in configurations) == sorted(lrs)
             and all(sorted(map(int, c["seeds"])) == sorted(seeds) for c in configurations))
-
-
-class TaskBusy(RuntimeError):
-    """Another tupe-finetune is fine-tuning the task into the same folder."""
 
 
 def hold(out: str, task: str):

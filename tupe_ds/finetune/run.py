@@ -16,6 +16,7 @@ while it trains, TASK.log.jsonl and tensorboard/TASK/ (monitor.py).
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools.errors import BatchSizeError, ExportError, NotRegularFile, TaskBusy, TaskDataError
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import os
@@ -29,16 +30,15 @@ from torch import nn
 
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import accelerator_device, end_distributed, share_cpu_cores
-from tupe_ds.export.read import ExportError, exported_config, load_exported
-from tupe_ds.finetune.flags import BatchSizeError, add_batch_flags, global_batch_size, list_of
+from tupe_ds.export.read import exported_config, load_exported
+from tupe_ds.finetune.flags import add_batch_flags, global_batch_size, list_of
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.monitor import TrialMonitor, keep_only
-from tupe_ds.finetune.progress import Progress, TaskBusy, finetune_settings, finished, hold
+from tupe_ds.finetune.progress import Progress, finetune_settings, finished, hold
 from tupe_ds.finetune.report import write_reports
-from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, TaskDataError, read_examples
+from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, read_examples
 from tupe_ds.model.layers import embed
 from tupe_ds.tools import command_line
-from tupe_ds.tools.files import NotRegularFile
 from tupe_ds.train.optim import parameter_groups
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]

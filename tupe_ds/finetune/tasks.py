@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 from tokenizers import Tokenizer
+from tupe_ds.tools.errors import TaskDataError
 
 csv.field_size_limit(2**31 - 1)
 
@@ -52,10 +53,6 @@ TASKS = {task.name: task for task in [
     Task("rte", ("sentence1", "sentence2"), "label", ("entailment", "not_entailment"),
          ("accuracy",), 10, glue_folder="RTE"),
 ]}
-
-
-class TaskDataError(ValueError):
-    pass
 
 
 Example = Tuple[Tuple[str, ...], Union[int, float]]  # (texts, label index or score)

@@ -14,7 +14,8 @@ import sys
 import tomllib
 from typing import Callable, Optional
 
-from tupe_ds.tools.files import NotRegularFile, regular_file
+from tupe_ds.tools.errors import NotRegularFile
+from tupe_ds.tools.files import regular_file
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"

@@ -11,6 +11,7 @@ import socket
 import stat
 from typing import Iterable, Optional, Union
 
+from tupe_ds.tools.errors import NotRegularFile
 from tupe_ds.tools.lock import LinkLock
 from tupe_ds.tools.lock_file import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, file_kind
 
@@ -22,11 +23,6 @@ def file_digest(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-class NotRegularFile(ValueError):
-    """A path a run reads is no regular file (a FIFO, device, socket or folder would hang or
-    fail the read), or a symbolic link leading out of the folder it must stay in."""
 
 
 def regular_file(path: str, root: Optional[str] = None) -> str:

@@ -17,6 +17,7 @@ import stat
 import uuid
 from typing import Optional
 
+from tupe_ds.tools.errors import NotALockFile
 from tupe_ds.tools.lock_holder import gone_because, parse_holder
 
 FLOCK_UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
@@ -32,11 +33,6 @@ def write_record(path: str, record: dict) -> None:
         f.write(json.dumps(record, indent=1))
         f.flush()
         os.fsync(f.fileno())
-
-
-class NotALockFile(OSError):
-    """Something no lock of this module leaves is at a lock's name (a folder, a FIFO, a device,
-    a socket): never removed, as it may be someone's; the message says to remove it."""
 
 
 def file_kind(mode: int) -> str:

@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train import run_description
 from tupe_ds.train.ds_config import micro_batch_candidates, with_micro_batch
-from tupe_ds.train.flags import Refused
 from tupe_ds.train.micro_batch_probe import (GIB, HEADROOM, DeviceMemory, HostMemory,
                                              model_state_bytes, random_state_kept,
                                              synthetic_batch, training_pass)

@@ -17,6 +17,7 @@ from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
+from tupe_ds.tools.errors import RunFolderBusy
 from tupe_ds.train import nonfinite, optimizer_boundary, recorded_settings, run_lock
 from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.checkpoint.init_from import (InitPlan, branch_rate_change, check_branch,
@@ -29,7 +30,7 @@ from tupe_ds.train.flags import SHAPE_FLAGS, check_flags, fail, parser
 from tupe_ds.train.masking_flags import masking_scheme
 from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.schedule import ran_under, resume_rate_change
-from tupe_ds.train.run_lock import RunFolderBusy, RunLock
+from tupe_ds.train.run_lock import RunLock
 
 CPU_CONFIG = doctor.CPU_CONFIG
 

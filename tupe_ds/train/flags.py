@@ -9,6 +9,7 @@ from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING
 from tupe_ds.model.config import COMPILE, ENCODINGS, PRESETS
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
+from tupe_ds.tools.errors import Refused
 from tupe_ds.tools.third_party_warnings import add_verbose_flag
 from tupe_ds.train import normalization, optimizer_boundary
 from tupe_ds.train.masking_flags import mask_rate, mask_split
@@ -192,23 +193,8 @@ def micro_batch(text: str):
 
 
 def fail(message: str):
-    """Stops tupe-pretrain with `message`, which says what to change."""
-    raise SystemExit(f"tupe-pretrain: error: {message}")
-
-
-class Refused(RuntimeError):
-    """What `fail` says, found once the process group exists (what the checkpoint's files hold,
-    what every rank sees): every rank raises it alike; tupe-pretrain says it once and exits 2."""
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on by itself (non-finite steps or weights, a checkpoint it could not
-    write, its run folder taken over); its message says why. `everywhere`: every rank stopped
-    alike (else only this one: the others wait in a collective, for the launcher to end them)."""
-
-    def __init__(self, message: str, everywhere: bool = True):
-        super().__init__(message)
-        self.everywhere = everywhere
+    """Refuses the command with `message`, which says what to change."""
+    raise Refused(message)
 
 
 def check_flags(args: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ from tupe_ds.data.loader import TrainBatches
 from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, start_distributed
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.model import compiled
+from tupe_ds.tools.errors import TrainingStopped
 from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_files, run_lock
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest, resume
@@ -25,7 +26,6 @@ from tupe_ds.train.checkpoint.save import (NonFiniteWeights, SaveFailed, checkpo
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.datasets import open_datasets, train_batches
 from tupe_ds.train.engine import build_engine, build_model
-from tupe_ds.train.flags import TrainingStopped
 from tupe_ds.train.monitor import Monitor
 from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.objectives import OBJECTIVES, Electra, MaskedLM

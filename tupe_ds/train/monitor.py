@@ -13,11 +13,10 @@ from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 from torch.utils.tensorboard import SummaryWriter
 
 from tupe_ds.model.config import ModelConfig
-from tupe_ds.tools.files import NotRegularFile, regular_file, write_atomically
+from tupe_ds.tools.errors import FolderTakenOver, NotRegularFile, TrainingStopped
+from tupe_ds.tools.files import regular_file, write_atomically
 from tupe_ds.train import progress, run_files
 from tupe_ds.train.checkpoint import reads
-from tupe_ds.train.flags import TrainingStopped
-from tupe_ds.train.run_lock import FolderTakenOver
 
 
 def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> float:

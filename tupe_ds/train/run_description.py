@@ -5,7 +5,8 @@ import dataclasses
 import json
 import os
 
-from tupe_ds.tools.files import NotRegularFile, write_atomically
+from tupe_ds.tools.errors import NotRegularFile
+from tupe_ds.tools.files import write_atomically
 from tupe_ds.train import monitor  # a module: it imports this one (through checkpoint)
 from tupe_ds.train.checkpoint import reads
 

@@ -10,9 +10,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from tupe_ds.train.checkpoint.reads import error_text
-from tupe_ds.train.flags import TrainingStopped
-from tupe_ds.train.run_lock import FolderTakenOver
+from tupe_ds.tools.errors import FolderTakenOver, TrainingStopped, error_text
 from tupe_ds.train.waits import announced
 
 Result = TypeVar("Result")

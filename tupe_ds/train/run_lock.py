@@ -23,26 +23,14 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from tupe_ds.tools.errors import FolderTakenOver, NotALockFile, Refused, RunFolderBusy
 from tupe_ds.tools.lock import LinkLock
-from tupe_ds.tools.lock_file import NotALockFile, lease_age, lock_content, write_record
+from tupe_ds.tools.lock_file import lease_age, lock_content, write_record
 from tupe_ds.tools.lock_holder import (LEASE_SECONDS, describe, gone_because, parse_holder,
                                        same_machine)
 from tupe_ds.train.checkpoint import reads
-from tupe_ds.train.flags import Refused, TrainingStopped
 
 LOCK_FILE = "run.lock"
-
-
-class FolderTakenOver(TrainingStopped):
-    """Another job took this run's folder over: rank 0 stops alone, writing nothing more."""
-
-    def __init__(self, message: str):
-        super().__init__(message, everywhere=False)
-
-
-class RunFolderBusy(RuntimeError):
-    """Another live job holds the run folder, or something no lock of ours leaves is at
-    OUT/run.lock; the message names it and what to do."""
 
 
 class RunLock(LinkLock):

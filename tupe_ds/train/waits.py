@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from typing import Callable, Union
 
 from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
+from tupe_ds.tools import settings
 
-NOTICE_SECONDS = float(os.environ.get("TUPE_DS_WAIT_NOTICE", "30"))
+NOTICE_SECONDS = settings.seconds("TUPE_DS_WAIT_NOTICE", 30.0, least=0.01)
 REPEAT_SECONDS = 10 * NOTICE_SECONDS
 
 

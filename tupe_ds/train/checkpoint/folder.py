@@ -12,7 +12,8 @@ import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
-from tupe_ds.tools.files import NotRegularFile, sync_folder, write_atomically
+from tupe_ds.tools.errors import NotRegularFile
+from tupe_ds.tools.files import sync_folder, write_atomically
 from tupe_ds.train.checkpoint import manifest, reads, reshard
 
 TAG = re.compile(r"^step(\d+)$")

@@ -16,16 +16,13 @@ from typing import Dict, List, Optional, Tuple
 
 import xxhash
 
-from tupe_ds.tools.files import NotRegularFile, sync_folder
+from tupe_ds.tools.errors import HistoryDamaged, NotRegularFile
+from tupe_ds.tools.files import sync_folder
 from tupe_ds.train.checkpoint import reads
 from tupe_ds.train.checkpoint.folder import tag_of, tags
 
 FILE = "history.jsonl"
 KINDS = ("attempt", "committed", "set_aside", "retired", "consent")
-
-
-class HistoryDamaged(ValueError):
-    """A record of OUT/history.jsonl other than its last does not read: refused, never guessed."""
 
 
 def new_id() -> str:

@@ -3,9 +3,10 @@
 import dataclasses
 import os
 
+from tupe_ds.tools.errors import Refused
 from tupe_ds.train import recorded_settings, schedule
 from tupe_ds.train.checkpoint import folder as folders, loading, manifest, reshard, rng, same_run
-from tupe_ds.train.flags import Refused, fail
+from tupe_ds.train.flags import fail
 
 
 @dataclasses.dataclass(frozen=True)

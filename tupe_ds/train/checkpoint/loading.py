@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from tupe_ds.tools.errors import Refused
 from tupe_ds.tools.files import regular_file
 from tupe_ds.train.checkpoint import manifest, reads, reshard
 from tupe_ds.train.checkpoint.rng import derive_rng_state, file_name, load_rng_state
-from tupe_ds.train.flags import Refused
 from tupe_ds.train.waits import announced
 
 

@@ -11,9 +11,9 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 import xxhash
 
-from tupe_ds.tools.files import NotRegularFile, regular_file, write_atomically
+from tupe_ds.tools.errors import NotRegularFile, OtherSoftware, Refused
+from tupe_ds.tools.files import regular_file, write_atomically
 from tupe_ds.train.checkpoint import reads, safe_load
-from tupe_ds.train.flags import Refused
 
 MANIFEST, FORMAT, SELF = "manifest.json", 1, "manifest_xxh3_128"  # SELF: its own checksum
 CHUNK = 1 << 24
@@ -98,7 +98,7 @@ def write(folder: str, record: dict) -> None:
 def check_files(folder: str, files: Dict[str, dict],
                 software: Optional[Dict[str, str]] = None) -> List[str]:
     """A line per file of `files` (manifest entries) in `folder` that is missing, changed or refused
-    by safe_load; reads.Unreadable; safe_load.OtherSoftware when other `software` wrote it."""
+    by safe_load; reads.Unreadable; OtherSoftware when other `software` wrote it."""
     def problem(path: str, name: str, expected: dict) -> Optional[str]:
         size = os.path.getsize(regular_file(path, folder))
         if size != expected["size"]:
@@ -111,7 +111,7 @@ def check_files(folder: str, files: Dict[str, dict],
             return None
         line, named = safe_load.inspect(path)
         if named and software and safe_load.other_versions(software):
-            raise safe_load.OtherSoftware(path, named, software)
+            raise safe_load.written_by_others(path, named, software)
         return line
 
     problems, waited = [], False
@@ -136,7 +136,7 @@ def unlisted(folder: str, files: Dict[str, dict]) -> List[str]:
 
 def verify(step_dir: str) -> List[str]:
     """Collective: the problems of the checkpoint's files, each rank checking a share, alike on
-    every rank; Refused (safe_load.OtherSoftware) or reads.Unreadable on every rank alike."""
+    every rank; Refused (OtherSoftware) or reads.Unreadable on every rank alike."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def my_share():  # (problems, refusal)
@@ -145,7 +145,7 @@ def verify(step_dir: str) -> List[str]:
             mine = {n: record["files"][n] for n in sorted(record["files"])[rank::world]}
             return check_files(step_dir, mine, record.get("software")) + (
                 unlisted(step_dir, record["files"]) if rank == 0 else []), None
-        except safe_load.OtherSoftware as error:
+        except OtherSoftware as error:
             return [], str(error)
         except reads.Unreadable:
             raise

@@ -10,34 +10,14 @@ from typing import Callable, List, Optional, TypeVar
 import torch.distributed as dist
 
 from tupe_ds.tools import settings
+from tupe_ds.tools.errors import Unreadable, error_text
 from tupe_ds.tools.files import regular_file
-from tupe_ds.train.flags import TrainingStopped
 from tupe_ds.train.waits import announced
 
 RETRY_SECONDS = "TUPE_DS_READ_RETRY_SECONDS"
 FIRST_PAUSE, LONGEST_PAUSE = 0.1, 5.0
 
 Result = TypeVar("Result")
-
-
-class Unreadable(TrainingStopped):
-    """A file that did not read for the retry window; `everywhere`: every rank raises it alike."""
-
-    def __init__(self, message: str, everywhere: bool = False):
-        super().__init__(message, everywhere)
-
-    @classmethod
-    def reading(cls, path: str, error: OSError, seconds: Optional[float] = None) -> "Unreadable":
-        tried = f" for {seconds:g} s" if seconds else ""
-        return cls(f"could not read {path} ({error_text(error)}){tried}: nothing was moved or "
-                   "deleted; run the same command once the filesystem answers")
-
-
-def error_text(error: OSError) -> str:
-    """`[Errno 5] Input/output error`: the error without the path it names again."""
-    if error.errno is None:
-        return str(error) or type(error).__name__
-    return f"[Errno {error.errno}] {error.strerror or os.strerror(error.errno)}"
 
 
 def retried(path: str, read: Callable[[], Result], expected: bool = False) -> Result:

@@ -11,13 +11,12 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from tupe_ds.tools.files import NotRegularFile
+from tupe_ds.tools.errors import NotRegularFile, Refused
 from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import history, init_from, loading, manifest, reads, reshard
 from tupe_ds.train.checkpoint import same_run
 from tupe_ds.train.checkpoint.folder import (SET_ASIDE, latest_tag, set_aside, step_folders,
                                              step_of, survey, tag_of, tags)
-from tupe_ds.train.flags import Refused
 from tupe_ds.train.optim import apply_config, rate_from_schedule
 
 

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from tupe_ds.tools.errors import OtherSoftware
 from tupe_ds.tools.files import regular_file
 from tupe_ds.train.checkpoint import reads
 
@@ -92,14 +93,12 @@ def other_versions(written_by: Dict[str, str]) -> List[str]:
     return [name for name in SOFTWARE if name in written_by and written_by[name] != installed[name]]
 
 
-class OtherSoftware(Exception):
-    """An intact file names a type this software does not load, and other versions wrote it."""
-
-    def __init__(self, path: str, named: str, written_by: Dict[str, str]):
-        installed, differing = software_versions(), other_versions(written_by)
-        super().__init__(
-            f"{path} names {named}, which the installed software does not load; the checkpoint "
-            f"was written by " + ", ".join(f"{n} {written_by[n]}" for n in differing)
-            + " and this is " + ", ".join(f"{n} {installed[n]}" for n in differing)
-            + ". Resume it with the versions that wrote it; or, to resume an earlier checkpoint, "
-            f"move {os.path.dirname(path)} out of its folder. Nothing was moved or deleted")
+def written_by_others(path: str, named: str, written_by: Dict[str, str]) -> OtherSoftware:
+    """The refusal of an intact file naming a type this software does not load (`named`)."""
+    installed, differing = software_versions(), other_versions(written_by)
+    return OtherSoftware(
+        f"{path} names {named}, which the installed software does not load; the checkpoint "
+        f"was written by " + ", ".join(f"{n} {written_by[n]}" for n in differing)
+        + " and this is " + ", ".join(f"{n} {installed[n]}" for n in differing)
+        + ". Resume it with the versions that wrote it; or, to resume an earlier checkpoint, "
+        f"move {os.path.dirname(path)} out of its folder. Nothing was moved or deleted")

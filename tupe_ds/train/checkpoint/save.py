@@ -12,30 +12,17 @@ import time
 import torch
 import torch.distributed as dist
 
+from tupe_ds.tools.errors import FolderTakenOver, NonFiniteWeights, SaveFailed
 from tupe_ds.tools.files import make_durable, sync_folder, write_atomically
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import history, manifest, reshard, safe_load
 from tupe_ds.train.checkpoint.rng import file_name, rng_state
-from tupe_ds.train.run_lock import FolderTakenOver
 from tupe_ds.train.waits import announced
 
 VISIBLE_WITHIN_SECONDS = 120  # a shared filesystem shows another node's new files within this
 # What a failed write raises: Python's an OSError; torch.save's C++ writer a RuntimeError on a full
 # disk; DeepSpeed's barrier a RuntimeError when another rank stopped ("Connection closed by peer")
 WRITE_ERRORS = (OSError, RuntimeError)
-
-
-class NonFiniteWeights(RuntimeError):
-    """The model holds a value that is not finite: nothing is saved."""
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint could not be written or committed: the previous complete one stands.
-    `everywhere`: every rank raised it; else only those whose own writes failed."""
-
-    def __init__(self, message: str, everywhere: bool):
-        super().__init__(message)
-        self.everywhere = everywhere
 
 
 def saved_layout(run, engine) -> reshard.SavedLayout:
