@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tupe_ds  # noqa: E402
+from tupe_ds.tools import log_lines  # noqa: E402
 
 # `make test` runs the files in 3 processes (pytest-xdist, -n 3; the suite's tests wait on the
 # processes they start, so 3 keep 2 cores busier than 2 do): each file whole in one of them,
@@ -29,6 +30,14 @@ LONGEST = {"test_run_integrity.py": 383, "slurm": 344, "test_chaos.py": 233,
            "test_stop_cleanly.py": 200, "test_pretrain.py": 119, "test_resume_layout.py": 105,
            "test_pipeline.py": 103, "test_export.py": 101, "test_stop_signal.py": 63,
            "test_resume_settings.py": 60}
+
+
+@pytest.fixture(autouse=True)
+def log_lines_as_a_command_shows_them():
+    """tupe_ds's log lines on stdout as tupe-pretrain's rank 0 shows them (tools/log_lines.py),
+    where capsys reads them; again for each test, as a test may have shown them as another
+    rank."""
+    log_lines.show(rank=0)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

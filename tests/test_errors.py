@@ -1,5 +1,6 @@
-"""Errors are exceptions (tupe_ds/tools/errors.py): no module below the commands ends the process, and
-a setting read from the environment at import never stops one."""
+"""Errors are exceptions (tupe_ds/tools/errors.py) and output goes through loggers: no module
+below the commands ends the process or hands a `say` function around, and a setting read from
+the environment at import never stops one."""
 
 import ast
 import os
@@ -56,3 +57,17 @@ def test_a_wait_notice_that_is_no_number_is_said_and_the_default_used():
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "30.0"
     assert "TUPE_DS_WAIT_NOTICE='soon': not a number of seconds" in ran.stderr
+
+
+def test_output_goes_through_loggers_not_a_say_function_handed_around():
+    """tupe_ds/tools/log_lines.py shows the loggers' lines: no function takes a `say`."""
+    takes_say = []
+    for package in ("tupe_ds", "data_prep"):
+        for folder, _, names in os.walk(os.path.join(ROOT, package)):
+            for name in (n for n in names if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, (ast.FunctionDef, ast.Lambda)) and "say" in [
+                            a.arg for a in [*node.args.args, *node.args.kwonlyargs]]:
+                        takes_say.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not takes_say, "log through a module logger instead: " + ", ".join(takes_say)

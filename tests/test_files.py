@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from logged import logged_lines
 from tupe_ds.tools import lock, lock_holder, settings
 from tupe_ds.tools.files import replacing_folder, write_atomically
 
@@ -90,21 +91,21 @@ def test_a_lock_file_held_elsewhere_is_waited_for_then_taken_over_when_its_lease
     path = tmp_path / "index.lock.holder"
     path.write_text(json.dumps({**lock_holder.this_holder(), "host": "node-elsewhere", "pid": 4242,
                                 "started": "2026-11-26T00:00:00+00:00"}))
-    said, taken = [], []
-    waiter = threading.Thread(target=lambda: taken.append(
-        lock.LinkLock.acquire(str(path), "fix", say=said.append)))
-    waiter.start()
-    deadline = time.time() + 30
-    while not said and time.time() < deadline:
-        time.sleep(0.01)
-    assert said == [f"tupe_ds: waiting for {path}, held by process 4242 on node-elsewhere, "
-                    "started 2026-11-26T00:00:00+00:00 (its lease renewed 0 s ago, taken over "
-                    f"once not renewed for {lock_holder.LEASE_SECONDS:.0f} s); "
-                    f"if that process is gone, remove {path}"]
-    assert not taken
-    old = time.time() - lock_holder.LEASE_SECONDS - 60
-    os.utime(path, (old, old))  # its holder stopped renewing it
-    waiter.join(timeout=30)
+    taken = []
+    waiter = threading.Thread(target=lambda: taken.append(lock.LinkLock.acquire(str(path), "fix")))
+    with logged_lines() as said:
+        waiter.start()
+        deadline = time.time() + 30
+        while not said and time.time() < deadline:
+            time.sleep(0.01)
+        assert said == [f"tupe_ds: waiting for {path}, held by process 4242 on node-elsewhere, "
+                        "started 2026-11-26T00:00:00+00:00 (its lease renewed 0 s ago, taken over "
+                        f"once not renewed for {lock_holder.LEASE_SECONDS:.0f} s); "
+                        f"if that process is gone, remove {path}"]
+        assert not taken
+        old = time.time() - lock_holder.LEASE_SECONDS - 60
+        os.utime(path, (old, old))  # its holder stopped renewing it
+        waiter.join(timeout=30)
     assert taken and said[1].startswith(f"tupe_ds: took over {path} from process 4242 on "
                                         "node-elsewhere") and "(its node is lost)" in said[1]
     assert json.loads(path.read_text())["token"] == taken[0].holder["token"]

@@ -35,6 +35,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from logged import logged_lines
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train.checkpoint import history
 
@@ -614,14 +615,14 @@ def started(out, resume_from=None, fresh_start=False, giving_up=None):
     it): (the step resumed, 0 for step 0, or the refusal; what it said)."""
     from tupe_ds.train.checkpoint import resume
 
-    said = []
-    try:
-        plan = resume.plan_resume(out, "auto", resume_from, 1, 1, 1, 2, fresh_start=fresh_start,
-                                  giving_up=giving_up)
-        chosen = resume.choose(plan, 1, 1, 1, 2, said.append,
-                               (out, history.attempt_fields(LINEAGE, {}, {})))
-    except (ValueError, Refused) as refusal:
-        return str(refusal), said
+    with logged_lines() as said:
+        try:
+            plan = resume.plan_resume(out, "auto", resume_from, 1, 1, 1, 2,
+                                      fresh_start=fresh_start, giving_up=giving_up)
+            chosen = resume.choose(plan, 1, 1, 1, 2,
+                                   (out, history.attempt_fields(LINEAGE, {}, {})))
+        except (ValueError, Refused) as refusal:
+            return str(refusal), said
     return (int(chosen.tag[4:]) if chosen else 0), said
 
 

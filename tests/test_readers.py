@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
+from logged import logged_lines
 from tupe_ds.tools.errors import RunFolderBusy
 from tupe_ds.tools.lock_holder import this_holder
 from tupe_ds.train import monitor, run_description, run_lock
@@ -509,9 +510,9 @@ def test_a_run_lock_of_any_content_is_taken_over_or_refused_naming_it(data):
         write_bytes(path, data)
         refusal = run_lock.check(out)
         assert refusal is None or refusal.startswith(f"{path}: this run folder is in use by ")
-        said = []
         try:
-            lock = RunLock.acquire(out, say=said.append)
+            with logged_lines() as said:
+                lock = RunLock.acquire(out)
         except RunFolderBusy as busy:
             event("busy")
             assert names_the_file(busy, path), busy
@@ -740,8 +741,8 @@ def deep_run_lock(tmp):
     assert run_lock.parse_holder(DEEP) is None
     write_bytes(os.path.join(tmp, run_lock.LOCK_FILE), DEEP)
     assert run_lock.check(tmp) is None
-    said = []
-    RunLock.acquire(tmp, say=said.append).release()
+    with logged_lines() as said:
+        RunLock.acquire(tmp).release()
     assert said and said[0].endswith("the lock file is damaged (not a lock record)")
 
 

@@ -18,6 +18,7 @@ import torch
 
 from one_process import deepspeed_group  # noqa: F401
 from test_checkpoint import LAYOUT
+from logged import logged_lines
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train.checkpoint import (folder, history, loading, manifest, reads, resume,
                                       safe_load)
@@ -55,8 +56,8 @@ def plan(out, resume_from=None, fresh_start=False, giving_up=None):
 
 
 def choose(out, **flags):
-    said = []
-    return resume.choose(plan(out, **flags), 1, 1, 1, 2, said.append), said
+    with logged_lines() as said:
+        return resume.choose(plan(out, **flags), 1, 1, 1, 2), said
 
 
 def everything_in(out):
@@ -219,9 +220,8 @@ def test_checkpoints_none_of_which_verify_are_refused_unless_fresh_start(tmp_pat
     assert everything_in(out) == before
     chosen, said = choose(out, fresh_start=True)
     assert chosen is None
-    assert said[-1] == (f"tupe-pretrain: no checkpoint of {checkpoints} can be resumed (above): "
-                        "starting anew from step 0 (--fresh-start); they are set aside, not "
-                        "deleted")
+    assert (f"tupe-pretrain: no checkpoint of {checkpoints} can be resumed (above): starting anew "
+            "from step 0 (--fresh-start); they are set aside, not deleted") in said
     assert folder.step_folders(str(checkpoints)) == []
     assert len(os.listdir(checkpoints / "set-aside")) == 1
     consent = [r for r in history.read(str(out)) if r["kind"] == "consent"]
@@ -557,7 +557,7 @@ def test_with_the_history_moved_aside_the_settings_come_from_the_newest_manifest
         {"objective": "mlm", "data": "d", "tp": 1, "pp": 1, "models": [{}], "settings": {}}))
     assert recorded_settings.of_run_folder(types.SimpleNamespace(out=str(earlier))) is None
     assert "run.json holds the settings of a run of a tupe_ds before 2026-11-29, which this one " \
-        "does not read: give the run's flags" in capsys.readouterr().err
+        "does not read: give the run's flags" in capsys.readouterr().out
 
 
 def test_a_folder_of_an_earlier_tupe_ds_is_refused_naming_its_folders(tmp_path):

@@ -13,16 +13,12 @@ import time
 
 import pytest
 
+from logged import logged_lines
 from tupe_ds.tools import lock_file, lock_holder
 from tupe_ds.tools.errors import RunFolderBusy
 from tupe_ds.tools.lock_holder import process_start, this_holder
 from tupe_ds.train import run_lock
 from tupe_ds.train.run_lock import RunLock
-
-
-def said():
-    lines = []
-    return lines, lambda line: lines.append(line)
 
 
 def dead_pid() -> int:
@@ -58,8 +54,8 @@ def test_a_live_holder_refuses_a_second_job_naming_it(tmp_path):
 def test_a_holder_whose_process_ended_is_taken_over_and_said(tmp_path):
     pid = dead_pid()
     plant(tmp_path, pid=pid)
-    lines, say = said()
-    lock = RunLock.acquire(str(tmp_path), say=say)
+    with logged_lines() as lines:
+        lock = RunLock.acquire(str(tmp_path))
     try:
         assert lines == [f"tupe-pretrain: took over {tmp_path}/run.lock from process {pid} on "
                          f"{socket.gethostname()}, started 2026-11-26T00:00:00+00:00: its "
@@ -71,8 +67,8 @@ def test_a_holder_whose_process_ended_is_taken_over_and_said(tmp_path):
 
 def test_a_reused_pid_is_not_the_holder(tmp_path):
     plant(tmp_path, pid_start=1)  # this process's PID, but a process that started at boot
-    lines, say = said()
-    RunLock.acquire(str(tmp_path), say=say).release()
+    with logged_lines() as lines:
+        RunLock.acquire(str(tmp_path)).release()
     assert lines and "its process has ended" in lines[0]
 
 
@@ -82,8 +78,8 @@ def test_another_host_holds_until_its_lease_runs_out(tmp_path, monkeypatch):
         RunLock.acquire(str(tmp_path))
     old = time.time() - run_lock.LEASE_SECONDS - 60
     os.utime(tmp_path / "run.lock", (old, old))  # its holder stopped renewing it
-    lines, say = said()
-    RunLock.acquire(str(tmp_path), say=say).release()
+    with logged_lines() as lines:
+        RunLock.acquire(str(tmp_path)).release()
     assert "its lease was not renewed for" in lines[0] and "(its node is lost)" in lines[0]
 
 
@@ -102,8 +98,8 @@ def test_a_lease_renewed_in_the_future_counts_as_renewed_now(tmp_path, monkeypat
     assert os.stat(tmp_path / "run.lock").st_mtime < time.time() + 1  # now, for the next look
     monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 0.5)
     time.sleep(1.0)
-    lines, say = said()
-    RunLock.acquire(str(tmp_path), say=say).release()
+    with logged_lines() as lines:
+        RunLock.acquire(str(tmp_path)).release()
     assert "its lease was not renewed for 1 s (its node is lost)" in lines[0]
 
     lock = tmp_path / "lock"
@@ -141,8 +137,8 @@ def test_the_same_slurm_job_requeued_takes_over_at_once(tmp_path, monkeypatch):
         with pytest.raises(RunFolderBusy, match="Slurm job 4242 step 0"):
             RunLock.acquire(str(tmp_path))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    lines, say = said()
-    RunLock.acquire(str(tmp_path), say=say).release()
+    with logged_lines() as lines:
+        RunLock.acquire(str(tmp_path)).release()
     assert lines[0].endswith("it is this Slurm job (4242) before it was requeued")
 
 
@@ -167,8 +163,8 @@ def test_a_stopped_holder_of_this_machine_is_not_promised_a_lease(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
-    lines, say = said()
-    RunLock.acquire(str(tmp_path), say=say).release()
+    with logged_lines() as lines:
+        RunLock.acquire(str(tmp_path)).release()
     assert "its process has ended" in lines[0]
 
 
@@ -186,15 +182,15 @@ def test_odd_lock_files(tmp_path):
         if exists:
             target.write_text("someone's file")
         (tmp_path / "run.lock").symlink_to(target)
-        lines, say = said()
-        RunLock.acquire(str(tmp_path), say=say).release()
+        with logged_lines() as lines:
+            RunLock.acquire(str(tmp_path)).release()
         assert "the lock file is damaged" in lines[0]
     assert target.read_text() == "someone's file"
     plant(tmp_path, pid=dead_pid())
     breaker = tmp_path / "run.lock.break"
     breaker.write_text(json.dumps({**this_holder(), "pid": dead_pid()}))
-    lines, say = said()
-    RunLock.acquire(str(tmp_path), say=say).release()
+    with logged_lines() as lines:
+        RunLock.acquire(str(tmp_path)).release()
     assert "its process has ended" in lines[0] and not breaker.exists()
 
 
@@ -208,8 +204,8 @@ MALFORMED = [{"pid": 0}, {"pid": -1}, {"pid": True}, {"pid": "12"}, {"pid": 2 **
                             for field in MALFORMED])
 def test_a_damaged_lock_is_taken_over(tmp_path, content):
     (tmp_path / "run.lock").write_bytes(content)
-    lines, say = said()
-    RunLock.acquire(str(tmp_path), say=say).release()
+    with logged_lines() as lines:
+        RunLock.acquire(str(tmp_path)).release()
     assert "the lock file is damaged" in lines[0]
 
 

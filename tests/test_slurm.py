@@ -23,6 +23,7 @@ from slurm_cluster import SlurmCluster, install_packages
 from test_blend import stand_in_python_and_srun
 from test_compare import write_glue
 from test_data_prep import near_copy, run as prep, unique_document, write_txt
+from logged import logged_lines
 from tupe_ds.distributed import launch, launchers
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "1",
@@ -441,16 +442,16 @@ def test_doctor_in_the_test_clusters_allocation_says_what_the_ranks_will_use(clu
 
 def test_ports_are_checked_free_below_the_ephemeral_range_and_a_taken_one_is_passed_over(
         tmp_path):
-    said = []
     with socket.socket() as held:
         held.bind(("", launchers.free_port()))
         held.listen()
         taken = held.getsockname()[1]
         assert launchers.FIRST_PORT <= taken < launchers.ephemeral_ports()[0]
-        chosen = launchers.free_port(taken, say=lambda line, **_: said.append(line))
-    assert chosen != taken and said == [
-        f"tupe_ds: port {taken} is in use on this machine: port {chosen} instead"]
-    assert launchers.free_port(chosen, say=said.append) == chosen and len(said) == 1
+        with logged_lines() as said:
+            chosen = launchers.free_port(taken)
+            assert chosen != taken and said == [
+                f"tupe_ds: port {taken} is in use on this machine: port {chosen} instead"]
+            assert launchers.free_port(chosen) == chosen and len(said) == 1
     # a port an ended run's rendezvous left in TIME_WAIT: free to torch's store, so free to us
     with socket.socket() as server, socket.socket() as client:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore

@@ -36,6 +36,7 @@ if __name__ == "__main__":  # python -m: from before the imports below (StopSign
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.machine import doctor
+from tupe_ds.tools import log_lines
 from tupe_ds.tools.errors import Refused, TrainingStopped, Unreadable
 from tupe_ds.train.checkpoint import resume, safe_load
 from tupe_ds.train.config import load
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
     startup.resume_collector()
     signal.signal(signal.SIGINT, interrupted_while_starting)  # tupe-pretrain's entry point
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
+    log_lines.show(int(os.environ.get("RANK", "0")))  # rank 0 says the start's lines, every rank errors
     safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock
     try:

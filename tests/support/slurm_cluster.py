@@ -150,8 +150,7 @@ class Network:
 def daemon_port() -> int:
     """A free port for slurmctld or slurmd, below the ports that jobs' rendezvous take
     (launch.srun_port: SRUN_PORTS from the job id), so that a daemon never holds a job's."""
-    return free_port(random.randrange(SRUN_PORTS[0] // 2, SRUN_PORTS[0] - 100),
-                     say=lambda *_, **__: None)
+    return free_port(random.randrange(SRUN_PORTS[0] // 2, SRUN_PORTS[0] - 100))
 
 
 class SlurmCluster:

@@ -4,6 +4,7 @@ on a port checked free, chosen again when another process takes it first (launch
 launcher without its INFO lines unless verbose, nor DeepSpeed's CPU fallback warning where
 tupe_ds filters it (tupe_ds/tools/third_party_warnings.py)."""
 
+import logging
 import os
 import random
 import sys
@@ -11,6 +12,8 @@ from typing import Callable, Optional
 
 from tupe_ds.distributed.launch import SRUN_PORTS, port_is_free, srun_port
 from tupe_ds.tools.third_party_warnings import launcher_accelerator, verbose
+
+logger = logging.getLogger(__name__)
 
 LAUNCHERS = ("deepspeed", "torchrun")
 PORT_ATTEMPTS = 3
@@ -29,7 +32,7 @@ def ephemeral_ports(path: str = PORT_RANGE_FILE) -> tuple:
         return 32768, 60999
 
 
-def free_port(first: int = None, say=print) -> int:
+def free_port(first: int = None) -> int:
     """A port free on this machine now, below the ephemeral range (a port taken from that range
     collides with the connections that the kernel gives ports of the same range): `first` when
     it is free, else the next free one, said in one line. Without `first`, a random start, so
@@ -40,8 +43,8 @@ def free_port(first: int = None, say=print) -> int:
     for port in [*range(start, max(end, start + 1)), *range(low, start)]:
         if port_is_free(port):
             if port != start:
-                say(f"tupe_ds: port {start} is in use on this machine: port {port} instead",
-                    flush=True)
+                logger.warning(f"tupe_ds: port {start} is in use on this machine: port {port} "
+                               "instead")
             return port
     raise RuntimeError(f"no free port from {low} to {end - 1} on this machine")
 
@@ -79,8 +82,8 @@ def users_port() -> Optional[int]:
     return int(text)
 
 
-def launch(launcher: str, processes: int, module: str, argv: list, run: Callable[[list], int],
-           say=print) -> int:
+def launch(launcher: str, processes: int, module: str, argv: list,
+           run: Callable[[list], int]) -> int:
     """Runs launcher_command with `run`, which returns its exit code: on the user's MASTER_PORT
     as it is, else on a port chosen here, and again on another (PORT_ATTEMPTS in all) when the
     launch failed while another process holds the chosen one.
@@ -92,10 +95,10 @@ def launch(launcher: str, processes: int, module: str, argv: list, run: Callable
     to listen on any local network address. port: P, ... EADDRINUSE") before any rank has
     trained a step: a failed launch whose port another process holds afterwards failed so."""
     return on_a_free_port(
-        lambda port: run(launcher_command(launcher, processes, module, argv, port)), say)
+        lambda port: run(launcher_command(launcher, processes, module, argv, port)))
 
 
-def on_a_free_port(attempt: Callable[[int], int], say=print) -> int:
+def on_a_free_port(attempt: Callable[[int], int]) -> int:
     """`attempt(port)`'s exit code, as `launch` tries it: on the user's MASTER_PORT, else on
     ports chosen here until one is not taken by another process (for callers that build their
     own launcher command)."""
@@ -105,8 +108,8 @@ def on_a_free_port(attempt: Callable[[int], int], say=print) -> int:
         exit_code = attempt(port)
         if exit_code == 0 or given or port_is_free(port) or attempt_number == PORT_ATTEMPTS:
             return exit_code
-        say(f"tupe_ds: port {port} was taken by another process as the launch started: "
-            "launching again on another port", flush=True)
+        logger.warning(f"tupe_ds: port {port} was taken by another process as the launch "
+                       "started: launching again on another port")
 
 
 def main(argv=None) -> int:
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     first = srun_port(int(os.environ["SLURM_JOB_ID"]))
-    print(free_port(first, say=lambda line, **_: print(line, file=sys.stderr)))
+    print(free_port(first))  # a port in use said on stderr (logging's last resort)
     return 0
 
 

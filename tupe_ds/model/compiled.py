@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from tupe_ds.tools.log_lines import EVERY_RANK
+
 logger = logging.getLogger(__name__)
 
 PLANNED_GRAPHS = 2  # training and evaluation
 CACHE_FOLDER = "compile-cache"
 CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
-EVERY_RANK = {"every_rank": True}  # a line each rank says (tools/log_lines.py): its own failure
 
 
 def keep_compiled_in(run_folder: str) -> str:

@@ -56,6 +56,7 @@ the same lease duration or fail (LeaseSettingsMismatch). It would replace the re
 """
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -66,12 +67,11 @@ from tupe_ds.tools.lock_file import (NO_HARD_LINKS, NotALockFile, link_exclusive
                                      replace_lock, write_record)
 from tupe_ds.tools.lock_holder import (describe, gone_because, parse_holder, same_machine,
                                        this_holder)
+from tupe_ds.tools.log_lines import EVERY_RANK
+
+logger = logging.getLogger(__name__)
 
 WAIT_NOTICE_SECONDS = 30.0
-
-
-def say_line(line: str) -> None:
-    print(line, flush=True)
 
 
 class LinkLock:
@@ -91,15 +91,15 @@ class LinkLock:
         self._renewer = threading.Thread(target=self._renew, name="tupe-lock-lease", daemon=True)
 
     @classmethod
-    def acquire(cls, path: str, fix: str, say=say_line) -> "LinkLock":
+    def acquire(cls, path: str, fix: str) -> "LinkLock":
         """The lock `path`, taken (over) once free or its holder gone, waiting meanwhile. A
         filesystem without hard links is an error that ends with `fix`."""
         lock = cls(path)
         with lock.own_record() as own:
             started, pause, noticed = time.monotonic(), 0.01, False
-            while not lock.claim(own, fix, say):
+            while not lock.claim(own, fix):
                 if not noticed and time.monotonic() - started > WAIT_NOTICE_SECONDS:
-                    noticed = lock._say_what_it_waits_for(own, say)
+                    noticed = lock._say_what_it_waits_for(own)
                 time.sleep(pause)
                 pause = min(2 * pause, 1.0)  # many ranks wait on a shared filesystem
         lock._renewer.start()
@@ -115,7 +115,7 @@ class LinkLock:
         finally:
             os.remove(own)
 
-    def claim(self, own: str, fix: str, say) -> bool:
+    def claim(self, own: str, fix: str) -> bool:
         """Takes the lock, or takes it over when its holder is gone, saying so: True when held;
         False when its holder may be alive (`busy` was told) or it changed meanwhile."""
         try:
@@ -137,15 +137,16 @@ class LinkLock:
             return False
         if not replace_lock(self.path, own, self.holder["token"], judged):
             return False
-        say(f"{self.speaker}: took over {self.path} from "
-            f"{describe(holder) if holder else 'an unknown holder'}: {why}")
+        logger.warning(f"{self.speaker}: took over {self.path} from "
+                       f"{describe(holder) if holder else 'an unknown holder'}: {why}",
+                       extra=EVERY_RANK)
         return True
 
     def busy(self, holder: dict, age: float) -> None:
         """A holder that may be alive holds the lock `age` seconds after it renewed it: waited
         for."""
 
-    def _say_what_it_waits_for(self, own: str, say) -> bool:
+    def _say_what_it_waits_for(self, own: str) -> bool:
         holder = parse_holder(lock_file.lock_content(self.path) or b"")
         age = renewed_ago(own, self.path)
         if holder is None or age is None:
@@ -153,8 +154,9 @@ class LinkLock:
         state = ("a live process of this machine" if same_machine(holder) else
                  f"its lease renewed {age:.0f} s ago, taken over once not renewed for "
                  f"{lock_holder.LEASE_SECONDS:.0f} s")
-        say(f"{self.speaker}: waiting for {self.path}, held by {describe(holder)} ({state}); if "
-            f"that process is gone, remove {self.path}")
+        logger.warning(f"{self.speaker}: waiting for {self.path}, held by {describe(holder)} "
+                       f"({state}); if that process is gone, remove {self.path}",
+                       extra=EVERY_RANK)
         return True
 
     def _renew(self) -> None:
@@ -189,8 +191,9 @@ class LinkLock:
                 if self.lost and not os.path.lexists(self.path):
                     with self.own_record() as own:
                         if link_exclusively(own, self.path, self.holder["token"]):
-                            say_line(f"{self.speaker}: {self.path} was removed while this "
-                                     "process held it: taken again")
+                            logger.warning(f"{self.speaker}: {self.path} was removed while "
+                                           "this process held it: taken again",
+                                           extra=EVERY_RANK)
                     self.lost = self.check()
             return self.lost
 

@@ -7,6 +7,8 @@ other lines N times."""
 import logging
 import sys
 
+EVERY_RANK = {"every_rank": True}  # `extra=`: a line each rank says, of itself
+
 
 class _Stdout(logging.StreamHandler):
     """Writes to the sys.stdout of the moment (pytest's capture replaces it)."""

@@ -142,7 +142,7 @@ def load(argv=None, world_size: Optional[int] = None,
             fail(problem)
     elif take_lock:
         try:
-            lock = RunLock.acquire(args.out, say=lambda line: print(line, flush=True))
+            lock = RunLock.acquire(args.out)
         except RunFolderBusy as busy:
             fail(str(busy))
         except OSError as error:

@@ -4,6 +4,7 @@ step_loop trains, logs, validates, draws the positional images and saves checkpo
 --steps or a stop signal."""
 
 import dataclasses
+import logging
 import os
 from typing import Optional, Union
 
@@ -38,6 +39,8 @@ from tupe_ds.train.validation import evaluate
 from tupe_ds.tools import log_lines
 from tupe_ds.train.waits import announced, rendezvous_text, waiting_with_extensions
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class Training:
@@ -70,24 +73,23 @@ def train(run: RunConfig, launcher: str) -> None:
     stop = StopSignal()  # SIGUSR1, SIGINT from the start: they may come while the run starts
     device, rank = start_process_groups(run)
     os.makedirs(run.out, exist_ok=True)
-    say = print if rank == 0 else (lambda *a, **k: None)
     log_lines.show(rank)
     if any(model.compile_mode == "block" for model in run.models):
         compiled.keep_compiled_in(run.out)
     run_lock.confirm_on_every_rank(run.lock, run.out)
-    dtype = precision.of_run(run.ds_config, say)
-    start = resume.agreed(run, say)
+    dtype = precision.of_run(run.ds_config)
+    start = resume.agreed(run)
     objective = OBJECTIVES[run.objective]
     last_checkpoint = start.plan.tag if start.plan else None  # the newest intact one
     # DeepSpeed's monitor opens its events file inside the engine's build, on rank 0 alone
     run_files.on_every_rank(lambda: run_files.takes_writes(run.out) if rank == 0 else None,
                             "write", run.out, last_checkpoint, "rank 0 to write in the run folder")
-    run, model, engine, steps = built_engine(run, objective, device, rank, say)
-    run_files.on_every_rank(lambda: describe_run(run, start.lineage, say) if rank == 0 else None,
+    run, model, engine, steps = built_engine(run, objective, device, rank)
+    run_files.on_every_rank(lambda: describe_run(run, start.lineage) if rank == 0 else None,
                             "write", os.path.join(run.out, "run.json"), last_checkpoint,
                             "rank 0 to write run.json")  # with the micro-batch chosen
     data = open_datasets(run, objective, rank, last_checkpoint)
-    state, branched = resume.load_or_initialise(run, engine, start, say)
+    state, branched = resume.load_or_initialise(run, engine, start)
     step = state["step"] if state else 0
     training = Training(
         objective, model, engine, steps, data,
@@ -97,9 +99,9 @@ def train(run: RunConfig, launcher: str) -> None:
         guard=NonFiniteGuard(engine, run.max_nonfinite_steps,
                              state.get("nonfinite") if state else None),
         monitor=run_monitor(run, engine, step, state, device, dtype, rank))
-    say(start_line(run, step, start.plan, branched, launcher, data["train"]), flush=True)
-    outcome = step_loop(run, training, stop, step, last_checkpoint, device, rank, say)
-    finish(run, training, outcome, device, say)
+    logger.info(start_line(run, step, start.plan, branched, launcher, data["train"]))
+    outcome = step_loop(run, training, stop, step, last_checkpoint, device, rank)
+    finish(run, training, outcome, device)
 
 
 def start_process_groups(run: RunConfig) -> tuple:
@@ -118,12 +120,12 @@ def start_process_groups(run: RunConfig) -> tuple:
     return device, rank
 
 
-def built_engine(run: RunConfig, objective, device, rank: int, say) -> tuple:
+def built_engine(run: RunConfig, objective, device, rank: int) -> tuple:
     """The run (its micro-batch chosen: --micro-batch auto), the model, its DeepSpeed engine and
     its steps, built on every rank while DeepSpeed may build an extension."""
     arch_note = fit_cuda_arch_list()
-    if arch_note and rank == 0:
-        print(f"tupe-pretrain: {arch_note}", flush=True)
+    if arch_note:
+        logger.info(f"tupe-pretrain: {arch_note}")
     with announced(waiting_with_extensions("the DeepSpeed engine of every rank"), rank):
         model = build_model(run, objective)
         run = auto_micro_batch.settled(run, model, objective, device)  # the last run.json's
@@ -132,8 +134,8 @@ def built_engine(run: RunConfig, objective, device, rank: int, say) -> tuple:
         run.lock.guard(engine.monitor)
     kept = run.optimizer_boundary == "foreach" and optimizer_boundary.unsupported(engine.optimizer)
     if kept:
-        say(f"tupe-pretrain: the foreach optimizer boundary does not apply ({kept}): DeepSpeed's "
-            "own overflow check and norm", flush=True)
+        logger.info(f"tupe-pretrain: the foreach optimizer boundary does not apply ({kept}): "
+                    "DeepSpeed's own overflow check and norm")
     return run, model, engine, steps
 
 
@@ -153,7 +155,7 @@ def run_monitor(run: RunConfig, engine, step: int, state: Optional[dict], device
 
 
 def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
-              last_checkpoint: Optional[str], device, rank: int, say) -> Outcome:
+              last_checkpoint: Optional[str], device, rank: int) -> Outcome:
     """The steps after `step` until --steps or a stop signal: each trains, and at its intervals
     logs, validates, draws the positional images and saves a checkpoint. The run stops short
     on too many steps not finite (NonFiniteGuard), its folder taken over, a failed save, or a
@@ -172,7 +174,7 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
         said, fails = before_first_step(stopped_early, step, last_checkpoint)
         if fails:
             return Outcome(step, metrics, last_checkpoint, failure=said)
-        say(said, flush=True)
+        logger.info(said)
     monitor.start()
     while step < run.steps and not stopped_early:
         if run.batch_split.ramp:
@@ -183,17 +185,17 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
         step += 1
         said = guard.after_step(step)
         if said:
-            say(said, flush=True)
+            logger.info(said)
         if guard.exhausted:
             monitor.scalars(step, {"train/nonfinite_steps": guard.total})
             return Outcome(step, metrics, last_checkpoint,
                            failure=guard.stop_message(step, last_checkpoint))
         logged = step % run.intervals.log == 0 or step == run.steps
         if logged:
-            log_progress(run, training, step, totals, lr, global_batch, logged_from, say)
+            log_progress(run, training, step, totals, lr, global_batch, logged_from)
             totals, logged_from = {}, batches.consumed
         if step % run.intervals.eval == 0 or step == run.steps:
-            metrics = validate(run, training, step, device, say)
+            metrics = validate(run, training, step, device)
         has_images = run.models[0].encoding.has_positional_logits
         if has_images and (step % run.intervals.image == 0 or step == run.steps):
             draw_positional_images(run, training, step)
@@ -207,8 +209,7 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
             if failure:
                 return Outcome(step, metrics, last_checkpoint, failure, everywhere)
         if stopping:
-            say(f"stopping at step {step} on {stopping}; "
-                "run the same command to continue", flush=True)
+            logger.info(f"stopping at step {step} on {stopping}; run the same command to continue")
             break
     return Outcome(step, metrics, last_checkpoint, stopped_early=stopped_early)
 
@@ -221,28 +222,28 @@ def agreed_writes(training: Training, last_checkpoint: Optional[str]) -> Optiona
 
 
 def log_progress(run: RunConfig, training: Training, step: int, totals: dict, lr: float,
-                 global_batch: int, logged_from: int, say) -> None:
+                 global_batch: int, logged_from: int) -> None:
     """The progress line and scalars of the steps since the global sample `logged_from`
     (`totals` their metrics; `lr`, `global_batch` the last one's); for a blend, each source's
     share of their samples."""
     engine, batches, monitor = training.engine, training.batches, training.monitor
     scale = loss_scale(engine.optimizer)
-    say(monitor.train(step, training.steps.reduce(totals), lr, engine.get_global_grad_norm(),
-                      scale, training.guard.total, batches.consumed - logged_from, global_batch,
-                      engine.skipped_steps), flush=True)
+    logger.info(monitor.train(step, training.steps.reduce(totals), lr,
+                              engine.get_global_grad_norm(), scale, training.guard.total,
+                              batches.consumed - logged_from, global_batch, engine.skipped_steps))
     if len(run.sources) > 1:
         monitor.scalars(step, training.data["train"].shares(run.sources, logged_from,
                                                             batches.consumed - logged_from))
 
 
-def validate(run: RunConfig, training: Training, step: int, device, say) -> dict:
+def validate(run: RunConfig, training: Training, step: int, device) -> dict:
     """The valid metrics at `step` (validation.evaluate), logged and said."""
     monitor = training.monitor
     with monitor.timing("evaluation"):
         metrics = evaluate(training.steps, training.data["valid"], run,
                            training.engine.train_micro_batch_size_per_gpu(), device)
     monitor.scalars(step, {**metrics, "time/evaluation_seconds": monitor.seconds["evaluation"]})
-    say(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+    logger.info(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
 
@@ -285,7 +286,7 @@ def save_checkpoint(run: RunConfig, training: Training, step: int,
     return last_checkpoint, None, True
 
 
-def finish(run: RunConfig, training: Training, outcome: Outcome, device, say) -> None:
+def finish(run: RunConfig, training: Training, outcome: Outcome, device) -> None:
     """The end of a start: TrainingStopped for a failure; else, once its data, monitor and
     steps are closed, rank 0's summary (with a validation where the start made none)."""
     if outcome.failure is not None and not outcome.everywhere:  # the others wait in a collective
@@ -303,7 +304,8 @@ def finish(run: RunConfig, training: Training, outcome: Outcome, device, say) ->
         raise TrainingStopped(outcome.failure)
     if outcome.stopped_early:
         return
-    say(training.monitor.summary(outcome.step, metrics["valid/loss"], outcome.last_checkpoint))
+    logger.info(training.monitor.summary(outcome.step, metrics["valid/loss"],
+                                         outcome.last_checkpoint))
     said = compiled.summary(training.model)
     if said:
-        say(f"tupe-pretrain: {said}")
+        logger.info(f"tupe-pretrain: {said}")

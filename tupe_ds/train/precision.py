@@ -11,10 +11,12 @@ the same in both (optimizer_boundary.py counts it).
 
 from typing import Optional, Sequence
 
+import logging
 import torch.distributed as dist
 
 from tupe_ds.machine import doctor
 
+logger = logging.getLogger(__name__)
 
 
 def with_bf16(ds_config: dict) -> dict:
@@ -56,11 +58,11 @@ def every_rank_machine() -> list:
     return machines
 
 
-def of_run(ds_config: dict, say) -> str:
+def of_run(ds_config: dict) -> str:
     """The run's precision (doctor.precision). Collective: in fp16 where every rank's GPU has
     bf16, it first says the line that says so (bf16_advice)."""
     dtype = doctor.precision(ds_config)
     advice = dtype == "fp16" and bf16_advice(every_rank_machine(), dtype)
     if advice:
-        say(advice, flush=True)
+        logger.info(advice)
     return dtype

@@ -3,12 +3,14 @@ command (flags, --config file) does not give, as Megatron-LM's --use-checkpoint-
 
 import argparse
 import json
+import logging
 import os
-import sys
 
 from tupe_ds.data.sources import named_folder
 from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import folder, history
+
+logger = logging.getLogger(__name__)
 
 # What one command asks once, not what the run is: never recorded, never taken from the history.
 ONE_SHOT = ("check_only", "print_config", "fresh_start", "giving_up", "resume", "resume_from",
@@ -33,20 +35,19 @@ def recordable(args: argparse.Namespace) -> dict:
 def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> tuple | None:
     """(where, {dest: value}) of the settings the run recorded: its history's last start, else
     (a history lost or made again) its newest checkpoint's manifest; None for a new run or a
-    damaged history (then said on stderr unless `quiet`)."""
+    damaged history (then said unless `quiet`)."""
     if not args.out:
         return None
     try:
         found = recorded(args.out)
     except history.HistoryDamaged as error:
         if not quiet:
-            print(f"tupe-pretrain: the run's settings cannot be taken from it: {error}",
-                  file=sys.stderr)
+            logger.warning(f"tupe-pretrain: the run's settings cannot be taken from it: {error}")
         return None
     if found is None and not quiet and "settings" in run_description.recorded(args.out):
-        print(f"tupe-pretrain: {os.path.join(args.out, run_description.FILE)} holds the settings "
-              "of a run of a tupe_ds before 2026-11-29, which this one does not read: give the "
-              "run's flags, or resume it with that version", file=sys.stderr)
+        logger.warning(f"tupe-pretrain: {os.path.join(args.out, run_description.FILE)} holds the "
+                       "settings of a run of a tupe_ds before 2026-11-29, which this one does not "
+                       "read: give the run's flags, or resume it with that version")
     return found and (found[0], {k: v for k, v in found[1].items() if k not in ONE_SHOT})
 
 
@@ -79,7 +80,7 @@ def say_taken(args: argparse.Namespace, sources: dict, defaults: dict) -> None:
              f"{', '.join(named) or 'the defaults'}"] if where in sources.values() else []
     parts += [f"given anew, other than the run's: {', '.join(changed)}"] if changed else []
     if parts:
-        print(f"tupe-pretrain: {'; '.join(parts)} (--print-config shows them)", flush=True)
+        logger.info(f"tupe-pretrain: {'; '.join(parts)} (--print-config shows them)")
 
 
 def shown(value) -> str:

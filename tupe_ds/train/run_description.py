@@ -3,12 +3,15 @@ for tupe-export, tupe-compare and auto_micro_batch; what a start decides from is
 
 import dataclasses
 import json
+import logging
 import os
 
 from tupe_ds.tools.errors import NotRegularFile
 from tupe_ds.tools.files import write_atomically
 from tupe_ds.train import monitor  # a module: it imports this one (through checkpoint)
 from tupe_ds.train.checkpoint import reads
+
+logger = logging.getLogger(__name__)
 
 FILE = "run.json"
 FIELDS = {"objective": str, "data": str, "tp": int, "pp": int, "models": list}  # what readers use
@@ -72,11 +75,11 @@ def write_run_description(run, lineage: str) -> None:
         "models": [dataclasses.asdict(config) for config in run.models]}, indent=1))
 
 
-def describe_run(run, lineage: str, say) -> None:
+def describe_run(run, lineage: str) -> None:
     """Rank 0: OUT/run.json written, said where the one there was damaged."""
     if os.path.exists(os.path.join(run.out, FILE)):
         try:
             read(run.out)
         except ValueError as error:
-            say(f"tupe-pretrain: {error}: written anew", flush=True)
+            logger.info(f"tupe-pretrain: {error}: written anew")
     write_run_description(run, lineage)

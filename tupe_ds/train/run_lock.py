@@ -39,14 +39,14 @@ class RunLock(LinkLock):
     speaker = "tupe-pretrain"
 
     @classmethod
-    def acquire(cls, out: str, say=print) -> "RunLock":
+    def acquire(cls, out: str) -> "RunLock":
         """The lock of `out`, taken (over); RunFolderBusy when another live job holds it."""
         os.makedirs(out, exist_ok=True)
         lock = cls(os.path.join(out, LOCK_FILE))
         try:
             with lock.own_record() as own:
                 for _ in range(20):
-                    if lock.claim(own, "put --out on another filesystem", say):
+                    if lock.claim(own, "put --out on another filesystem"):
                         break
                     time.sleep(0.1)  # a take-over by another job in progress, or a lock released
                 else:

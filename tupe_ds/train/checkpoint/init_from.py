@@ -1,12 +1,15 @@
 """A new run from a checkpoint's weights (--init-from, --init-optimizer) or all of it (--branch)."""
 
 import dataclasses
+import logging
 import os
 
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train import recorded_settings, schedule
 from tupe_ds.train.checkpoint import folder as folders, loading, manifest, reshard, rng, same_run
 from tupe_ds.train.flags import fail
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +65,12 @@ def check_init(plan: InitPlan) -> None:
                       + "; give another checkpoint")
 
 
-def init_from(engine, plan: InitPlan, say) -> None:
+def init_from(engine, plan: InitPlan) -> None:
     """Collective: the checkpoint's weights (and optimizer state) into a new run's engine."""
     load(engine, plan, load_module_only=not plan.with_optimizer,
          load_optimizer_states=plan.with_optimizer, load_lr_scheduler_states=False)
     engine.global_steps = engine.global_samples = engine.skipped_steps = 0
-    say(f"tupe-pretrain: initialised from {plan.step_dir}: its weights" + (
+    logger.info(f"tupe-pretrain: initialised from {plan.step_dir}: its weights" + (
         " and optimizer state" if plan.with_optimizer else "") + "; a new schedule and data "
         "stream from step 0")
 

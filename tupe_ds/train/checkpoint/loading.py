@@ -1,6 +1,7 @@
 """Loading the chosen checkpoint into the engine: its DeepSpeed state (through a universal
 checkpoint on a new layout) and each rank's random streams, every rank the same checkpoint."""
 
+import logging
 import os
 import socket
 
@@ -13,6 +14,8 @@ from tupe_ds.tools.files import regular_file
 from tupe_ds.train.checkpoint import manifest, reads, reshard
 from tupe_ds.train.checkpoint.rng import derive_rng_state, file_name, load_rng_state
 from tupe_ds.train.waits import announced
+
+logger = logging.getLogger(__name__)
 
 
 def confirm_loaded(tag: str, step: int) -> None:
@@ -33,16 +36,16 @@ def load(engine, plan, seed: int) -> dict:
     if resharding is not None and resharding.convert:
         if rank == 0:
             seconds = reshard.convert(plan.directory, tag)
-            print(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; "
-                  f"converted for {dist.get_world_size()} processes with DeepSpeed's "
-                  f"universal checkpoint into {reshard.universal_dir(plan.directory)}/{tag} "
-                  f"({'reused' if seconds == 0 else f'{seconds:.1f} s'})", flush=True)
+            logger.info(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; "
+                        f"converted for {dist.get_world_size()} processes with DeepSpeed's "
+                        f"universal checkpoint into {reshard.universal_dir(plan.directory)}/{tag} "
+                        f"({'reused' if seconds == 0 else f'{seconds:.1f} s'})")
         with announced(f"rank 0 to convert checkpoint {tag} for this layout", rank):
             dist.barrier()
         load_dir = reshard.universal_dir(plan.directory)
     elif resharding is not None and rank == 0:
-        print(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; its "
-              "optimizer state is not partitioned and loads as it is", flush=True)
+        logger.info(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; its "
+                    "optimizer state is not partitioned and loads as it is")
     schedule, loaded = holds_schedule(step_dir), {}
 
     def load_here():

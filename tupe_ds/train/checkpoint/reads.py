@@ -3,6 +3,7 @@ damaged. An OSError (EIO, ESTALE) is retried for TUPE_DS_READ_RETRY_SECONDS (def
 once, then the run stops (exit code 3, Unreadable) with nothing moved or deleted; a file not
 there, or no regular file, is the checkpoint's damage (docs/reliability.md)."""
 
+import logging
 import os
 import time
 from typing import Callable, List, Optional, TypeVar
@@ -10,9 +11,12 @@ from typing import Callable, List, Optional, TypeVar
 import torch.distributed as dist
 
 from tupe_ds.tools import settings
+from tupe_ds.tools.log_lines import EVERY_RANK
 from tupe_ds.tools.errors import Unreadable, error_text
 from tupe_ds.tools.files import regular_file
 from tupe_ds.train.waits import announced
+
+logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = "TUPE_DS_READ_RETRY_SECONDS"
 FIRST_PAUSE, LONGEST_PAUSE = 0.1, 5.0
@@ -35,8 +39,8 @@ def retried(path: str, read: Callable[[], Result], expected: bool = False) -> Re
             if left <= 0:
                 raise Unreadable.reading(path, error, seconds) from None
             if pause == FIRST_PAUSE:
-                print(f"tupe-pretrain: reading {path} failed ({error_text(error)}); trying again "
-                      f"for up to {seconds:g} s", flush=True)
+                logger.warning(f"tupe-pretrain: reading {path} failed ({error_text(error)}); "
+                               f"trying again for up to {seconds:g} s", extra=EVERY_RANK)
         time.sleep(min(pause, max(left, 0)))
         pause = min(pause * 2, LONGEST_PAUSE)
 

@@ -17,6 +17,7 @@ any process starts, so a layout that cannot be reshaped is refused with what to 
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ import torch
 
 from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint import manifest, reads, safe_load
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_FILE = "layout.json"
 UNIVERSAL_FOLDER = "universal"  # CHECKPOINTS/universal/stepN: converted checkpoints
@@ -191,7 +194,7 @@ def convert(checkpoints: str, tag: str) -> float:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
             ds_to_universal.main(args)
     except BaseException:
-        print(output.getvalue()[-4000:], flush=True)
+        logger.error(output.getvalue()[-4000:])
         shutil.rmtree(work, ignore_errors=True)
         raise
     files = manifest.describe(args.output_folder, conversion_files(args.output_folder))

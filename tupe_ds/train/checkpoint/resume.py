@@ -4,6 +4,7 @@ the run's history and folder (`plan_resume`), verified by every rank before the 
 (init_from.py). What a start spent and moved goes into the history before anything moves."""
 
 import dataclasses
+import logging
 import os
 import socket
 import uuid
@@ -18,6 +19,8 @@ from tupe_ds.train.checkpoint import same_run
 from tupe_ds.train.checkpoint.folder import (SET_ASIDE, latest_tag, set_aside, step_folders,
                                              step_of, survey, tag_of, tags)
 from tupe_ds.train.optim import apply_config, rate_from_schedule
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +290,7 @@ def agree_with_rank_0(plan: Optional[ResumePlan]) -> Optional[ResumePlan]:
 
 
 def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_stage: int,
-           say, attempt: Optional[tuple] = None) -> Optional[ResumePlan]:
+           attempt: Optional[tuple] = None) -> Optional[ResumePlan]:
     """Collective: the first of rank 0's candidates whose files every rank verifies, as a plan
     of its own (None: from step 0); failures said file by file, the step folders newer than the
     one chosen set aside. None verifies: Refused with nothing moved (--resume-from, or without
@@ -301,7 +304,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
         return None
     for line in [f"tupe-pretrain: checkpoint {line}: not complete, not resumed"
                  for line in plan.passed_over] + list(plan.notes):
-        say(line)
+        logger.info(line)
     failed, chosen = {}, None
     for step in plan.candidates:
         problems = manifest.verify(os.path.join(plan.directory, tag_of(step)))
@@ -313,19 +316,19 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
             except ValueError as error:
                 raise Refused(f"falling back to {tag_of(step)}: {error}") from None
             break
-        say(f"tupe-pretrain: checkpoint {tag_of(step)} failed verification: "
-            + "; ".join(problems))
+        logger.info(f"tupe-pretrain: checkpoint {tag_of(step)} failed verification: "
+                    + "; ".join(problems))
         failed[step] = problems
         if plan.by_hand:
             raise Refused(f"--resume-from {tag_of(step)}: the checkpoint does not verify "
                           "(above); restore its files or choose another")
     live = history.live([*plan.records, *plan.appends])
     if chosen is not None and plan.fresh_start:
-        say(f"tupe-pretrain: --fresh-start not taken: {chosen.tag} can be resumed (a fresh start "
-            "is only for a folder none of whose checkpoints can; the flag is now spent: a later "
-            "attempt that needs it says so)")
+        logger.info(f"tupe-pretrain: --fresh-start not taken: {chosen.tag} can be resumed (a "
+                    "fresh start is only for a folder none of whose checkpoints can; the flag is "
+                    "now spent: a later attempt that needs it says so)")
     if chosen is not None and failed:
-        say(f"tupe-pretrain: resuming from {chosen.tag}, the previous complete checkpoint")
+        logger.info(f"tupe-pretrain: resuming from {chosen.tag}, the previous complete checkpoint")
     elif chosen is None and plan.candidates and not plan.fresh_start:
         raise Refused(none_resumable(plan.directory, [
             (tag_of(step), problems[0] + (f" (and {len(problems) - 1} more, above)"
@@ -333,8 +336,8 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
             for step, problems in sorted(failed.items(), reverse=True)],
             live[-1].id if live else "none"))
     elif chosen is None and (plan.candidates or plan.passed_over):
-        say(f"tupe-pretrain: no checkpoint of {plan.directory} can be resumed (above): starting "
-            "anew from step 0 (--fresh-start); they are set aside, not deleted")
+        logger.info(f"tupe-pretrain: no checkpoint of {plan.directory} can be resumed (above): "
+                    "starting anew from step 0 (--fresh-start); they are set aside, not deleted")
 
     def set_aside_newer():
         complete = survey(plan.directory)[0]
@@ -352,7 +355,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
             "none could be resumed, --fresh-start") + ": failed, damaged, incomplete or left by "
             "--resume-from")
         if said:
-            print(said, flush=True)
+            logger.info(said)
 
     reads.gathered(set_aside_newer if dist.get_rank() == 0 else lambda: None,
                    "rank 0 to set aside the folders newer than the checkpoint resumed")
@@ -392,14 +395,13 @@ class Start:
     lineage: str
 
 
-def agreed(run, say) -> Start:
+def agreed(run) -> Start:
     """Collective: the checkpoint the start resumes (choose) with the training changes it makes,
     Refused where it may not make them; or the --init-from checked."""
     lineage = run.resume_plan.lineage if run.resume_plan else (
         history.lineage(history.read(run.out) or []) or uuid.uuid4().hex)
     plan = choose(run.resume_plan, run.layout.world_size, run.layout.tp, run.layout.pp,
                   run.ds_config.get("zero_optimization", {}).get("stage", 0),
-                  lambda line: say(line, flush=True),
                   (run.out, history.attempt_fields(lineage, run.settings, run.setting_sources)))
     try:
         changes = same_run.training_changes(os.path.join(plan.directory, plan.tag), run.training,
@@ -413,7 +415,7 @@ def agreed(run, say) -> Start:
     return Start(plan, changes, lineage)
 
 
-def load_or_initialise(run, engine, start: Start, say) -> tuple:
+def load_or_initialise(run, engine, start: Start) -> tuple:
     """Into the engine: the checkpoint resumed, its training changes said and applied; else
     --branch's checkpoint or --init-from's weights. (The state the checkpoint held, or None;
     whether the run branched.)"""
@@ -424,9 +426,9 @@ def load_or_initialise(run, engine, start: Start, say) -> tuple:
     if branched:
         state = init_from.branch_from(engine, run.init_plan)
     elif state is None and run.init_plan is not None:
-        init_from.init_from(engine, run.init_plan, lambda line: say(line, flush=True))
+        init_from.init_from(engine, run.init_plan)
     if start.training_changes or branched:  # a branch's schedule from its first step
         apply_config(engine, run.ds_config)
     for line in [*start.training_changes, *(run.init_plan.changes if branched else ())]:
-        say(line, flush=True)
+        logger.info(line)
     return state, branched

@@ -6,6 +6,7 @@ these, rank 0 checks that the run still holds its folder (RunLock.stop_unless_he
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 
@@ -18,6 +19,8 @@ from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import history, manifest, reshard, safe_load
 from tupe_ds.train.checkpoint.rng import file_name, rng_state
 from tupe_ds.train.waits import announced
+
+logger = logging.getLogger(__name__)
 
 VISIBLE_WITHIN_SECONDS = 120  # a shared filesystem shows another node's new files within this
 # What a failed write raises: Python's an OSError; torch.save's C++ writer a RuntimeError on a full
@@ -108,7 +111,7 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
                 pass
         said = folders.set_aside(directory, [step], "an earlier save of this step, in the way")
         if said:
-            print(said, flush=True)
+            logger.info(said)
 
     on_rank_0(set_aside_in_the_way, f"could not write checkpoint {tag}", rank,
               f"rank 0 to set aside what is in the way of checkpoint {tag}")
