@@ -1,10 +1,13 @@
-"""Stage 1, cleaning: invisible format characters, NFKC, Moses punctuation normalisation, control
+"""Stage 1, cleaning: invisible characters, NFKC, Moses punctuation normalisation, control
 characters, URLs, e-mails.
 
-Format characters (Unicode category Cf: zero-width space, soft hyphen, word joiner, BOM, bidi
-marks, ...) are invisible: each one is removed, nothing put in its place, so that a word holding
-one stays whole, except where the text needs it (`remove_format`). The exact key and the shingles
-of de-duplication ignore every one of them (`without_format`).
+Invisible characters are Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt:
+zero-width space, soft hyphen, word joiner, BOM, bidi marks, tags, variation selectors, Hangul
+fillers, ...): each run of them is removed, nothing put in its place, so that a word holding one
+stays whole, except for what the text needs (`remove_format`). The exact key and the shingles of
+de-duplication ignore every one of them (`without_format`). Each step is linear in the text: a
+page of tag characters (the "ASCII smuggling" pattern) or of dotted words before an "@" costs
+what its length does (tests/test_clean_scripts.py).
 
 Moses' normalizer calls re.sub for each of its ~30 rules on every text (each call looks the
 pattern up in re's cache). The default path (`moses="gated"`) applies the same rules in the same
@@ -14,97 +17,131 @@ order, compiled once, and skips a rule when a text lacks a substring every match
 """
 
 import re
-import sys
 import unicodedata
 
+import regex
 from sacremoses import MosesPunctNormalizer
 
 URL_TOKEN = "[URL]"
 EMAIL_TOKEN = "[EMAIL]"
 
-EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+# The local part starts at the first word boundary of its run of [\w.+-], the run's start found
+# by the lookbehind and the boundary kept (atomic): one try a run, not one a boundary, which made
+# "a.a.a. ... @" quadratic (80,000 dotted letters: 45 s).
+EMAIL = re.compile(r"(?<![\w.+-])(?>([\w.+-]*?)\b)[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
 URL = re.compile(r"\b(?:https?://|ftp://|www\.)[^\s<>\"']+[^\s<>\"'.,;:!?)\]}]", re.IGNORECASE)
 # Cc (NUL, escapes, ...), line and paragraph separators, Cs/Co (surrogates, private use) become
 # spaces; whitespace stays.
 CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ue000-\uf8ff]")
 WHITESPACE = re.compile(r"\s+")
 
-
-def _char_class(member) -> re.Pattern:
-    """A character class of every code point for which member(character) holds, written as
-    ranges of consecutive ones (re tests a character against each range in turn)."""
-    ranges = []
-    for point in range(sys.maxunicode + 1):
-        if member(chr(point)):
-            if ranges and ranges[-1][1] == point - 1:
-                ranges[-1][1] = point
-            else:
-                ranges.append([point, point])
-    return re.compile("[" + "".join(f"{re.escape(chr(first))}-{re.escape(chr(last))}"
-                                    for first, last in ranges) + "]")
-
-
-# Cf characters that are visible, not invisible: Unicode's Prepended_Concatenation_Mark (the
-# Arabic number and year signs, the end of ayah, ...), which unicodedata does not list
-VISIBLE_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891"
-                           "\u08e2\U000110bd\U000110cd")
-FORMAT = _char_class(lambda char: unicodedata.category(char) == "Cf"
-                     and char not in VISIBLE_FORMAT)
+# Unicode properties come from the regex package (a recent Unicode version; Python's unicodedata
+# lags and has no Default_Ignorable_Code_Point). U+2800 BRAILLE PATTERN BLANK is not default
+# ignorable, but looks like nothing inside a word and hides copies as well as they do; it is
+# kept in Braille text (a text holding another Braille pattern), where it is the space.
+INVISIBLE = regex.compile(r"[\p{Default_Ignorable_Code_Point}\u2800]+")
 ZWNJ, ZWJ = "\u200c", "\u200d"  # Unicode's Join_Control
-# Unicode's Bidi_Control: ALM, LRM, RLM, embeddings and overrides, isolates
-BIDI_CONTROL = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-RIGHT_TO_LEFT = ("R", "AL")  # bidi classes
-EMOJI_PRESENTATION = "\ufe0f"  # the variation selector that ends many emoji before a ZWJ
-BLACK_FLAG = "\U0001f3f4"  # with tag characters after it: a subdivision's flag (England)
-TAGS = "".join(map(chr, range(0xE0020, 0xE0080)))
+BRAILLE_BLANK = "\u2800"
+BRAILLE = regex.compile(r"[\u2801-\u28ff]")
+# What a run of invisible characters may keep: the joiners, the bidi controls, the variation
+# selectors and the Braille blank; the rest of it (tags but a flag's, SHY, ZWSP, ...) goes.
+KEEPABLE = regex.compile(r"[\u200c\u200d\p{Bidi_Control}\p{Variation_Selector}\u2800]")
+BIDI_CONTROL = regex.compile(r"\p{Bidi_Control}")  # ALM, LRM, RLM, embeddings, overrides, isolates
+RIGHT_TO_LEFT_LETTER = regex.compile(r"(?V1)[[\p{Bidi_Class=R}\p{Bidi_Class=AL}]&&\p{L}]")
+# A variation sequence: the emoji presentation selectors after an emoji (UTS #51, ED-8a and
+# ED-9a), any selector after an ideograph (UTS #37's ideographic variation sequences and
+# StandardizedVariants.txt), the free variation selectors after a Mongolian letter
+# (StandardizedVariants.txt; Unicode Standard, section 13.5).
+VARIATION_SEQUENCE = regex.compile(
+    r"\p{Emoji}[\ufe0e\ufe0f]|\p{Ideographic}[\ufe00-\ufe0f\U000e0100-\U000e01ef]"
+    r"|\p{Script=Mongolian}[\u180b-\u180d\u180f]")
+# A subdivision flag: the black flag, a subdivision code in tags (3 to 7 lower-case letters and
+# digits), the cancel tag (UTS #51, ED-14a and Annex C); any other tag goes.
+BLACK_FLAG = "\U0001f3f4"
+FLAG_TAGS = regex.compile(r"[\U000e0030-\U000e0039\U000e0061-\U000e007a]{3,7}\U000e007f")
+# Where a joiner means something, matched backwards from the start of its run ((?r), BEFORE) or
+# forwards from its end (AFTER), the run's other characters taken as absent:
+# - next to a virama (canonical combining class 9), whatever is on the other side: after it, a
+#   half form, an explicit virama or a chillu/khanda ta at a word's end (Unicode Standard,
+#   sections 12.1, 12.2, 12.9; UAX #31, rules A2 and B, with their marks $M1 after the virama);
+#   before it, the ra of Bengali <ra, ZWJ, virama, ya> and Sinhala's touching letters (sections
+#   12.2, 13.2);
+# - between joining letters (Joining_Type D, L, R or C, transparent marks between: Arabic,
+#   Syriac, Mongolian, N'Ko, ...; section 9.2, ArabicShaping.txt, UAX #31 rule A1), and a ZWJ
+#   beside one, which shows its joining form alone (section 9.2);
+# - a ZWJ between pictographs in an emoji ZWJ sequence, the first one's modifiers, selector or
+#   tags between (UAX #29, rule GB11; UTS #51, ED-16).
+# No context reaches past another run's joiner (ZWNJ is Grapheme_Cluster_Break Extend but taken
+# out of PICTOGRAPH_BEFORE), so that each character is read by one run on either side of it.
+VIRAMA_BEFORE = regex.compile(r"(?rV1)\p{ccc=9}[\p{Mn}&&\P{ccc=0}]*")
+VIRAMA_AFTER = regex.compile(r"\p{ccc=9}")
+JOINING_BEFORE = regex.compile(r"(?r)[\p{jt=D}\p{jt=L}\p{jt=R}\p{jt=C}]\p{jt=T}*")
+JOINING_AFTER = regex.compile(r"\p{jt=T}*[\p{jt=D}\p{jt=L}\p{jt=R}\p{jt=C}]")
+PICTOGRAPH_BEFORE = regex.compile(r"(?rV1)\p{Extended_Pictographic}[\p{GCB=Extend}--\u200c]*")
+PICTOGRAPH_AFTER = regex.compile(r"\p{Extended_Pictographic}")
 
 
 def without_format(text: str) -> str:
-    """The text without any format character (Cf): what the exact key and the shingles are
-    computed from, so that copies differing only in invisible characters are duplicates."""
-    return text if text.isascii() else FORMAT.sub("", text)
+    """The text without any invisible character (INVISIBLE): what the exact key and the
+    shingles are computed from, so that copies differing only in invisible characters, kept
+    ones too, are duplicates."""
+    return text if text.isascii() else INVISIBLE.sub("", text)
 
 
-def joins(before: str, joiner: str, after: str) -> bool:
-    """Whether a script needs the ZWNJ or ZWJ between these two characters: letters or marks (L,
-    M) of which one is right-to-left (Arabic, Persian, Syriac, ...: the joined or unjoined form)
-    or a virama (combining class 9; Indic and other Brahmic scripts: a conjunct, half or
-    ligature form), or a ZWJ in an emoji sequence: a symbol (So) after it, a symbol, a skin tone
-    (Sk) or the emoji variation selector before it."""
-    if unicodedata.category(before)[0] in "LM" and unicodedata.category(after)[0] in "LM":
-        return any(unicodedata.bidirectional(char) in RIGHT_TO_LEFT
-                   or unicodedata.combining(char) == 9 for char in (before, after))
-    return (joiner == ZWJ and unicodedata.category(after) == "So"
-            and (unicodedata.category(before) in ("So", "Sk") or before == EMOJI_PRESENTATION))
-
-
-def holds_right_to_left_letter(text: str) -> bool:
-    return any(unicodedata.category(char)[0] == "L" and unicodedata.bidirectional(char)
-               in RIGHT_TO_LEFT for char in set(text))
+def joins(text: str, start: int, end: int) -> tuple:
+    """Which joiners, of ZWNJ and ZWJ, a script needs in place of text[start:end], a run of
+    invisible characters, by the rules above (VIRAMA_BEFORE, ...) read in its neighbours."""
+    joining_before = JOINING_BEFORE.match(text, 0, start)
+    joining_after = JOINING_AFTER.match(text, end)
+    if (VIRAMA_BEFORE.match(text, 0, start) or VIRAMA_AFTER.match(text, end)
+            or joining_before and joining_after):
+        return ZWNJ, ZWJ
+    if (joining_before or joining_after
+            or PICTOGRAPH_BEFORE.match(text, 0, start) and PICTOGRAPH_AFTER.match(text, end)):
+        return (ZWJ,)
+    return ()
 
 
 def remove_format(text: str) -> str:
-    """The text without its format characters (Cf), nothing put in their place, but for those
-    it needs: ZWNJ and ZWJ where `joins` says so, the tags of an emoji tag sequence, and the
-    bidi controls (BIDI_CONTROL) in bidi text, here a text that holds a right-to-left letter
-    (bidi class R or AL). A text without any
-    costs one scan (none when it is ASCII); only the format characters found are looked at."""
-    found = () if text.isascii() else set(FORMAT.findall(text))
-    if not found:
+    """The text without its invisible characters (INVISIBLE), nothing put in their place, but
+    for those it needs: in each run of them, the joiners where `joins` says so (a joiner
+    repeated in a row kept once), the bidi controls in bidi text (a text that holds a
+    right-to-left letter), a variation selector that makes a VARIATION_SEQUENCE with the
+    character before, the tags of a subdivision's flag, the Braille blank in Braille text. One
+    scan of the text (none when it is ASCII); a run costs its length and a look at its
+    neighbours."""
+    if text.isascii():
         return text
-    bidi_text = not BIDI_CONTROL.isdisjoint(found) and holds_right_to_left_letter(text)
+    found = {}  # whether the text is bidi text, Braille text: asked once, when first needed
 
-    def kept(match: re.Match) -> str:
-        char, at = match.group(), match.start()
-        if char in BIDI_CONTROL:
-            return char if bidi_text else ""
-        if char in (ZWNJ, ZWJ) and 0 < at < len(text) - 1:
-            return char if joins(text[at - 1], char, text[at + 1]) else ""
-        if char in TAGS:  # an emoji tag sequence's: the flag, then tags to a cancel tag
-            return char if text[:at].rstrip(TAGS).endswith(BLACK_FLAG) else ""
-        return ""
+    def holds(pattern: regex.Pattern) -> bool:
+        if pattern not in found:
+            found[pattern] = pattern.search(text) is not None
+        return found[pattern]
 
-    return FORMAT.sub(kept, text)
+    def kept(run: regex.Match) -> str:
+        start, end = run.span()
+        out = []
+        if text[start - 1:start] == BLACK_FLAG and (flag := FLAG_TAGS.match(text, start, end)):
+            out.append(flag.group())
+        needed = last_joiner = None
+        for char in KEEPABLE.findall(text, start, end):
+            if char in (ZWNJ, ZWJ):
+                if needed is None:
+                    needed = joins(text, start, end)
+                keep = char in needed and char != last_joiner
+                last_joiner = char if keep else last_joiner
+            elif BIDI_CONTROL.match(char):
+                keep = holds(RIGHT_TO_LEFT_LETTER)
+            elif char == BRAILLE_BLANK:
+                keep = holds(BRAILLE)
+            else:
+                keep = not out and VARIATION_SEQUENCE.fullmatch(text[start - 1:start] + char)
+            if keep:
+                out.append(char)
+        return "".join(out)
+
+    return INVISIBLE.sub(kept, text)
 
 
 # A substring that every match of a rule's pattern holds, for the patterns with regular
@@ -157,7 +194,7 @@ class Cleaner:
         text = unicodedata.normalize("NFKC", remove_format(text))
         text = CONTROL.sub(" ", text)
         if "@" in text:  # the cheap test spares most documents the regular expression
-            text = EMAIL.sub(EMAIL_TOKEN, text)  # before URLs: an address is no URL
+            text = EMAIL.sub(r"\g<1>" + EMAIL_TOKEN, text)  # before URLs: an address is no URL
         if "://" in text or "www." in text.lower():
             text = URL.sub(URL_TOKEN, text)
         text = WHITESPACE.sub(" ", text)

@@ -7,6 +7,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from data_prep.output import (CLEANING_VERSION, check_cleaning_versions, cleaning_version,
+                              read_manifest)
+
 
 @dataclass
 class PrepConfig:
@@ -65,6 +68,11 @@ class PrepConfig:
             if not os.path.exists(os.path.join(folder, "manifest.json")):
                 fail("--dedup-against", f"{folder}: no manifest.json; name folders written by "
                      "tupe-prep")
+        if self.dedup_against:  # this run's folder beside them, at this tupe-prep's version
+            versions = {folder: cleaning_version(read_manifest(folder))
+                        for folder in self.dedup_against}
+            check_cleaning_versions({f"{self.output} (this run)": CLEANING_VERSION, **versions},
+                                    "--dedup-against")
 
     def shard_files(self, files: List[str]) -> List[str]:
         """The I-th of N contiguous groups of input files (so merged shards keep input order)."""

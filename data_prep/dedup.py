@@ -16,8 +16,9 @@ KEPT, EXACT, NEAR = "kept", "exact", "near"
 
 
 def exact_key(text: str) -> int:
-    """64-bit hash of the cleaned text (whitespace and case as cleaned) without its format
-    characters (the joiners and bidi controls that cleaning keeps: data_prep/clean.py)."""
+    """64-bit hash of the cleaned text (whitespace and case as cleaned) without its invisible
+    characters (the joiners, bidi controls and variation selectors that cleaning keeps:
+    data_prep/clean.py)."""
     return int.from_bytes(hashlib.blake2b(without_format(text).encode("utf-8"),
                                           digest_size=8).digest(), "little")
 

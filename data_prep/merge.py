@@ -22,7 +22,8 @@ from tqdm import tqdm
 from data_prep import across
 from data_prep.band_index import write_band_index
 from data_prep.near import ShingleFile, lsh_shape, write_shingles
-from data_prep.output import SPLITS, publish, read_manifest, work_folder
+from data_prep.output import (SPLITS, check_cleaning_versions, cleaning_version, publish,
+                              read_manifest, work_folder)
 from tupe_ds.tools.files import file_digest
 
 SUMMED = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
@@ -41,6 +42,9 @@ def merge(shards: List[str], output: str, quiet: bool = False,
     dtypes = {m["dtype"] for m in manifests}
     if len(dtypes) != 1:
         raise ValueError(f"merge: the shards have different token dtypes {sorted(dtypes)}")
+    version = check_cleaning_versions(
+        {folder: cleaning_version(manifest) for folder, manifest in
+         [*zip(shards, manifests), *((f, read_manifest(f)) for f in dedup_against)]}, "merge")
     near = near_settings(shards, manifests, dedup_against)
     started = time.perf_counter()
     with work_folder(output) as work:
@@ -51,7 +55,8 @@ def merge(shards: List[str], output: str, quiet: bool = False,
         manifest = {key: sum(m[key] for m in manifests) for key in SUMMED}
         manifest.update(config={name: manifests[0]["config"][name] for name in NEAR_SETTINGS}
                         if near else {"dedup": "exact"},
-                        shards=shards, splits=split_counts, vocab_size=manifests[0]["vocab_size"],
+                        cleaning_version=version, shards=shards, splits=split_counts,
+                        vocab_size=manifests[0]["vocab_size"],
                         dtype=manifests[0]["dtype"],
                         seconds={"merge": round(time.perf_counter() - started, 3)})
         manifest.update(across_counts(kept, split_counts, dedup_against, near))

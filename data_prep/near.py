@@ -61,9 +61,9 @@ def _sketch(num_perm: int) -> MinHash:
 
 
 def shingle_hashes(text: str, shingle: int) -> np.ndarray:
-    """Sorted, distinct uint32 hashes of the text's lower-cased word `shingle`-grams, its format
-    characters ignored (data_prep/clean.py): the first 4 bytes of each one's SHA-1, little-endian
-    (datasketch's sha1_hash32, without its call per gram)."""
+    """Sorted, distinct uint32 hashes of the text's lower-cased word `shingle`-grams, its
+    invisible characters ignored (clean.without_format): the first 4 bytes of each one's SHA-1,
+    little-endian (datasketch's sha1_hash32, without its call per gram)."""
     # no words: no shingle, so no near duplicate of anything
     words = WORD.findall(without_format(text).lower())
     grams = {" ".join(words[i:i + shingle]) for i in range(max(1 if words else 0,

@@ -1,6 +1,8 @@
 """An output folder that appears whole or not at all: a run (prepare or merge) writes its files
 in a work folder of its own, OUTPUT/.tmp-prep.HOST.PID.TOKEN, and `publish` moves them into
-OUTPUT, the manifest last."""
+OUTPUT, the manifest last. Its manifest records the version of the rules that made its text and
+keys (CLEANING_VERSION), and folders of different versions are not de-duplicated together
+(`check_cleaning_versions`)."""
 
 import contextlib
 import json
@@ -17,6 +19,12 @@ WORK_DIR = ".tmp-prep"  # a run's work folder is OUTPUT/.tmp-prep.HOST.PID.TOKEN
 LOCK = ".tupe-prep.lock"
 SPOOL = "documents.jsonl"  # prepare's kept documents, from pass 1 to pass 2: not published
 DEDUP_STATE = "dedup"  # prepare's de-duplicator's files (data_prep/dedup.py), likewise
+# The version of the rules that turn a document into a folder's text, keys and shingles: cleaning
+# (data_prep/clean.py), the exact key and the shingles (dedup.py, near.py), what is dropped as
+# short and the sentences (sentences.py). Bump it whenever one of them changes what a document
+# becomes: --dedup-against and merge refuse folders of different versions, whose duplicates
+# would not meet. Manifests written before it was recorded have none: version 1.
+CLEANING_VERSION = 2
 
 
 def read_manifest(folder: str) -> dict:
@@ -26,6 +34,30 @@ def read_manifest(folder: str) -> dict:
                          "re-run its tupe-prep command")
     with open(path) as f:
         return json.load(f)
+
+
+def cleaning_version(manifest: dict) -> int:
+    return manifest.get("cleaning_version", 1)
+
+
+def check_cleaning_versions(versions: dict, command: str) -> int:
+    """The one cleaning version of `versions` (folder -> the version its text and keys were made
+    with); a ValueError naming the folders and their versions when they differ, saying to
+    prepare again those not of this tupe-prep's CLEANING_VERSION. Keys recomputed from a folder
+    would not do: it holds the text as its own version cleaned it, not the input."""
+    found = set(versions.values())
+    if len(found) == 1:
+        return found.pop()
+    described = ", ".join(
+        f"{folder} version {version}" + (" (no cleaning_version in its manifest: an earlier "
+                                         "tupe-prep)" if version == 1 else "")
+        for folder, version in versions.items())
+    stale = [folder for folder, version in versions.items() if version != CLEANING_VERSION]
+    raise ValueError(f"{command}: the folders' texts were cleaned and keyed by different rules, "
+                     f"so their duplicates would not be found: {described}. Prepare "
+                     f"{', '.join(stale)} again from {'its' if len(stale) == 1 else 'their'} "
+                     f"input with this tupe-prep (cleaning version {CLEANING_VERSION}), then run "
+                     "this again")
 
 
 @contextlib.contextmanager

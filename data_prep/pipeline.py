@@ -24,7 +24,7 @@ from tqdm import tqdm
 from data_prep.config import PrepConfig
 from data_prep.dedup import KEPT, Deduplicator
 from data_prep.merge import filter_against, near_settings
-from data_prep.output import DEDUP_STATE, SPOOL, publish, work_folder
+from data_prep.output import CLEANING_VERSION, DEDUP_STATE, SPOOL, publish, work_folder
 from data_prep.read import InputError, Reader, expand_inputs
 from data_prep.tokenizer import load_tokenizer, train_tokenizer
 from data_prep.workers import PASS1_BATCH_DOCS, _map, worker_pool
@@ -46,7 +46,7 @@ def prepare(config: PrepConfig) -> dict:
 def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     os.environ.setdefault("RAYON_NUM_THREADS", str(config.workers))  # tokenizers' threads
     started = time.perf_counter()
-    manifest = {"inputs": files,
+    manifest = {"inputs": files, "cleaning_version": CLEANING_VERSION,
                 "config": {k: v for k, v in asdict(config).items() if k != "inputs"}}
     seconds = {"clean": 0.0, "dedup": 0.0, "split": 0.0}
 

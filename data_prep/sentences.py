@@ -11,12 +11,19 @@ the ones after them until a sentence starts (each distinct piece once, with spaC
 and never builds a Doc of the whole text: about 5 times less CPU on the bundled corpus. Texts
 with whitespace other than single spaces between pieces (not the cleaned text's) take the
 reference path.
+
+Scripts written without spaces between words (Chinese, Japanese, Thai, Lao, Khmer, Burmese) need
+two more rules, on every path: their sentences end at their sentence punctuation with no space
+after it ("。", "!", "?", "។", "။", ... and the closing quotes and brackets after), and Thai and
+Lao sentences, written without punctuation, end at a space (`script_segments`). Their words,
+for --min-words and --min-sentence-words, are counted by characters (`count_words`).
 """
 
 import collections
 import re
 from typing import List
 
+import regex
 import spacy
 from spacy.tokenizer import Tokenizer
 
@@ -26,9 +33,62 @@ CHUNK_CHARS = 100_000
 PIECE_CACHE = 50_000
 SPLITTERS = ("fast", "sentencizer")
 
+# Scripts written without spaces between words, and their characters per word as ICU's word
+# break (dictionaries) segments them, measured on tests/test_prep_scripts.py's samples and
+# spaCy's Chinese and Japanese examples (docs/data.md): a run of their characters counts as its
+# characters over these.
+CHARS_PER_WORD = {"Han": 1.75, "Hiragana": 1.5, "Katakana": 3.0, "Thai": 3.9, "Lao": 5.0,
+                  "Khmer": 5.8, "Myanmar": 5.2}
+SCRIPT_CHARS = {script: regex.compile(rf"\p{{sc={script}}}") for script in CHARS_PER_WORD}
+UNSPACED = regex.compile("[" + "".join(rf"\p{{sc={script}}}" for script in CHARS_PER_WORD) + "]")
+OTHER_WORDS = regex.compile(r"[\p{L}\p{M}\p{N}]+")  # words of spaced scripts beside them
+# Where such a script's sentence ends: after sentence punctuation (Unicode's Sentence_Terminal)
+# and the closing quotes and brackets after it, when a character of one of these scripts is
+# just before the punctuation or just after (no space between); and at a space between two Thai
+# or Lao characters.
+SCRIPT_SENTENCE_END = regex.compile(
+    rf"(?<={UNSPACED.pattern})\p{{Sentence_Terminal}}+[\p{{Pe}}\p{{Pf}}\"']*"
+    rf"|\p{{Sentence_Terminal}}+[\p{{Pe}}\p{{Pf}}\"']*(?={UNSPACED.pattern})"
+    r"|(?<=[\p{sc=Thai}\p{sc=Lao}]) (?=[\p{sc=Thai}\p{sc=Lao}])")
+
+
+def count_words(text: str) -> int:
+    """The words of `text`: its pieces between whitespace, but in scripts written without spaces
+    (CHARS_PER_WORD) their characters over that script's characters per word (at least one
+    word), and the runs of letters and digits of other scripts among them. A zero-width space
+    changes nothing (cleaning removes it; those scripts are counted by characters)."""
+    if text.isascii() or UNSPACED.search(text) is None:
+        return len(text.split())
+    words = 0
+    for piece in text.split():
+        if UNSPACED.search(piece) is None:
+            words += 1
+        else:
+            words += len(OTHER_WORDS.findall(UNSPACED.sub(" ", piece)))
+    estimate = sum(len(chars.findall(text)) / CHARS_PER_WORD[script]
+                   for script, chars in SCRIPT_CHARS.items())
+    return words + max(1, round(estimate))
+
+
+def script_segments(text: str) -> List[str]:
+    """The text cut where a sentence of a script written without spaces ends
+    (SCRIPT_SENTENCE_END): the pieces, stripped, each split further by spaCy. A text without
+    any character of those scripts is its only piece."""
+    if text.isascii() or UNSPACED.search(text) is None:
+        return [text]
+    pieces, start = [], 0
+    for end in SCRIPT_SENTENCE_END.finditer(text):
+        cut = end.start() if end.group() == " " else end.end()
+        pieces.append(text[start:cut].strip())
+        start = cut
+    pieces.append(text[start:].strip())
+    return [piece for piece in pieces if piece]
+
 
 class SentenceSplitter:
-    """split(text) -> sentences whose " ".join(...) is the text (whitespace already single).
+    """split(text) -> the text's sentences, in order, each joined to the next by a space where
+    the text has whitespace between them, by nothing where it has none ("。" then the next
+    Chinese sentence): so the text, when its whitespace is single spaces.
 
     splitter: "fast" (default; the sentencizer's sentences without its Doc) or "sentencizer"
     (spaCy's pipeline on the whole text, the reference). A --spacy-model always uses its own
@@ -60,13 +120,14 @@ class SentenceSplitter:
 
     def split(self, text: str) -> List[str]:
         sentences = []
-        for chunk in chunks(text, CHUNK_CHARS):
-            if (self._fast is not None and " ".join(chunk.split()) == chunk  # single spaces
-                    and not self._fast.crosses(chunk)):
-                sentences.extend(self._fast.split(chunk))
-            else:
-                sentences.extend(s.text.strip() for s in self.nlp(chunk).sents)
-        return join_short([s for s in sentences if s], self.min_words)
+        for segment in script_segments(text):
+            for chunk in chunks(segment, CHUNK_CHARS):
+                if (self._fast is not None and " ".join(chunk.split()) == chunk  # single spaces
+                        and not self._fast.crosses(chunk)):
+                    sentences.extend(self._fast.split(chunk))
+                else:
+                    sentences.extend(s.text.strip() for s in self.nlp(chunk).sents)
+        return join_short(text, [s for s in sentences if s], self.min_words)
 
 
 class _FastSentencizer:
@@ -201,19 +262,26 @@ def chunks(text: str, size: int) -> List[str]:
     return pieces + [text]
 
 
-def join_short(sentences: List[str], min_words: int) -> List[str]:
-    """Sentences of fewer than min_words words are joined to the next one (the last to the
-    previous one), as the paper's cleaning concatenates short sequences."""
+def join_short(text: str, sentences: List[str], min_words: int) -> List[str]:
+    """Sentences (of `text`, in order) of fewer than min_words words (`count_words`) are joined
+    to the next one (the last to the previous one), as the paper's cleaning concatenates short
+    sequences: by a space where the text has whitespace between them, else by nothing."""
     joined: List[str] = []
-    pending = ""
+    pending, pending_gap, at = "", "", 0
     for sentence in sentences:
-        pending = f"{pending} {sentence}" if pending else sentence
-        if pending.count(" ") + 1 >= min_words:  # whitespace is single spaces by now
+        start = text.index(sentence, at)
+        gap = " " if start > at else ""
+        at = start + len(sentence)
+        if pending:
+            pending = f"{pending}{gap}{sentence}"
+        else:
+            pending, pending_gap = sentence, gap
+        if count_words(pending) >= min_words:
             joined.append(pending)
             pending = ""
     if pending:
         if joined:
-            joined[-1] = f"{joined[-1]} {pending}"
+            joined[-1] = f"{joined[-1]}{pending_gap}{pending}"
         else:
             joined.append(pending)
     return joined

@@ -13,7 +13,7 @@ from data_prep.clean import Cleaner
 from data_prep.config import PrepConfig
 from data_prep.dedup import exact_key
 from data_prep.near import band_keys, lsh_shape, shingle_hashes, signature
-from data_prep.sentences import SentenceSplitter
+from data_prep.sentences import SentenceSplitter, count_words
 
 PASS1_BATCH_DOCS = 64  # documents per worker task
 
@@ -35,7 +35,7 @@ def _process(text: str) -> dict:
     timings["clean"] = time.perf_counter() - start
     if not clean:
         return {"drop": "empty", "seconds": timings}
-    if len(clean.split()) < config.min_words:
+    if count_words(clean) < config.min_words:
         return {"drop": "short", "seconds": timings}
     start = time.perf_counter()
     key = exact_key(clean)
