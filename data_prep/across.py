@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import List, Sequence
 
 import numpy as np
-from tqdm import tqdm
+from tupe_ds.tools.progress_bar import Bar
 
 from data_prep.band_index import BAND_KEYS, BAND_ORDER, BandTables
 from data_prep.near import SHINGLE_OFFSETS, SHINGLES, ShingleFile, band_keys, jaccards, to_verify
@@ -168,7 +168,7 @@ def find_near(parts: List[Part], offsets: np.ndarray, result: List[Removed], thr
               fixed: np.ndarray, num_perm: int, quiet: bool) -> None:
     to_query = sum(int((~removed.exact).sum()) for part, removed in zip(parts, result)
                    if not part.fixed)
-    progress = tqdm(total=to_query, desc="near duplicates", unit=" docs", disable=quiet)
+    progress = Bar(total=to_query, desc="near duplicates", unit=" docs", disable=quiet)
     tables = BandTables(parts, offsets, threshold, num_perm)
     gone = np.concatenate([removed.exact for removed in result])  # grows part by part
     signatures = [part.signatures() for part in parts]

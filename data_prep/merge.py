@@ -17,7 +17,7 @@ from typing import List, Sequence
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from tqdm import tqdm
+from tupe_ds.tools.progress_bar import Bar
 
 from data_prep import across
 from data_prep.band_index import write_band_index
@@ -139,8 +139,8 @@ def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
     of what it gave (documents, sentences, tokens)."""
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype.type)
     keys, kept_rows, counts = [], [], []
-    progress = tqdm(total=sum(int(kept.sum()) for _, kept in sources), unit=" docs",
-                    desc=f"merge {os.path.basename(prefix)}", disable=quiet)
+    progress = Bar(total=sum(int(kept.sum()) for _, kept in sources), unit=" docs",
+                   desc=f"merge {os.path.basename(prefix)}", disable=quiet)
     for source, kept in sources:
         keys.append(np.load(f"{source}.keys.npy")[kept])
         kept_rows.append(np.flatnonzero(kept))
@@ -203,9 +203,9 @@ def write_kept_near_files(sources, kept_rows, prefix: str, threshold: float, num
             at += len(block)
     signatures.flush()
     shingles = [(ShingleFile(source), rows) for (source, _), rows in zip(sources, kept_rows)]
-    write_shingles(prefix, tqdm((file[row] for file, rows in shingles for row in rows),
-                                total=total, desc=f"{os.path.basename(prefix)} shingles",
-                                unit=" docs", disable=quiet),
+    write_shingles(prefix, Bar((file[row] for file, rows in shingles for row in rows),
+                               total=total, desc=f"{os.path.basename(prefix)} shingles",
+                               unit=" docs", disable=quiet),
                    sum(int((file.offsets[rows + 1] - file.offsets[rows]).sum())
                        for file, rows in shingles), total)
     write_band_index(prefix, signatures, threshold, num_perm)

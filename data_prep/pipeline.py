@@ -19,7 +19,7 @@ from typing import List
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType
-from tqdm import tqdm
+from tupe_ds.tools.progress_bar import Bar
 
 from data_prep.config import PrepConfig
 from data_prep.dedup import KEPT, Deduplicator
@@ -67,7 +67,7 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
         that BPE training counts words while the workers clean and split."""
         with open(spool_path, "w", encoding="utf-8") as spool:
             waiting = collections.deque()  # each batch's sources, until its results are back
-            progress = tqdm(desc="clean, dedup, split", unit=" docs", disable=config.quiet)
+            progress = Bar(desc="clean, dedup, split", unit=" docs", disable=config.quiet)
             for packed in _map(pool, config.workers, _batches(files, reader, source_of, waiting)):
                 results, sources = packed["results"], waiting.popleft()
                 progress.update(len(results))

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from tqdm import tqdm
+from tupe_ds.tools.progress_bar import Bar
 
 from data_prep.across import SIGNATURES
 from data_prep.band_index import write_band_index
@@ -33,7 +33,7 @@ def encode_spool(spool_path: str, tokenizer, dtype, config: PrepConfig, work: st
     builders = {split: IndexedDatasetBuilder(os.path.join(work, f"{split}.bin"), dtype=dtype)
                 for split in SPLITS}
     written = {split: Written() for split in SPLITS}
-    progress = tqdm(total=total, desc="encode", unit=" docs", disable=config.quiet)
+    progress = Bar(total=total, desc="encode", unit=" docs", disable=config.quiet)
     batch = []
     for document in spooled():
         batch.append(document)

@@ -303,3 +303,19 @@ def test_pretrain_script_passes_token_count_weights_and_named_folders(tmp_path):
     for argv in commands:
         start = argv.index("--data") + 1
         assert argv[start:start + 5] == [*expected, "--out"], argv
+
+
+def test_real_tokens_are_what_the_batches_hold_without_their_padding(data, second, tmp_path,
+                                                                      monkeypatch):
+    """Counted from the index alone (PackedSentences.lengths), in chunks: each source's and the
+    blend's, across an epoch's end, equal the attention masks' sums."""
+    from tupe_ds.data import loader
+
+    monkeypatch.setattr(loader, "SAMPLES_AT_ONCE", 7)  # several chunks
+    sources = streams(data, train_splits(data, second), tmp_path)
+    blend = BlendedSamples(sources, [3, 1])
+    for stream in (*sources, blend):
+        first = len(sources[0].packed) - 20  # into the second epoch
+        batch = stream.global_samples(first, 40)
+        assert stream.real_tokens(first, 40) == int(batch["attention_mask"].sum())
+        assert stream.real_tokens(first, 40) < 40 * batch["attention_mask"].shape[1]  # padding

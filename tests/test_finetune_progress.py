@@ -5,6 +5,7 @@ Megatron's spelling (global) or HF's (per device)."""
 import fcntl
 import json
 import os
+import re
 import select
 import statistics
 import struct
@@ -46,7 +47,10 @@ def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_
     assert "sst2 lr 0.001 seed 1 step 3/120 in epoch 1 (5%): loss " in printed
     assert "sst2 lr 0.001 seed 2 step 117/120 in epoch 2 (95%): loss " in printed
     # 19 of the 20 points of each epoch: the epoch's own line follows the last
-    assert printed.count(" to the epoch's end\n") == 2 * 2 * 19
+    assert printed.count(" to the epoch's end; trial ") == 2 * 2 * 19
+    assert printed.count(" to the grid's end\n") == 2 * 2 * 19
+    assert re.search(r"seed 1 step 3/120 .*; trial 1 of 2, [0-9:]+ to the grid's end", printed)
+    assert re.search(r"seed 2 step 3/120 .*; trial 2 of 2, [0-9:]+ to the grid's end", printed)
     logged = entries(out / "sst2.log.jsonl")
     summary = json.loads((out / "sst2.json").read_text())
     assert summary["settings"]["batch_size"] == 4
@@ -105,13 +109,15 @@ def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_
     assert [step for step, _ in scalars(run, "train/loss")] == list(range(3, 121, 3))
 
 
-def test_a_terminal_gets_a_bar_with_the_loss_and_learning_rate(tmp_path, monkeypatch):
+def test_a_terminal_of_80_columns_gets_a_bar_with_the_trial_the_loss_and_the_grid_s_eta(
+        tmp_path, monkeypatch):
     primary, secondary = os.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # 160 columns
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     terminal = open(secondary, "w")
     monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.delenv("COLUMNS", raising=False)
     monitor = TrialMonitor(str(tmp_path), TASKS["sst2"], 1e-3, 7, epochs=1, steps_per_epoch=40,
-                           device="cpu", writer=True)
+                           device="cpu", writer=True, grid=(3, 20, 17))
     monitor.start_epoch(1)
     for step in range(40):
         monitor.trained(loss=0.5, examples=4, lr=2.5e-4)
@@ -124,7 +130,11 @@ def test_a_terminal_gets_a_bar_with_the_loss_and_learning_rate(tmp_path, monkeyp
     shown = shown.decode()
     terminal.close()
     os.close(primary)
-    assert "sst2 lr 0.001 seed 7 epoch 1/1:" in shown and "loss=0.5000, lr=0.00025" in shown
+    frames = [frame for frame in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown))
+              if frame.strip()]
+    bars = [frame for frame in frames if frame.startswith("sst2 trial 3/20 epoch 1/1 ")]
+    assert bars and all(len(frame) <= 80 for frame in frames), frames
+    assert any(" | loss 0.5000 | lr 0.00025 | grid ETA " in frame for frame in bars), bars
     assert "sst2 lr 0.001 seed 7 epoch 1/1 train loss 0.5000 dev accuracy 0.7500" in shown
     assert " steps/s," not in shown  # no plain lines beside the bar
     assert [e["step"] for e in entries(tmp_path / "sst2.log.jsonl")] == [*range(2, 41, 2), 40]

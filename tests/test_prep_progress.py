@@ -2,21 +2,17 @@
 own bars were drawn over each other on a terminal), none with --quiet; --out, with --output as
 its alias. The merge's progress: tests/test_data_prep.py, where merges run as commands."""
 
-import fcntl
 import itertools
 import os
-import pty
 import random
 import re
-import select
-import struct
 import subprocess
 import sys
-import termios
 
 import pytest
 
 from data_prep.cli import main, merge_parser, prep_parser
+from terminal import on_a_terminal
 from test_data_prep import unique_document, write_txt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,27 +24,8 @@ SMALL_RUN = ["--workers", "1", "--vocab-size", "400", "--min-frequency", "1",
 def stderr_on_a_terminal(argv: list, timeout: float = 120) -> str:
     """What `python -m data_prep ARGV` writes to its stderr when that is a terminal (a
     pseudo-terminal of 120 columns): the trainer's bars (indicatif) are drawn only there."""
-    terminal, stderr = pty.openpty()
-    fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    process = subprocess.Popen([sys.executable, "-m", "data_prep", *argv], cwd=ROOT,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
-    os.close(stderr)
-    written = b""
-    while select.select([terminal], [], [], timeout)[0]:
-        try:
-            chunk = os.read(terminal, 1 << 16)
-        except OSError:  # EIO: the process has exited, closing its end
-            break
-        if not chunk:
-            break
-        written += chunk
-    os.close(terminal)
-    said = written.decode(errors="replace")
-    try:
-        assert process.wait(timeout=timeout) == 0, said
-    finally:
-        process.kill()  # if it hung: a no-op once it has exited
-    return said
+    return on_a_terminal([sys.executable, "-m", "data_prep", *argv], 120, cwd=ROOT,
+                         stdout_too=False, timeout=timeout)
 
 
 def bars_drawn(stderr: str) -> list:
@@ -82,3 +59,22 @@ def test_out_is_the_folder_flag_and_output_its_alias():
         assert "--out DIR, --output DIR" in parser.format_help()
         for flag in ("--out", "--output"):
             assert parser.parse_args([*required, flag, "prep/"]).output == "prep/"
+
+
+@pytest.mark.slow
+def test_in_a_file_each_bar_is_a_plain_line_with_its_rate_and_time_left(tmp_path):
+    """stderr to a file (a Slurm log): no carriage return, a line per TUPE_DS_PROGRESS_SECONDS
+    and one at each bar's end, with the count, the rate and the time left."""
+    source = write_txt(tmp_path / "in.txt", [unique_document(random.Random(i)) for i in range(30)])
+    log = tmp_path / "prep.log"
+    with open(log, "w") as f:
+        ran = subprocess.run([sys.executable, "-m", "data_prep", "--input", source, "--out",
+                              str(tmp_path / "out"), *SMALL_RUN], cwd=ROOT, stdout=f, stderr=f,
+                             env={**os.environ, "TUPE_DS_PROGRESS_SECONDS": "0"}, timeout=300)
+    said = log.read_text()
+    assert ran.returncode == 0, said
+    assert "\r" not in said
+    assert re.search(r"^clean, dedup, split: 30 docs, [0-9.]+ docs/s, 00:[0-9]{2} elapsed$", said,
+                     re.MULTILINE), said
+    assert re.search(r"^encode: ([0-9]+)/\1 docs \(100%\), [0-9.]+ docs/s, 00:[0-9]{2} elapsed, "
+                     r"00:00 left$", said, re.MULTILINE), said

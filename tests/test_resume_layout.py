@@ -72,7 +72,7 @@ def test_a_dp2_checkpoint_resumes_on_one_rank(dp2_run, data, tmp_path):
     resumed, stdout = resume(dp2_run, data, tmp_path / "dp1", 1)
     converted = conversion_lines(stdout)
     assert len(converted) == 1 and "written by 2 processes (tp 1, pp 1, dp 2" in converted[0]
-    assert "converted for 1 processes" in converted[0]
+    assert "converted for 1 process " in converted[0]
     assert_same_steps(resumed, dp2_run[1])
     assert log(resumed)[6]["valid/loss"] == pytest.approx(log(dp2_run[1])[6]["valid/loss"],
                                                           rel=1e-5)

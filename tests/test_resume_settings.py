@@ -5,6 +5,7 @@ decay's end, a warmup cut to --steps) is refused with both rates, or taken with
 --allow-training-changes and said; one whose rate goes on proceeds unsaid."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -111,3 +112,17 @@ def test_wsd_goes_on_in_its_stable_phase_and_says_a_decay_begun_again():
         "rate goes back to the peak until then")
     slower = resume_rate_change(wsd(10, 2), 9, wsd(20, 12))  # decaying on, over more steps
     assert slower.startswith("step 10 would run at learning rate") and "peak" not in slower
+
+
+@pytest.mark.slow
+def test_a_finished_run_run_again_says_its_summary_without_building_an_engine(run, data):
+    """The same command again on a run at its --steps: its summary from the log, the final
+    validation the logged one, and no engine built (no new TensorBoard events file: a Monitor
+    opens one at every start)."""
+    log_dir = os.path.join(run, "tensorboard", "tupe")
+    events = sorted(os.listdir(log_dir))
+    said = train("torchrun", 1, data, run, "--steps", "30")
+    assert "resumed at step 30 of 30: nothing to train" in said, said[-3000:]
+    assert f"final valid loss {log(run)[30]['valid/loss']:.4f} at step 30\n" in said
+    assert "this start trained no step of 30" in said
+    assert sorted(os.listdir(log_dir)) == events

@@ -480,7 +480,7 @@ def test_a_file_that_would_run_code_never_runs_listed_unlisted_or_renamed(data, 
         result = subprocess.run(command(data, out, *FLAGS, processes=1), env=environment(),
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        assert "converted for 1 processes" in result.stdout and "reused" not in result.stdout
+        assert "converted for 1 process " in result.stdout and "reused" not in result.stdout
         plant_payload(next(converted.rglob("exp_avg.pt")), witness)
     assert not witness.exists()
 

@@ -290,8 +290,10 @@ def test_mpirun_trains_like_the_deepspeed_launcher(cluster, data, tmp_path):
 def test_launcher_variables_are_kept():
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1",
            "MASTER_PORT": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "9"}
-    assert launch.discover(env) == "deepspeed or torchrun"
+    assert launch.discover(env) == "a launcher (RANK and WORLD_SIZE set)"
     assert env["RANK"] == "3"
+    assert launch.discover({**env, "TORCHELASTIC_RUN_ID": "tupe"}) == "torchrun"
+    assert launch.discover({**env, "CROSS_RANK": "0"}) == "deepspeed"
 
 
 def test_srun_tasks_take_their_rank_from_slurm(monkeypatch, tmp_path):
@@ -418,7 +420,7 @@ def test_shard_script_explains_its_usage_and_takes_its_shard_from_the_task_id_an
                           "--", "--lowercase", task="7")
     assert result.returncode == 0 and result.stdout.split() == [
         "-m", "data_prep", "--input", "in0", "in1", "--out", "out/shard7", "--tokenizer",
-        "tok.json", "--shard", "7/8", "--workers", "3", "--quiet", "--lowercase"]
+        "tok.json", "--shard", "7/8", "--workers", "3", "--lowercase"]  # its progress logged
 
 
 def test_doctor_in_the_test_clusters_allocation_says_what_the_ranks_will_use(cluster, data,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from runs import CPU_CONFIG, ROOT, environment, free_port, log
 from tupe_ds.compare.results import training_time
@@ -41,20 +42,27 @@ def test_an_interval_counts_its_steps_and_not_evaluation_or_saves(tmp_path, monk
     with monitor.timing("checkpoint"):
         clock.now = 41.0
     clock.now = 47.0  # 10 s of training in steps 101-110
-    monitor.train(110, {"loss": 1.0}, 1e-3, None, None, 0, samples=40, global_batch=4)
+    monitor.train(110, {"loss": 1.0}, 1e-3, None, None, 0, samples=40, global_batch=4,
+                  tokens_seen=300)
     first = log(str(tmp_path))[110]
     assert first["throughput/seconds_per_step"] == pytest.approx(1.0)
     assert first["throughput/samples_per_s"] == pytest.approx(4.0)
-    assert first["throughput/tokens_per_s"] == pytest.approx(32.0)
+    assert first["throughput/tokens_per_s"] == pytest.approx(30.0)  # real tokens, not 40 x 8
+    assert first["train/tokens_seen"] == 300
     assert first["time/training_seconds"] == pytest.approx(60.0)
-    assert first["time/evaluation_seconds"] == pytest.approx(8.0)
-    assert first["time/checkpoint_seconds"] == pytest.approx(3.0)
+    # evaluation's and saves' seconds are logged where they change (one point a step), and a
+    # checkpoint carries them
+    assert not {"time/evaluation_seconds", "time/checkpoint_seconds"} & set(first)
+    assert monitor.times()["evaluation"] == pytest.approx(8.0)
+    assert monitor.times()["checkpoint"] == pytest.approx(3.0)
     assert first["time/startup_seconds"] > 0
     clock.now = 49.0
     assert monitor.times()["training"] == pytest.approx(62.0)  # a save now carries this
     clock.now = 67.0
-    monitor.train(120, {"loss": 1.0}, 1e-3, None, None, 0, samples=80, global_batch=8)
+    monitor.train(120, {"loss": 1.0}, 1e-3, None, None, 0, samples=80, global_batch=8,
+                  tokens_seen=900)
     second = log(str(tmp_path))[120]
+    assert second["throughput/tokens_per_s"] == pytest.approx(30.0)  # 600 in 20 s
     assert second["throughput/seconds_per_step"] == pytest.approx(2.0)
     assert (second["throughput/samples_per_s"], second["train/global_batch"]) == (4.0, 8)
     assert second["time/training_seconds"] == pytest.approx(80.0)
@@ -119,3 +127,29 @@ def test_a_run_resumed_twice_records_the_training_time_its_steps_took(data, tmp_
         assert 0 < 2 * per_step[first] < startup / 2, (per_step, startup)
     assert entries[12]["time/evaluation_seconds"] > 0
     assert entries[12]["time/checkpoint_seconds"] > 0  # the saves at steps 4 and 8, carried
+    # the run's elapsed time goes on over its starts; each series has one point a step
+    elapsed = [entries[step]["time/elapsed_seconds"] for step in (2, 4, 6, 8, 10, 12)]
+    assert elapsed == sorted(elapsed)
+    seen = [entries[step]["train/tokens_seen"] for step in (2, 4, 6, 8, 10, 12)]
+    assert seen == sorted(seen) and len(set(seen)) == 6  # carried over the resumes
+    assert elapsed[2] > elapsed[1] + entries[6]["time/startup_seconds"] / 2  # and its start-up
+    events = EventAccumulator(str(out / "tensorboard" / "tupe")).Reload()
+    for tag in events.Tags()["scalars"]:
+        steps = [event.step for event in events.Scalars(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)
+    assert [e.step for e in events.Scalars("time/checkpoint_seconds")] == [4, 8, 12]
+
+
+@pytest.mark.slow
+def test_a_stop_after_a_validation_says_that_validation_s_step(data, tmp_path):
+    """SIGUSR1 in step 5, the last validation at step 3: the summary names step 3, not 5."""
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+         free_port(), FAULT_WORKER, "pretrain", "--data", data, "--model", "tiny", "--ds-config",
+         CPU_CONFIG, "--out", str(out), "--seq-len", "64", "--steps", "8", "--log-interval", "1",
+         "--eval-interval", "3", "--eval-samples", "32"],
+        env={**environment(), "TUPE_DS_FAULT": "usr1:0:5"}, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0 and "stopping at step 5" in result.stdout, result.stdout[-4000:]
+    assert f"final valid loss {log(out)[3]['valid/loss']:.4f} at step 3\n" in result.stdout

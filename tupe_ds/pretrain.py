@@ -41,6 +41,7 @@ from tupe_ds.tools.errors import Refused, TrainingStopped, Unreadable
 from tupe_ds.train.checkpoint import resume, safe_load
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import train
+from tupe_ds.train.progress import processes
 
 
 def main(argv=None) -> int:
@@ -78,7 +79,7 @@ def run_or_check(run, launcher: str) -> int:
         auto = (" (auto: probed at the start, or kept from OUT/run.json when it resumes a "
                 "checkpoint of the run on the same layout)" if run.batch_split.micro_batch is None
                 else "")
-        print(f"tupe-pretrain: configuration OK for {run.world_size} processes ({run.layout}), "
+        print(f"tupe-pretrain: configuration OK for {processes(run.world_size)} ({run.layout}), "
               f"{run.batch_split}{auto}")
         for line in run.resume_plan.notes if run.resume_plan else ():
             print(line)  # what a start would say: a consent spent, the history made again

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tupe_ds.data.blend_schedule import PERIOD, Schedule
-from tupe_ds.data.loader import Batch, MaskedSamples
+from tupe_ds.data.loader import Batch, MaskedSamples, summed_in_chunks
 from tupe_ds.data.sources import Source
 
 
@@ -36,6 +36,15 @@ class BlendedSamples:
                     batch[key] = value.new_empty((count, *value.shape[1:]))
                 batch[key][torch.from_numpy(rows)] = value
         return batch
+
+    def real_tokens(self, first: int, count: int) -> int:
+        """The tokens of global samples [first, first + count), padding not counted."""
+        return summed_in_chunks(self.tokens_of, first, count)
+
+    def tokens_of(self, global_samples: np.ndarray) -> int:
+        which, own = self.schedule.locate(global_samples)
+        return sum(samples.tokens_of(own[which == source])
+                   for source, samples in enumerate(self.sources))
 
     def shares(self, sources: Sequence[Source], first: int, count: int) -> dict:
         """train/share/NAME: the share of the global samples [first, first + count) that each

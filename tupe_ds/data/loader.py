@@ -28,6 +28,8 @@ from tupe_ds.data.masking import (IGNORE_INDEX, MaskingIds, MaskingScheme, gener
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.prefetch import Prefetched
 
+SAMPLES_AT_ONCE = 1 << 20  # real_tokens' memory: a few arrays of this many int64s
+
 Batch = Dict[str, torch.Tensor]
 
 
@@ -128,6 +130,20 @@ class MaskedSamples:
         """Global samples [first, first + count), one per row."""
         return self.batch(*self.locate(np.arange(first, first + count)))
 
+    def real_tokens(self, first: int, count: int) -> int:
+        """The tokens of global samples [first, first + count), padding not counted."""
+        return summed_in_chunks(self.tokens_of, first, count)
+
+    def tokens_of(self, global_samples: np.ndarray) -> int:
+        """The tokens of these global samples, from the index alone (PackedSentences.lengths)."""
+        return int(self.packed.lengths(self.locate(global_samples)[1]).sum())
+
+
+def summed_in_chunks(count_of: Callable[[np.ndarray], int], first: int, count: int) -> int:
+    """count_of(global samples) over [first, first + count), SAMPLES_AT_ONCE at a time."""
+    return sum(count_of(np.arange(start, min(start + SAMPLES_AT_ONCE, first + count)))
+               for start in range(first, first + count, SAMPLES_AT_ONCE))
+
 
 class TrainBatches:
     """This rank's micro-batches, step by step; `consumed` (global samples) is the resume state.
@@ -137,12 +153,14 @@ class TrainBatches:
 
     def __init__(self, samples: MaskedSamples, micro_batch: int, grad_accum: int, dp_rank: int,
                  dp_size: int, consumed: int = 0, prefetch: int = 0, pin: bool = False,
-                 ramp: Optional[Callable[[int], int]] = None):
+                 ramp: Optional[Callable[[int], int]] = None, tokens_seen: Optional[int] = None):
         self.samples = samples
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.ramp = ramp
         self.consumed = consumed
+        # the real tokens of the global samples before `counted` (None: counted from 0 when asked)
+        self.counted, self.tokens = (0, 0) if tokens_seen is None else (consumed, tokens_seen)
         self.ahead = Prefetched(self._steps(consumed), prefetch, pin) if prefetch else None
 
     def batch_at(self, consumed: int) -> int:
@@ -175,6 +193,13 @@ class TrainBatches:
         consumed = self.consumed
         self.consumed += self.batch_at(consumed)
         return next(self.ahead) if self.ahead else self.step(consumed)
+
+    def tokens_seen(self) -> int:
+        """The real tokens (padding not counted) of every global sample consumed so far, by
+        every rank: counted from the index since the last call."""
+        self.tokens += self.samples.real_tokens(self.counted, self.consumed - self.counted)
+        self.counted = self.consumed
+        return self.tokens
 
     def close(self) -> None:
         if self.ahead:

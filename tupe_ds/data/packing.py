@@ -204,16 +204,31 @@ class PackedSentences:
         tokens = np.concatenate(pieces).astype(np.int64)[: self.seq_len - 1]
         return np.append(tokens, self.sep_id)
 
-    def rows(self, samples: np.ndarray, pad: int):
-        """(tokens [len(samples), seq_len] int64 padded with `pad`, lengths): samples[i] in row
-        i, as samples[k] gives it, from whole-batch operations on the mapped .bin."""
-        samples = np.asarray(samples, dtype=np.int64)
-        batch, width = len(samples), self.seq_len
+    def _spans(self, samples: np.ndarray) -> tuple:
+        """(first sentence, last sentence + 1, first token, token count) of each sample."""
         first, last = self.boundaries[samples], self.boundaries[samples + 1]
         itemsize = self.dataset.index.dtype_size
         token_start = self.pointers[first] // itemsize
         token_count = (self.pointers[last - 1] // itemsize
                        + self.dataset.sequence_lengths[last - 1] - token_start)
+        return first, last, token_start, token_count
+
+    def lengths(self, samples: np.ndarray) -> np.ndarray:
+        """The length of each sample in tokens, [CLS] and [SEP]s included, padding not: what
+        `rows` gives with its tokens, from the index alone (no token is read)."""
+        samples = np.asarray(samples, dtype=np.int64)
+        first, last, _, token_count = self._spans(samples)
+        inner = (np.searchsorted(self.document_starts, last, side="left")
+                 - np.searchsorted(self.document_starts, first, side="right"))
+        return np.minimum(1 + token_count + np.maximum(inner, 0), self.seq_len - 1) + 1
+
+    def rows(self, samples: np.ndarray, pad: int):
+        """(tokens [len(samples), seq_len] int64 padded with `pad`, lengths): samples[i] in row
+        i, as samples[k] gives it, from whole-batch operations on the mapped .bin."""
+        samples = np.asarray(samples, dtype=np.int64)
+        batch, width = len(samples), self.seq_len
+        first, last, token_start, token_count = self._spans(samples)
+        itemsize = self.dataset.index.dtype_size
         # a separator before each inner document start, at its place in the output row
         row, starts = self.inner_document_starts(first, last)
         nth = np.arange(len(row)) - np.searchsorted(row, row)

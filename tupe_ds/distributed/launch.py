@@ -34,7 +34,9 @@ def discover(environ: MutableMapping[str, str] = os.environ) -> str:
     """Fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in `environ` from the
     launcher's variables; returns the launcher's name."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return "deepspeed or torchrun"
+        # torchrun's agent sets TORCHELASTIC_RUN_ID, the deepspeed launcher CROSS_RANK
+        return ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "deepspeed"
+                if "CROSS_RANK" in environ else "a launcher (RANK and WORLD_SIZE set)")
     if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:  # the batch script has no step
         environ.update(RANK=environ["SLURM_PROCID"], WORLD_SIZE=environ["SLURM_NTASKS"],
                        LOCAL_RANK=environ["SLURM_LOCALID"])

@@ -23,6 +23,7 @@ from tupe_ds.model.config import ModelConfig
 from tupe_ds.model.electra import ElectraForPretraining
 from tupe_ds.model.pipeline_names import bert_name
 from tupe_ds.tools.errors import ExportError
+from tupe_ds.tools.third_party_warnings import quietly
 from tupe_ds.train.checkpoint import reads, safe_load
 
 
@@ -52,7 +53,7 @@ def slice_state(step_dir: str, rank: int, tp: int) -> Dict[str, Tensor]:
                     torch.save({**states, "module": {}}, target)
                 else:
                     os.symlink(path, target)
-            state = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="slice")
+            state = quietly(lambda: get_fp32_state_dict_from_zero_checkpoint(tmp, tag="slice"))
         return {name: tensor.float() for name, tensor in state.items()}
     states = safe_load.load(os.path.join(step_dir, f"{mark}_model_states.pt"))
     if states["module"] is None:  # a pipeline stage without ZeRO: its layer files

@@ -28,9 +28,13 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from tupe_ds.finetune.progress import Progress
+from tupe_ds.train.progress import clock
 from tupe_ds.tools.files import regular_file, write_atomically
 
 LOG_POINTS_PER_EPOCH = 20
+# A trial's bar on a terminal: the trial and epoch, how far, then the fields that matter most
+# first (tqdm cuts a line that does not fit from its end): the loss, the rate, the grid's ETA
+BAR = "{{desc}} {{percentage:3.0f}}%|{{bar}}| {fields}"
 
 
 TRIAL_RUN = re.compile(r"lr=[^,/]+,seed=-?\d+")  # a trial's TensorBoard run: tensorboard_dir
@@ -94,8 +98,10 @@ class TrialMonitor:
     losses); rank 0 (`writer`) shows and keeps them."""
 
     def __init__(self, out: str, task, lr: float, seed: int, epochs: int, steps_per_epoch: int,
-                 device, writer: bool):
+                 device, writer: bool, grid: tuple = (1, 1, 0)):
+        """`grid`: (this trial's number, the grid's trials, the trials after it still to do)."""
         self.task, self.epochs, self.steps_per_epoch = task, epochs, steps_per_epoch
+        self.number, self.trials, self.after = grid
         self.name = f"{task.name} lr {lr:g} seed {seed}"
         self.trial = {"lr": lr, "seed": seed}
         self.interval = max(1, math.ceil(steps_per_epoch / LOG_POINTS_PER_EPOCH))
@@ -112,10 +118,11 @@ class TrialMonitor:
         self.since_point = [0.0, 0]  # this rank's loss x examples, examples since the last point
         self.epoch_loss = [0.0, 0]  # every rank's, over the epoch's log points
         self.point_time, self.point_step = time.perf_counter(), self.step
-        if self.writer and self.stream.isatty():
-            self.bar = tqdm(total=self.steps_per_epoch, unit="step", leave=False,
-                            file=self.stream, dynamic_ncols=True,
-                            desc=f"{self.name} epoch {epoch}/{self.epochs}")
+        if self.writer and self.stream.isatty():  # at 80 columns the loss shows: BAR's fields
+            self.bar = tqdm(total=self.steps_per_epoch, leave=False, file=self.stream,
+                            dynamic_ncols=True, bar_format=BAR.format(fields=""),
+                            desc=f"{self.task.name} trial {self.number}/{self.trials} epoch "
+                                 f"{epoch}/{self.epochs}")
 
     def trained(self, loss: float, examples: int, lr: float) -> None:
         """One optimizer step: its mean `loss` over this rank's `examples`, the `lr` it took."""
@@ -139,14 +146,19 @@ class TrialMonitor:
         now = time.perf_counter()
         rate = (self.step - self.point_step) / max(now - self.point_time, 1e-9)
         self.point_time, self.point_step = now, self.step
+        steps = self.epochs * self.steps_per_epoch
+        grid_left = clock((steps - self.step + self.after * steps) / rate)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{running:.4f}", lr=f"{lr:.3g}")
+            self.bar.bar_format = BAR.format(fields=f"loss {running:.4f} | lr {lr:.3g} | "
+                                                    f"grid ETA {grid_left}")
+            self.bar.refresh()
         elif self.epoch_step < self.steps_per_epoch:  # the epoch's line says the rest
             left = tqdm.format_interval((self.steps_per_epoch - self.epoch_step) / rate)
-            print(f"{self.name} step {self.step}/{self.epochs * self.steps_per_epoch} in epoch "
-                  f"{self.epoch} ({self.epoch_step / self.steps_per_epoch:.0%}): loss "
-                  f"{running:.4f}, learning rate now {lr:.3g}, {rate:.2f} steps/s, {left} to the "
-                  "epoch's end", file=self.stream, flush=True)
+            print(f"{self.name} step {self.step}/{steps} in epoch {self.epoch} "
+                  f"({self.epoch_step / self.steps_per_epoch:.0%}): loss {running:.4f}, learning "
+                  f"rate now {lr:.3g}, {rate:.2f} steps/s, {left} to the epoch's end; trial "
+                  f"{self.number} of {self.trials}, {grid_left} to the grid's end",
+                  file=self.stream, flush=True)
 
     def evaluated(self, results: dict) -> None:
         """The epoch's dev-set metrics ({set: {metric: value}}) and its training loss."""

@@ -75,8 +75,9 @@ def parse_valid(values: list) -> dict:
     return named
 
 
-def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
-    """One fine-tuning run: {valid set: {metric: value}} after the last epoch."""
+def run_one(args, task: Task, data: dict, lr: float, seed: int, device, grid: tuple) -> dict:
+    """One fine-tuning run: {valid set: {metric: value}} after the last epoch. `grid`: (its
+    number, the grid's trials, the trials after it still to do)."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     batch_size = args.global_batch_size
     torch.manual_seed(seed)
@@ -97,7 +98,7 @@ def run_one(args, task: Task, data: dict, lr: float, seed: int, device) -> dict:
     loss_fn = nn.MSELoss() if task.labels is None else nn.CrossEntropyLoss()
     order_rng = np.random.default_rng(seed)
     monitor = TrialMonitor(args.out, task, lr, seed, epochs, steps_per_epoch, device,
-                           writer=rank == 0)
+                           writer=rank == 0, grid=grid)
     for epoch in range(1, epochs + 1):
         trained.train()
         monitor.start_epoch(epoch)
@@ -241,16 +242,17 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     progress = Progress(args.out, task.name, settings, writer)
     signal.signal(signal.SIGUSR1, lambda *_: stop_for_requeue(progress.path))
-    runs = {}
-    for lr in args.lr:
-        for seed in args.seeds:
-            results = progress.get(lr, seed)
-            if results is None:
-                results = progress.record(lr, seed, run_one(args, task, data, lr, seed, device))
-            elif writer:
-                print(f"{task.name} lr {lr:g} seed {seed}: done before ({progress.path}), "
-                      "not redone", flush=True)
-            runs.setdefault(lr, {})[seed] = results
+    runs, grid = {}, [(lr, seed) for lr in args.lr for seed in args.seeds]
+    for number, (lr, seed) in enumerate(grid, start=1):
+        results = progress.get(lr, seed)
+        if results is None:
+            after = sum(progress.get(*trial) is None for trial in grid[number:])
+            results = progress.record(lr, seed, run_one(args, task, data, lr, seed, device,
+                                                        (number, len(grid), after)))
+        elif writer:
+            print(f"{task.name} lr {lr:g} seed {seed}: done before ({progress.path}), "
+                  "not redone", flush=True)
+        runs.setdefault(lr, {})[seed] = results
     if writer:
         summary = write_reports(args.out, task, runs, settings)
         for label, medians in (("best " + summary["best"], summary["best_median"]),

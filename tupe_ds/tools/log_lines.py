@@ -5,13 +5,16 @@ rank alone, as a compile that failed there), each after "rank N: ": they would r
 other lines N times."""
 
 import logging
+import shutil
 import sys
 
 EVERY_RANK = {"every_rank": True}  # `extra=`: a line each rank says, of itself
 
 
 class _Stdout(logging.StreamHandler):
-    """Writes to the sys.stdout of the moment (pytest's capture replaces it)."""
+    """Writes to the sys.stdout of the moment (pytest's capture replaces it). A line logged with
+    `extra={"fit": fit}` (the progress line) is fit(columns) on a terminal: what fits its width;
+    in a file (a Slurm log, a redirect) it is whole."""
 
     @property
     def stream(self):
@@ -20,6 +23,16 @@ class _Stdout(logging.StreamHandler):
     @stream.setter
     def stream(self, _):
         pass
+
+    def format(self, record: logging.LogRecord) -> str:
+        fit = getattr(record, "fit", None)
+        if fit is not None and self.stream.isatty():
+            bare = logging.makeLogRecord({**record.__dict__, "msg": "", "args": ()})
+            prefix = len(super().format(bare))  # "rank N: " on the other ranks
+            columns = shutil.get_terminal_size().columns  # $COLUMNS, else the terminal's
+            record = logging.makeLogRecord({**record.__dict__, "args": (),
+                                            "msg": fit(columns - prefix)})
+        return super().format(record)
 
 
 def show(rank: int) -> None:

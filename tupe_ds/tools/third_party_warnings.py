@@ -8,7 +8,9 @@ and why a tupe_ds user can ignore it; anything else still shows.
 process a launcher starts).
 """
 
+import contextlib
 import glob
+import io
 import logging
 import os
 import re
@@ -115,3 +117,16 @@ def add_verbose_flag(parser) -> None:
 
 
 quiet()
+
+
+def quietly(work: Callable):
+    """work(), a library's prints and progress bars kept off the terminal (zero_to_fp32's
+    "Processing zero checkpoint", ds_to_universal's lines, a bar per file), and logged as an
+    error where it fails."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            return work()
+    except BaseException:
+        logging.getLogger(__name__).error(said.getvalue()[-4000:])
+        raise

@@ -74,4 +74,5 @@ def train_batches(run: RunConfig, train: BlendedSamples, engine, state: Optional
                         prefetch=run.prefetch if reads_data(run) else 0,
                         pin=device.type != "cpu",
                         ramp=BatchRamp(ramp, run.batch_split.global_batch, micro_batch,
-                                       run.layout.dp) if ramp else None)
+                                       run.layout.dp) if ramp else None,
+                        tokens_seen=state.get("tokens_seen") if state else 0)

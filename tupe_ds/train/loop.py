@@ -27,7 +27,7 @@ from tupe_ds.train.checkpoint.save import (NonFiniteWeights, SaveFailed, checkpo
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.datasets import open_datasets, train_batches
 from tupe_ds.train.engine import build_engine, build_model
-from tupe_ds.train.monitor import Monitor
+from tupe_ds.train.monitor import Monitor, finished_summary
 from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.objectives import OBJECTIVES, Electra, MaskedLM
 from tupe_ds.train.progress import start_line
@@ -61,7 +61,7 @@ class Training:
 class Outcome:
     """Where the step loop left the start."""
     step: int
-    metrics: dict  # the last validation's ({}: none this start)
+    metrics: dict  # the last validation's, with its "step" ({}: none this start)
     last_checkpoint: Optional[str]  # the newest complete checkpoint's tag (None: none)
     failure: Optional[str] = None  # why the run stopped short (None: --steps or a stop signal)
     everywhere: bool = True  # whether every rank stops on the failure
@@ -79,6 +79,8 @@ def train(run: RunConfig, launcher: str) -> None:
     run_lock.confirm_on_every_rank(run.lock, run.out)
     dtype = precision.of_run(run.ds_config)
     start = resume.agreed(run)
+    if finished(run, start, rank):
+        return
     objective = OBJECTIVES[run.objective]
     last_checkpoint = start.plan.tag if start.plan else None  # the newest intact one
     # DeepSpeed's monitor opens its events file inside the engine's build, on rank 0 alone
@@ -91,17 +93,35 @@ def train(run: RunConfig, launcher: str) -> None:
     data = open_datasets(run, objective, rank, last_checkpoint)
     state, branched = resume.load_or_initialise(run, engine, start)
     step = state["step"] if state else 0
+    batches = train_batches(run, data["train"], engine, state, device)
     training = Training(
-        objective, model, engine, steps, data,
-        batches=train_batches(run, data["train"], engine, state, device),
+        objective, model, engine, steps, data, batches,
         layout=saved_layout(run, engine),
         record=checkpoint_record(run, start.lineage, start.plan),
         guard=NonFiniteGuard(engine, run.max_nonfinite_steps,
                              state.get("nonfinite") if state else None),
-        monitor=run_monitor(run, engine, step, state, device, dtype, rank))
+        monitor=run_monitor(run, engine, step, state, device, dtype, rank, batches.tokens_seen()))
     logger.info(start_line(run, step, start.plan, branched, launcher, data["train"]))
     outcome = step_loop(run, training, stop, step, last_checkpoint, device, rank)
     finish(run, training, outcome, device)
+
+
+def finished(run: RunConfig, start: resume.Start, rank: int) -> bool:
+    """Whether the run has trained its --steps already, as the checkpoint it resumes says: then
+    rank 0 says so and the summary its log holds, no engine built (Monitor.finished_summary)."""
+    if start.plan is None or start.training_changes or \
+            checkpoint_folder.step_of(start.plan.tag) != run.steps:
+        return False
+    said = [run_files.on_every_rank(
+        lambda: finished_summary(run.out, run.steps, start.plan.tag) if rank == 0 else None,
+        "read", os.path.join(run.out, "train_log.jsonl"), start.plan.tag,
+        "rank 0 to read the run's log")]
+    torch.distributed.broadcast_object_list(said, src=0)  # every rank goes on, or none
+    if said[0] is None:
+        return False
+    logger.info(f"resumed at step {run.steps} of {run.steps}: nothing to train (the run has "
+                f"trained its --steps; a larger --steps trains on)\n{said[0]}")
+    return True
 
 
 def start_process_groups(run: RunConfig) -> tuple:
@@ -140,15 +160,15 @@ def built_engine(run: RunConfig, objective, device, rank: int) -> tuple:
 
 
 def run_monitor(run: RunConfig, engine, step: int, state: Optional[dict], device, dtype: str,
-                rank: int) -> Monitor:
-    """The run's Monitor, going on from the resumed `state`'s times (None: from step 0), which
-    also notes the failed writes of the `engine`'s own monitor."""
+                rank: int, tokens_seen: int) -> Monitor:
+    """The run's Monitor, going on from the resumed `state`'s times and `tokens_seen` (None:
+    from step 0), which also notes the failed writes of the `engine`'s own monitor."""
     monitor = Monitor(run.out, run.models, run.seq_len, run.world_size, rank,
                       resumed_at=step, times=state.get("times") if state else None,
                       settings={"train/mask_rate": run.masking.probability,
                                 "train/mask_split/mask": run.masking.mask,
                                 "train/mask_split/random": run.masking.random}, lock=run.lock,
-                      steps=run.steps, device=device, precision=dtype)
+                      steps=run.steps, device=device, precision=dtype, tokens_seen=tokens_seen)
     if engine.monitor.enabled:
         monitor.watch(engine.monitor)
     return monitor
@@ -181,7 +201,7 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
             engine.set_train_batch_size(batches.global_batch)
         follow_step(engine.lr_scheduler, step + 1)
         lr, global_batch = engine.get_lr()[0], batches.global_batch  # this step's
-        training.steps.train(batches.next_step(), totals)
+        training.steps.train(monitor.loading(batches.next_step()), totals)
         step += 1
         said = guard.after_step(step)
         if said:
@@ -228,23 +248,24 @@ def log_progress(run: RunConfig, training: Training, step: int, totals: dict, lr
     share of their samples."""
     engine, batches, monitor = training.engine, training.batches, training.monitor
     scale = loss_scale(engine.optimizer)
-    logger.info(monitor.train(step, training.steps.reduce(totals), lr,
-                              engine.get_global_grad_norm(), scale, training.guard.total,
-                              batches.consumed - logged_from, global_batch, engine.skipped_steps))
+    line = monitor.train(step, training.steps.reduce(totals), lr, engine.get_global_grad_norm(),
+                         scale, training.guard.total, batches.consumed - logged_from,
+                         global_batch, batches.tokens_seen(), engine.skipped_steps)
+    logger.info(str(line), extra={"fit": line.fit})  # on a terminal, what fits its width
     if len(run.sources) > 1:
         monitor.scalars(step, training.data["train"].shares(run.sources, logged_from,
                                                             batches.consumed - logged_from))
 
 
 def validate(run: RunConfig, training: Training, step: int, device) -> dict:
-    """The valid metrics at `step` (validation.evaluate), logged and said."""
+    """The valid metrics at `step` (validation.evaluate), logged and said, with their "step"."""
     monitor = training.monitor
     with monitor.timing("evaluation"):
         metrics = evaluate(training.steps, training.data["valid"], run,
                            training.engine.train_micro_batch_size_per_gpu(), device)
     monitor.scalars(step, {**metrics, "time/evaluation_seconds": monitor.seconds["evaluation"]})
     logger.info(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    return metrics
+    return {**metrics, "step": step}
 
 
 def draw_positional_images(run: RunConfig, training: Training, step: int) -> None:
@@ -265,6 +286,7 @@ def save_checkpoint(run: RunConfig, training: Training, step: int,
         return last_checkpoint, failure, True
     monitor, checkpoints = training.monitor, os.path.join(run.out, "checkpoints")
     client_state = {"step": step, "consumed": training.batches.consumed,
+                    "tokens_seen": training.batches.tokens_seen(),
                     "nonfinite": training.guard.state(), "times": monitor.times()}
     try:
         with monitor.timing("checkpoint"):
@@ -293,8 +315,9 @@ def finish(run: RunConfig, training: Training, outcome: Outcome, device) -> None
         raise TrainingStopped(outcome.failure, everywhere=False)
     metrics = outcome.metrics
     if outcome.failure is None and not metrics and not outcome.stopped_early:
-        metrics = evaluate(training.steps, training.data["valid"], run,  # where the run stands
-                           training.engine.train_micro_batch_size_per_gpu(), device)
+        metrics = {**evaluate(training.steps, training.data["valid"], run,  # where it stands
+                              training.engine.train_micro_batch_size_per_gpu(), device),
+                   "step": outcome.step}
     training.monitor.close()
     if outcome.failure is None:  # the last log line, the save's, the events closed
         outcome.failure = agreed_writes(training, outcome.last_checkpoint)
@@ -304,7 +327,7 @@ def finish(run: RunConfig, training: Training, outcome: Outcome, device) -> None
         raise TrainingStopped(outcome.failure)
     if outcome.stopped_early:
         return
-    logger.info(training.monitor.summary(outcome.step, metrics["valid/loss"],
+    logger.info(training.monitor.summary(outcome.step, metrics["step"], metrics["valid/loss"],
                                          outcome.last_checkpoint))
     said = compiled.summary(training.model)
     if said:

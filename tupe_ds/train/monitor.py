@@ -2,10 +2,12 @@
 
 import contextlib
 import json
+import logging
 import os
 import statistics
 import threading
 import time
+from typing import Optional
 
 import psutil
 import torch
@@ -17,6 +19,8 @@ from tupe_ds.tools.errors import FolderTakenOver, NotRegularFile, TrainingStoppe
 from tupe_ds.tools.files import regular_file, write_atomically
 from tupe_ds.train import progress, run_files
 from tupe_ds.train.checkpoint import reads
+
+logger = logging.getLogger(__name__)
 
 
 def flops_per_step(config: ModelConfig, global_batch: int, seq_len: int) -> float:
@@ -113,18 +117,36 @@ def logged_times(path: str, resumed_at: int) -> dict:
     return found
 
 
-def best_validation(path: str, final: tuple) -> tuple:
-    """The (step, valid/loss) lowest in the log `path`, or `final` (the same pair, measured at
-    the end of a start and not logged where no validation fell on its last step); the earliest
-    of equal ones."""
-    found = [final]
+def validations(path: str) -> list:
+    """The (step, valid/loss) pairs of the log `path`, in its order."""
+    found = []
     for line in read_log(path).split(b"\n"):
         step = entry_step(line)
         if step is not None:
             loss = json.loads(line).get("valid/loss")
             if isinstance(loss, float):
                 found.append((step, loss))
-    return min(found, key=lambda pair: (pair[1], pair[0]))
+    return found
+
+
+def best_validation(path: str, final: tuple) -> tuple:
+    """The (step, valid/loss) lowest in the log `path`, or `final` (the same pair, measured at
+    the end of a start and not logged where no validation fell on its last step); the earliest
+    of equal ones."""
+    return min([final, *validations(path)], key=lambda pair: (pair[1], pair[0]))
+
+
+def finished_summary(out: str, step: int, checkpoint: str) -> Optional[str]:
+    """The summary of a run whose newest checkpoint, `checkpoint`, is its last `step`, from its
+    log alone: nothing built, nothing evaluated. None where the log has no validation at that
+    step (then the run evaluates as any start does)."""
+    path = os.path.join(out, "train_log.jsonl")
+    final = [pair for pair in validations(path) if pair[0] == step]
+    if not final:
+        return None
+    return progress.summary(step, step, step + 1, final[-1], best_validation(path, final[-1]),
+                            time.time() - psutil.Process().create_time(),
+                            logged_times(path, step).get("training", 0.0), out, checkpoint)
 
 
 def estimated_training_seconds(step_times: dict, steps: int) -> float:
@@ -149,15 +171,20 @@ class Monitor:
 
     def __init__(self, out: str, configs: tuple, seq_len: int, world_size: int, rank: int,
                  resumed_at: int = 0, times: dict = None, settings: dict = None, lock=None,
-                 steps: int = None, device: torch.device = None, precision: str = "fp32"):
+                 steps: int = None, device: torch.device = None, precision: str = "fp32",
+                 tokens_seen: int = 0):
         """`steps`: the run's --steps (the line's step/N and ETA); `device` and `precision`
         (bf16, fp16, fp32): on CUDA the line has the GPU's figures, MFU where progress.py knows
-        the device's peak for the precision."""
+        the device's peak for the precision; `tokens_seen`: the real tokens trained on before
+        this start."""
         self.lock = lock
         self.out = out
         self.log_path = os.path.join(out, "train_log.jsonl")  # appended to by resumed runs
         self.writer = None
         self.seconds = {name: float((times or {}).get(name, 0.0)) for name in self.TIMED}
+        self.elapsed_before = float((times or {}).get("elapsed", 0.0))  # the earlier starts'
+        self.tokens_seen = tokens_seen
+        self.loading_seconds = 0.0  # making batches, since the last line
         self.failure = None  # what rank 0 could not write or read (run_files.py)
         self.events = os.path.join(out, "tensorboard", "tupe")
         if rank == 0:
@@ -184,7 +211,7 @@ class Monitor:
         self.precision = precision
         self.note = ""  # said once, on the first line
         if self.gpu and progress.peak_tflops(self.device_name, precision) is None:
-            self.note = progress.no_mfu_note(self.device_name, precision) + "\n"
+            self.note = progress.no_mfu_note(self.device_name, precision)
         self.paused = 0.0  # seconds of evaluation and saves since last_time
         self.settings = settings or {}  # scalars of the run's settings, on the first log line
 
@@ -207,7 +234,10 @@ class Monitor:
         events = os.path.join(self.out, "tensorboard")
 
         def write_events_noting_failure(event_list):
-            if self.failure is None:
+            # its lr is the next step's (the scheduler stepped before it is read): train/lr has
+            # the rate each step ran with
+            event_list = [event for event in event_list if event[0] != "Train/Samples/lr"]
+            if self.failure is None and event_list:
                 with self.writing(events):
                     write_events(event_list)
 
@@ -237,9 +267,27 @@ class Monitor:
 
     def times(self) -> dict:
         """The cumulative seconds so far, for a checkpoint's state: a resumed run goes on from
-        them."""
+        them (`elapsed`: the run's wall time, its starts' summed)."""
         unlogged = time.perf_counter() - self.last_time - self.paused
-        return {**self.seconds, "training": self.seconds["training"] + unlogged}
+        return {**self.seconds, "training": self.seconds["training"] + unlogged,
+                "elapsed": self.elapsed()}
+
+    def elapsed(self) -> float:
+        """The run's wall time: this process's, after the earlier starts' to the checkpoint
+        resumed."""
+        return self.elapsed_before + time.time() - self.process_started
+
+    def loading(self, micro_batches):
+        """The step's micro-batches, the time spent making each counted as data loading (a
+        pipeline stage that reads no data makes none)."""
+        batches = iter(micro_batches)
+        while True:
+            started = time.perf_counter()
+            batch = next(batches, None)
+            self.loading_seconds += time.perf_counter() - started
+            if batch is None:
+                return
+            yield batch
 
     def scalars(self, step: int, values: dict) -> None:
         """To TensorBoard and to the run's train_log.jsonl (one JSON object per call)."""
@@ -253,12 +301,13 @@ class Monitor:
             appended(self.log_path, (json.dumps({"step": step, **values}) + "\n").encode())
 
     def train(self, step: int, metrics: dict, lr: float, grad_norm, loss_scale,
-              nonfinite_steps: int, samples: int, global_batch: int,
-              skipped_steps: int = None) -> str:
+              nonfinite_steps: int, samples: int, global_batch: int, tokens_seen: int,
+              skipped_steps: int = None) -> progress.Line:
         """The progress line (progress.line) and scalars of the steps since the last call (the
         first call: since `start`), which trained `samples`; metrics: name -> value; `lr` and
-        `global_batch`: the last step's; `nonfinite_steps`: the steps not applied so far that
-        count towards --max-nonfinite-steps, `skipped_steps` all that DeepSpeed did not apply
+        `global_batch`: the last step's; `tokens_seen`: the real tokens of the run's samples
+        so far; `nonfinite_steps`: the steps not applied so far that count towards
+        --max-nonfinite-steps, `skipped_steps` all that DeepSpeed did not apply
         (engine.skipped_steps: with fp16 the loss scaler's overflows too; None: the same)."""
         now = time.perf_counter()
         trained = max(now - self.last_time - self.paused, 1e-9)
@@ -266,20 +315,26 @@ class Monitor:
         self.seconds["training"] += trained
         self.eta.add(interval_steps, trained, self.paused)
         self.last_time, self.last_step, self.paused = now, step, 0.0
+        tokens, self.tokens_seen = tokens_seen - self.tokens_seen, tokens_seen
+        loading, self.loading_seconds = self.loading_seconds, 0.0
         values = {f"train/{name}": value for name, value in metrics.items()}
         values.update({
             "train/lr": lr,
             "train/global_batch": global_batch,
+            "train/tokens_seen": tokens_seen,
             "throughput/samples_per_s": samples / trained,
-            "throughput/tokens_per_s": samples * self.seq_len / trained,
+            "throughput/tokens_per_s": tokens / trained,
+            "throughput/tokens_per_s_per_gpu": tokens / trained / self.world_size,
             "throughput/tflops_per_rank": (self.sample_flops * samples / trained
                                            / self.world_size / 1e12),
             "throughput/seconds_per_step": trained / interval_steps,
+            "throughput/data_loading_percent": 100 * min(loading / trained, 1.0),
             "train/nonfinite_steps": nonfinite_steps,
             "train/skipped_steps": nonfinite_steps if skipped_steps is None else skipped_steps,
-            "time/elapsed_seconds": time.time() - self.process_started,
+            "time/elapsed_seconds": self.elapsed(),
+            # evaluation's and saves' seconds are logged where they change: one point a step
+            "time/training_seconds": self.seconds["training"],
         })
-        values.update({f"time/{name}_seconds": value for name, value in self.seconds.items()})
         if self.steps:
             values["time/eta_seconds"] = self.eta.seconds(self.steps - step)
         if self.startup is not None:
@@ -298,17 +353,19 @@ class Monitor:
             if mfu is not None:
                 values["throughput/mfu_percent"] = mfu
         self.scalars(step, values)
-        note, self.note = self.note, ""
-        return note + progress.line(step, self.steps, values)
+        if self.note:
+            logger.info(self.note)
+            self.note = ""
+        return progress.line(step, self.steps, values)
 
-    def summary(self, step: int, valid_loss: float, checkpoint) -> str:
-        """What rank 0 says when this start ends at `step` after a validation loss of
-        `valid_loss` (progress.summary), the best of the run read from its log; `checkpoint`:
-        the newest one's tag, None for none. "" on the other ranks."""
+    def summary(self, step: int, valid_step: int, valid_loss: float, checkpoint) -> str:
+        """What rank 0 says when this start ends at `step`, its last validation at `valid_step`
+        with a loss of `valid_loss` (progress.summary), the best of the run read from its log;
+        `checkpoint`: the newest one's tag, None for none. "" on the other ranks."""
         if self.writer is None:
             return ""
-        best = best_validation(self.log_path, (step, valid_loss))
-        return progress.summary(step, self.steps, self.first_step, valid_loss, best,
+        best = best_validation(self.log_path, (valid_step, valid_loss))
+        return progress.summary(step, self.steps, self.first_step, (valid_step, valid_loss), best,
                                 time.time() - self.process_started, self.seconds["training"],
                                 self.out, checkpoint)
 

@@ -7,8 +7,9 @@ the line is made, and the memory figures are the caching allocator's host-side c
 """
 
 import collections
+import dataclasses
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -83,49 +84,95 @@ def clock(seconds: float) -> str:
     return f"{hours}:{minutes:02}:{seconds:02}"
 
 
-def line(step: int, steps: Optional[int], values: dict) -> str:
+def count(number: float) -> str:
+    """A count in 4 characters or so: 950, 53.9k, 1.23M, 4.56B."""
+    for limit, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(number) >= limit:
+            scaled = number / limit
+            return f"{scaled:.3g}{suffix}" if scaled < 1000 else f"{scaled:.0f}{suffix}"
+    return f"{number:.0f}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """A progress line: its fields in the order they are read, each with its rank (0 the most
+    important). The whole line goes to a log file or a Slurm log; on a terminal, `fit` keeps the
+    most important fields that fit its width, in the same order."""
+    fields: Tuple[Tuple[int, str], ...]
+
+    def __str__(self) -> str:
+        return " | ".join(text for _, text in self.fields)
+
+    def fit(self, width: int) -> str:
+        kept = list(self.fields)
+        while len(kept) > 1 and len(" | ".join(text for _, text in kept)) > width:
+            kept.remove(max(kept, key=lambda field: field[0]))  # the least important goes
+        return " | ".join(text for _, text in kept)
+
+
+def line(step: int, steps: Optional[int], values: dict) -> Line:
     """The progress line of Monitor.train's logged `values` at `step` of `steps` (the run's
     --steps), its fields between ` | ` as Megatron's and the step right-aligned to the width of
-    --steps, so that lines stack. The GPU's figures (TFLOPS, MFU, rank 0's memory) where `values`
-    has its memory; grad norm, loss scale and ETA where they are known. Elapsed: since this
-    start's process started. Skipped: DeepSpeed's count of the steps it did not apply, over the
-    run; with fp16 it counts the loss scaler's overflows too, and the ones that count towards
-    --max-nonfinite-steps follow in brackets where fewer."""
+    --steps, so that lines stack. Tokens are real tokens (padding not counted): per second of
+    training over every rank and per GPU (the rank's share), and seen by the run so far. The
+    GPU's figures (TFLOPS, MFU, rank 0's memory) where `values` has its memory; grad norm, loss
+    scale and ETA where they are known. Elapsed: the run's, over its starts. Skipped:
+    DeepSpeed's count of the steps it did not apply, over the run; with fp16 it counts the loss
+    scaler's overflows too, and the ones that count towards --max-nonfinite-steps follow in
+    brackets where fewer. On a terminal too narrow for all of it, the fields go from the end
+    of IMPORTANCE first."""
     width = len(str(steps or step))
-    fields = [f"step {step:>{width}}" + (f"/{steps}" if steps else ""),
-              f"loss {values['train/loss']:.4f}", f"lr {values['train/lr']:.3e}"]
-    if "train/grad_norm" in values:
-        fields.append(f"grad norm {values['train/grad_norm']:.3f}")
-    if "train/loss_scale" in values:
-        fields.append(f"loss scale {values['train/loss_scale']:g}")
-    fields += [f"{values['throughput/samples_per_s']:.1f} samples/s",
-               f"{values['throughput/tokens_per_s']:.0f} tokens/s"]
-    if "memory/max_allocated_gib" in values:
-        fields.append(f"{values['throughput/tflops_per_rank']:.1f} TFLOPS/GPU")
-        if "throughput/mfu_percent" in values:
-            fields.append(f"MFU {values['throughput/mfu_percent']:.1f}%")
-        fields.append(f"memory {values['memory/max_allocated_gib']:.2f} GiB "
-                      f"({values['memory/max_reserved_gib']:.2f} reserved)")
-    fields.append(f"elapsed {clock(values['time/elapsed_seconds'])}")
-    if "time/eta_seconds" in values:
-        fields.append(f"ETA {clock(values['time/eta_seconds'])}")
+    ms = 1000 * values["throughput/seconds_per_step"]
     skipped, nonfinite = values["train/skipped_steps"], values["train/nonfinite_steps"]
-    fields.append(f"skipped {skipped}" + (f" ({nonfinite} not finite)" if nonfinite < skipped
-                                          else ""))
-    return " | ".join(fields)
+    fields = {
+        "step": f"step {step:>{width}}" + (f"/{steps}" if steps else ""),
+        "loss": f"loss {values['train/loss']:.4f}",
+        "lr": f"lr {values['train/lr']:.3e}",
+        "grad norm": (f"grad norm {values['train/grad_norm']:.3f}"
+                      if "train/grad_norm" in values else None),
+        "loss scale": (f"loss scale {values['train/loss_scale']:g}"
+                       if "train/loss_scale" in values else None),
+        "ms/step": f"{ms:.0f} ms/step" if ms >= 10 else f"{ms:.1f} ms/step",
+        "tokens/s": f"{count(values['throughput/tokens_per_s'])} tokens/s",
+        "tokens/s/GPU": f"{count(values['throughput/tokens_per_s_per_gpu'])} tokens/s/GPU",
+        "samples/s": f"{values['throughput/samples_per_s']:.1f} samples/s",
+        "TFLOPS": (f"{values['throughput/tflops_per_rank']:.1f} TFLOPS/GPU"
+                   if "memory/max_allocated_gib" in values else None),
+        "MFU": (f"MFU {values['throughput/mfu_percent']:.1f}%"
+                if "throughput/mfu_percent" in values else None),
+        "memory": (f"memory {values['memory/max_allocated_gib']:.2f} GiB "
+                   f"({values['memory/max_reserved_gib']:.2f} reserved)"
+                   if "memory/max_allocated_gib" in values else None),
+        "tokens seen": f"{count(values['train/tokens_seen'])} tokens seen",
+        "elapsed": f"elapsed {clock(values['time/elapsed_seconds'])}",
+        "ETA": f"ETA {clock(values['time/eta_seconds'])}" if "time/eta_seconds" in values else None,
+        "skipped": f"skipped {skipped}" + (f" ({nonfinite} not finite)" if nonfinite < skipped
+                                           else ""),
+    }
+    importance = IMPORTANCE if skipped == 0 else ("step", "skipped", *IMPORTANCE[1:])
+    return Line(tuple((importance.index(name), text) for name, text in fields.items()
+                      if text is not None))
 
 
-def summary(step: int, steps: int, first_step: int, valid_loss: float, best: tuple,
+# The progress line's fields, the most important first: what a narrow terminal keeps (skipped
+# steps come after the step where there are any).
+IMPORTANCE = ("step", "loss", "ETA", "tokens/s", "ms/step", "lr", "tokens seen", "MFU",
+              "grad norm", "memory", "loss scale", "elapsed", "samples/s", "tokens/s/GPU",
+              "TFLOPS", "skipped")
+
+
+def summary(step: int, steps: int, first_step: int, final: tuple, best: tuple,
             wall_seconds: float, training_seconds: float, out: str,
             checkpoint: Optional[str]) -> str:
     """The lines rank 0 says when a start ends at `step` of `steps`, having resumed after
-    `first_step` - 1 (or started): `best` is the run's (step, valid loss) lowest,
+    `first_step` - 1 (or started): `final` is its last validation's (step, valid loss) (a
+    stop signal may come after it), `best` the run's lowest,
     `training_seconds` its training time as its last log line has it, `checkpoint` the newest
     one's tag (None: none written)."""
     trained = f"steps {first_step}-{step}" if step >= first_step else "no step"
     newest = os.path.join(out, "checkpoints", checkpoint) if checkpoint else "none written"
     return "\n".join([
-        f"final valid loss {valid_loss:.4f} at step {step}",
+        f"final valid loss {final[1]:.4f} at step {final[0]}",
         f"this start trained {trained} of {steps} in {clock(wall_seconds)} (wall time since "
         f"its process started); the run's training time {clock(training_seconds)}",
         f"best valid loss {best[1]:.4f} at step {best[0]}",
@@ -134,9 +181,13 @@ def summary(step: int, steps: int, first_step: int, valid_loss: float, best: tup
         f"tensorboard --logdir {os.path.join(out, 'tensorboard')}"])
 
 
+def processes(count: int) -> str:
+    return "1 process" if count == 1 else f"{count} processes"
+
+
 def started_by(world_size: int, launcher: str) -> str:
-    return ("1 process, no launcher" if launcher == "single process"
-            else f"{world_size} processes from {launcher}")
+    return ("1 process, no launcher" if launcher == "single process" else
+            f"{processes(world_size)} from {launcher}")
 
 
 def start_line(run, step: int, plan, branched: bool, launcher: str, train) -> str:

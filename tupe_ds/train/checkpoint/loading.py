@@ -13,6 +13,7 @@ from tupe_ds.tools.errors import Refused
 from tupe_ds.tools.files import regular_file
 from tupe_ds.train.checkpoint import manifest, reads, reshard
 from tupe_ds.train.checkpoint.rng import derive_rng_state, file_name, load_rng_state
+from tupe_ds.train.progress import processes
 from tupe_ds.train.waits import announced
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def load(engine, plan, seed: int) -> dict:
         if rank == 0:
             seconds = reshard.convert(plan.directory, tag)
             logger.info(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; "
-                        f"converted for {dist.get_world_size()} processes with DeepSpeed's "
+                        f"converted for {processes(dist.get_world_size())} with DeepSpeed's "
                         f"universal checkpoint into {reshard.universal_dir(plan.directory)}/{tag} "
                         f"({'reused' if seconds == 0 else f'{seconds:.1f} s'})")
         with announced(f"rank 0 to convert checkpoint {tag} for this layout", rank):

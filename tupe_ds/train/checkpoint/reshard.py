@@ -14,10 +14,7 @@ Every decision is taken from the layout the manifest records (also in `stepN/lay
 any process starts, so a layout that cannot be reshaped is refused with what to do.
 """
 
-import contextlib
-import io
 import json
-import logging
 import os
 import re
 import shutil
@@ -29,9 +26,8 @@ from typing import Optional
 import torch
 
 from tupe_ds.tools.files import write_atomically
+from tupe_ds.tools.third_party_warnings import quietly
 from tupe_ds.train.checkpoint import manifest, reads, safe_load
-
-logger = logging.getLogger(__name__)
 
 LAYOUT_FILE = "layout.json"
 UNIVERSAL_FOLDER = "universal"  # CHECKPOINTS/universal/stepN: converted checkpoints
@@ -185,16 +181,13 @@ def convert(checkpoints: str, tag: str) -> float:
     work = os.path.join(universal_dir(checkpoints), f".tmp-{tag}")
     shutil.rmtree(work, ignore_errors=True)
     start = time.monotonic()
-    output = io.StringIO()
     args = Namespace(input_folder=conversion_source(os.path.join(checkpoints, tag), work),
                      output_folder=os.path.join(work, tag), num_extract_workers=1,
                      num_merge_workers=1, keep_temp_folder=False, strict=True,
                      inject_missing_state=False)
-    try:  # its progress lines and bars, shown if it fails
-        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            ds_to_universal.main(args)
+    try:
+        quietly(lambda: ds_to_universal.main(args))
     except BaseException:
-        logger.error(output.getvalue()[-4000:])
         shutil.rmtree(work, ignore_errors=True)
         raise
     files = manifest.describe(args.output_folder, conversion_files(args.output_folder))
