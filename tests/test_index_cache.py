@@ -308,7 +308,7 @@ def test_without_flock_a_killed_builders_lock_is_taken_over(tmp_path, monkeypatc
     assert [name for name in os.listdir(cache) if ".npy.tmp-" in name]  # half written
     monkeypatch.setattr(fcntl, "flock", no_flock)
     array, path, built = cached_array(cache, "thing", {"a": 1}, lambda: np.arange(1000))
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err  # a warning
     assert said.startswith(f"tupe_ds: took over {holder} from process {process.pid} on "
                            f"{socket.gethostname()}, started ")
     assert said.endswith(": its process has ended\n") and said.count("\n") == 1

@@ -92,7 +92,7 @@ def test_a_read_error_is_retried_and_said_once_then_stops_naming_the_file(tmp_pa
     path.write_text("{}")
     read_errors("manifest.json", times=3)
     assert reads.read_bytes(str(path)) == b"{}"
-    assert capsys.readouterr().out == (f"tupe-pretrain: reading {path} failed ([Errno 5] "
+    assert capsys.readouterr().err == (f"tupe-pretrain: reading {path} failed ([Errno 5] "
                                        "Input/output error); trying again for up to 1 s\n")
     read_errors("manifest.json")
     with pytest.raises(reads.Unreadable) as stopped:
@@ -100,7 +100,7 @@ def test_a_read_error_is_retried_and_said_once_then_stops_naming_the_file(tmp_pa
     assert str(stopped.value) == (f"could not read {path} ([Errno 5] Input/output error) for 1 s: "
                                   "nothing was moved or deleted; run the same command once the "
                                   "filesystem answers")
-    assert capsys.readouterr().out.count("trying again") == 1
+    assert capsys.readouterr().err.count("trying again") == 1
     with pytest.raises(FileNotFoundError):  # missing is the caller's to say, at once
         reads.read_bytes(str(tmp_path / "missing"))
 
@@ -123,9 +123,14 @@ def test_unreadable_manifests_stop_the_plan_not_make_it_start_over(tmp_path, rea
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out),
                  "--steps", "6", "--seq-len", "64"]) == 3
-    said = capsys.readouterr().err
-    assert said.startswith(f"tupe-pretrain: could not read {out}/checkpoints/step2/manifest.json "
-                           "([Errno 5] Input/output error) for 1 s: nothing was moved")
+    said = capsys.readouterr().err.splitlines()  # the retry's warning, then the stop
+    retried, stopped = said[0], said[-1]
+    assert "Traceback" not in "".join(said)
+    assert retried.startswith(f"tupe-pretrain: reading {out}/checkpoints/step2/manifest.json "
+                              "failed ([Errno 5] Input/output error); trying again")
+    assert stopped.startswith(f"tupe-pretrain: could not read {out}/checkpoints/step2/"
+                              "manifest.json ([Errno 5] Input/output error) for 1 s: nothing was "
+                              "moved")
     assert everything_in(out) == before
 
 
@@ -366,8 +371,9 @@ def test_export_of_an_unreadable_checkpoint_stops_with_the_line_not_a_traceback(
     (tmp_path / "run.json").write_text("{}")
     read_errors("run.json")
     assert export_main([str(step_dir), "--out", str(tmp_path / "exported")]) == 3
-    said = capsys.readouterr().err
-    assert said.startswith(f"tupe-export: could not read {tmp_path}/run.json ([Errno 5]")
+    said = capsys.readouterr().err.splitlines()  # the retry's warning, then the stop
+    assert said[-1].startswith(f"tupe-export: could not read {tmp_path}/run.json ([Errno 5]")
+    assert "Traceback" not in "".join(said)
     assert not (tmp_path / "exported").exists()
 
 
@@ -557,7 +563,7 @@ def test_with_the_history_moved_aside_the_settings_come_from_the_newest_manifest
         {"objective": "mlm", "data": "d", "tp": 1, "pp": 1, "models": [{}], "settings": {}}))
     assert recorded_settings.of_run_folder(types.SimpleNamespace(out=str(earlier))) is None
     assert "run.json holds the settings of a run of a tupe_ds before 2026-11-29, which this one " \
-        "does not read: give the run's flags" in capsys.readouterr().out
+        "does not read: give the run's flags" in capsys.readouterr().err
 
 
 def test_a_folder_of_an_earlier_tupe_ds_is_refused_naming_its_folders(tmp_path):

@@ -213,7 +213,7 @@ def test_a_lock_removed_under_a_run_is_taken_again(tmp_path, capsys):
     lock = RunLock.acquire(str(tmp_path))
     (tmp_path / "run.lock").unlink()
     assert lock.still_held() is None
-    assert "was removed while this process held it: taken again" in capsys.readouterr().out
+    assert "was removed while this process held it: taken again" in capsys.readouterr().err
     assert lock.check() is None
     lock.release()
     assert not (tmp_path / "run.lock").exists()
@@ -245,7 +245,7 @@ def contend(out, start, results):
     while time.time() < start:
         pass
     try:
-        lock = RunLock.acquire(out, say=lambda line: None)
+        lock = RunLock.acquire(out)
         results.put(("held", os.getpid()))
         time.sleep(3.0)  # longer than the others' tries
         lock.release()

@@ -20,6 +20,7 @@ from tupe_ds.demo.report import report
 from tupe_ds.distributed.launchers import launch
 from tupe_ds.machine import doctor
 from tupe_ds.tools import command_line
+from tupe_ds.tools.errors import Refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_GPUS = 8
@@ -82,7 +83,11 @@ def main(argv=None) -> int:
         "--image-interval", "500", "--log-interval", "100",
         "--allow-training-changes"], train)  # DEMO_STEPS trains on: its decay moves, said
     if code == 0:
-        print(report(args.out, args.data), flush=True)
+        try:
+            print(report(args.out, args.data), flush=True)
+        except Refused as refused:  # its data's index cache, as tupe-pretrain checks it
+            print(f"demo: error: {refused}", file=sys.stderr)
+            return 2
     return code
 
 

@@ -1,24 +1,33 @@
 """tupe_ds's `logging` lines on a terminal or in a Slurm log, as the rest of the output prints:
-the bare message on stdout, in order with the printed lines. Rank 0 says every line; the other
-ranks only errors and the lines logged with `extra={"every_rank": True}` (what happened on that
-rank alone, as a compile that failed there), each after "rank N: ": they would repeat rank 0's
-other lines N times."""
+the bare message, information on stdout (in order with the printed lines), warnings and errors
+on stderr (where a script or a person looks for what went wrong, and off a --print-config's
+file). Rank 0 says every line; the other ranks only errors and the lines logged with
+`extra={"every_rank": True}` (what happened on that rank alone, as a compile that failed
+there), each after "rank N: ": they would repeat rank 0's other lines N times."""
 
 import logging
+import os
 import shutil
 import sys
 
 EVERY_RANK = {"every_rank": True}  # `extra=`: a line each rank says, of itself
 
 
-class _Stdout(logging.StreamHandler):
-    """Writes to the sys.stdout of the moment (pytest's capture replaces it). A line logged with
-    `extra={"fit": fit}` (the progress line) is fit(columns) on a terminal: what fits its width;
-    in a file (a Slurm log, a redirect) it is whole."""
+class _Stream(logging.StreamHandler):
+    """Writes to sys.stdout or sys.stderr as they are at the moment (pytest's capture replaces
+    them). A line logged with `extra={"fit": fit}` (the progress line) is fit(columns) on a
+    terminal: what fits its width; in a file (a Slurm log, a redirect) it is whole. A stream
+    that can no longer be written (a pipe whose reader ended: `| head`) is said once and then
+    left alone: the run goes on, its log and TensorBoard keep every figure."""
+
+    def __init__(self, name: str, levels):
+        super().__init__()
+        self.stream_name, self.broken = name, False
+        self.addFilter(lambda record: record.levelno in levels)
 
     @property
     def stream(self):
-        return sys.stdout
+        return getattr(sys, self.stream_name)
 
     @stream.setter
     def stream(self, _):
@@ -34,17 +43,35 @@ class _Stdout(logging.StreamHandler):
                                             "msg": fit(columns - prefix)})
         return super().format(record)
 
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            return super().handleError(record)
+        self.broken = True
+        os.write(2, f"tupe_ds: {self.stream_name} cannot be written ({error}): its lines are "
+                    "no longer shown\n".encode())
+
+
+LEVELS = {"stdout": range(logging.WARNING), "stderr": range(logging.WARNING, logging.CRITICAL + 1)}
+
 
 def show(rank: int) -> None:
     """Show the `tupe_ds` loggers' lines as this rank should; called again, changes nothing."""
     root = logging.getLogger("tupe_ds")
     root.setLevel(logging.INFO)
     root.propagate = False
-    handler = next((h for h in root.handlers if isinstance(h, _Stdout)), None)
-    if handler is None:
-        handler = _Stdout()
-        root.addHandler(handler)
-    handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else
-                                           f"rank {rank}: %(message)s"))
-    handler.filters = [] if rank == 0 else [
-        lambda record: record.levelno >= logging.ERROR or getattr(record, "every_rank", False)]
+    for name, levels in LEVELS.items():
+        handler = next((h for h in root.handlers
+                        if isinstance(h, _Stream) and h.stream_name == name), None)
+        if handler is None:
+            handler = _Stream(name, levels)
+            root.addHandler(handler)
+        handler.broken = False
+        handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else
+                                               f"rank {rank}: %(message)s"))
+        handler.filters = handler.filters[:1] + ([] if rank == 0 else [
+            lambda record: record.levelno >= logging.ERROR or getattr(record, "every_rank", False)])

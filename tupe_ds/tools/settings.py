@@ -4,6 +4,7 @@ line and the default used, so that no command fails for it at import or in the m
 import math
 import os
 import sys
+import threading
 
 _named = set()  # (name, value) already said: a setting read at every use is said once
 
@@ -19,7 +20,7 @@ def seconds(name: str, default: float, least: float) -> float:
     except ValueError:
         number = float("nan")
     if math.isfinite(number) and number >= least:
-        return number
+        return min(number, threading.TIMEOUT_MAX)  # a wait longer is forever
     if (name, value) not in _named:
         _named.add((name, value))
         print(f"{name}={value!r}: not a number of seconds of {least:g} or more; {default:g} used",

@@ -1,6 +1,6 @@
 """tupe-pretrain's command line: the parser, the checks each flag needs on its own (counts, flags
-that need another, the model for the objective), and how the command stops (`fail`, `Refused`,
-`TrainingStopped`). The masking's shares: masking_flags.py; the --data folders and their
+that need another, the model for the objective), and `fail`, which refuses it (Refused:
+tools/errors.py). The masking's shares: masking_flags.py; the --data folders and their
 --index-cache: data_folders.py."""
 
 import argparse

@@ -1,0 +1,58 @@
+"""tupe_ds's log lines (tupe_ds/tools/log_lines.py): information on stdout, warnings and errors on
+stderr, rank 0's lines alone but each rank's own, and a stream that breaks said once."""
+
+import io
+import json
+import logging
+import tomllib
+
+import pytest
+
+from runs import CPU_CONFIG
+from tupe_ds.tools import log_lines
+from tupe_ds.train.config import load
+
+logger = logging.getLogger("tupe_ds.test")
+
+
+def test_information_goes_to_stdout_and_warnings_to_stderr_as_each_rank_should(capsys):
+    log_lines.show(rank=0)
+    logger.info("step 1")
+    logger.warning("took over")
+    assert capsys.readouterr() == ("step 1\n", "took over\n")
+    log_lines.show(rank=1)
+    logger.info("step 1")
+    logger.warning("rank 0's warning")
+    logger.warning("its own", extra=log_lines.EVERY_RANK)
+    logger.error("failed")
+    assert capsys.readouterr() == ("", "rank 1: its own\nrank 1: failed\n")
+
+
+def test_a_stdout_that_breaks_is_said_once_and_the_run_goes_on(capfd, monkeypatch):
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    log_lines.show(rank=0)
+    monkeypatch.setattr("sys.stdout", Closed())
+    for step in range(3):
+        logger.info(f"step {step}")
+    logger.warning("still said")
+    said = capfd.readouterr().err
+    assert said == ("tupe_ds: stdout cannot be written ([Errno 32] Broken pipe): its lines are no "
+                    "longer shown\nstill said\n")  # no traceback per line
+
+
+def test_print_config_stays_a_config_file_when_the_run_folder_warns(data, tmp_path, capsys):
+    """A run folder of an earlier tupe_ds: its warning goes to stderr, the file to stdout."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps(
+        {"objective": "mlm", "data": data, "tp": 1, "pp": 1, "models": [{}], "settings": {}}))
+    with pytest.raises(SystemExit) as ended:
+        load(["--data", data, "--ds-config", CPU_CONFIG, "--out", str(out), "--model", "tiny",
+              "--steps", "6", "--print-config"])
+    assert ended.value.code == 0
+    printed = capsys.readouterr()
+    assert tomllib.loads(printed.out)["steps"] == 6
+    assert "holds the settings of a run of a tupe_ds before 2026-11-29" in printed.err
