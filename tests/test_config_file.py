@@ -66,6 +66,22 @@ def test_a_mistyped_flag_is_one_line_with_the_flag_meant_then_where_help_is(caps
         "see tupe-pretrain --help"]
 
 
+def test_a_setting_given_under_two_of_its_names_is_refused_as_in_a_file(capsys):
+    """Megatron-LM's name beside ours: argparse kept the last (--seq-len 32 --seq-length 128
+    trained at 128); a name repeated stays the last one's, as argparse's."""
+    for argv, said in ((["--seq-len", "32", "--seq-length", "128"], "--seq-len and --seq-length"),
+                       (["--tp=2", "--tensor-model-parallel-size", "2"],
+                        "--tp and --tensor-model-parallel-size")):
+        with pytest.raises(SystemExit) as exit_:
+            pretrain_args(["--out", "run", "--data", "d", *argv])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"tupe-pretrain: error: {said} are one setting: give it once",
+            "see tupe-pretrain --help"]
+    assert pretrain_args(["--out", "run", "--data", "d", "--ds-config", "c.json", "--steps", "3",
+                          "--seq-len", "32", "--seq-len", "64"]).seq_len == 64
+
+
 @pytest.mark.parametrize("text, said", [
     ("seqlen = 1\n", "seqlen is not a setting of tupe-pretrain"),
     ("seqlen = 1\n", "did you mean seq-len?"),

@@ -77,6 +77,7 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
     DeepSpeed config's), for --print-config."""
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = settable_flags(parser)
+    refuse_two_names(parser, argv)
     defaults = {dest: action.default for dest, action in flags.items()}
     required = [action for action in flags.values() if action.required]
     for action in required:  # checked below, once every layer is in
@@ -100,6 +101,21 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
                   end="")
         raise SystemExit(0)
     return args, sources
+
+
+def refuse_two_names(parser: argparse.ArgumentParser, argv: list) -> None:
+    """A setting given under two of its names (`--seq-len 32 --seq-length 128`, Megatron-LM's
+    name beside ours) is an error, as in a --config file: argparse would keep the last."""
+    names = {option: action for action in parser._actions for option in action.option_strings
+             if option.startswith("--")}
+    first = {}
+    for argument in argv:
+        if argument == "--":
+            break
+        option = argument.split("=", 1)[0]
+        if option in names and first.setdefault(names[option].dest, option) != option:
+            parser.error(f"{first[names[option].dest]} and {option} are one setting: give it "
+                         "once")
 
 
 def config_file(parser: argparse.ArgumentParser, argv: list) -> Optional[str]:
