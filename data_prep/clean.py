@@ -41,11 +41,18 @@ WHITESPACE = re.compile(r"\s+")
 # kept in Braille text (a text holding another Braille pattern), where it is the space.
 INVISIBLE = regex.compile(r"[\p{Default_Ignorable_Code_Point}\u2800]+")
 ZWNJ, ZWJ = "\u200c", "\u200d"  # Unicode's Join_Control
+# The most joiners a run keeps: ZWJ ZWNJ ZWJ, a ligature broken with the letters still joined
+# (Unicode Standard, section 23.2), is the longest sequence a script gives a meaning
+MOST_JOINERS = 3
 BRAILLE_BLANK = "\u2800"
 BRAILLE = regex.compile(r"[\u2801-\u28ff]")
 # What a run of invisible characters may keep: the joiners, the bidi controls, the variation
-# selectors and the Braille blank; the rest of it (tags but a flag's, SHY, ZWSP, ...) goes.
-KEEPABLE = regex.compile(r"[\u200c\u200d\p{Bidi_Control}\p{Variation_Selector}\u2800]")
+# selectors, the Braille blank and CGJ; the rest of it (tags but a flag's, SHY, ZWSP, ...) goes.
+KEEPABLE = regex.compile(r"[\u200c\u200d\p{Bidi_Control}\p{Variation_Selector}\u2800\u034f]")
+# COMBINING GRAPHEME JOINER between two combining marks keeps them in the order written, which
+# canonical ordering (NFKC) would change (Unicode Standard, section 23.2: Hebrew, Arabic points)
+CGJ = "\u034f"
+MARK = regex.compile(r"\p{M}")
 BIDI_CONTROL = regex.compile(r"\p{Bidi_Control}")  # ALM, LRM, RLM, embeddings, overrides, isolates
 RIGHT_TO_LEFT_LETTER = regex.compile(r"(?V1)[[\p{Bidi_Class=R}\p{Bidi_Class=AL}]&&\p{L}]")
 # A variation sequence: the emoji presentation selectors after an emoji (UTS #51, ED-8a and
@@ -125,16 +132,19 @@ def remove_format(text: str) -> str:
         if text[start - 1:start] == BLACK_FLAG and (flag := FLAG_TAGS.match(text, start, end)):
             out.append(flag.group())
         needed = last_joiner = None
+        joiners = 0
         for char in KEEPABLE.findall(text, start, end):
             if char in (ZWNJ, ZWJ):
                 if needed is None:
                     needed = joins(text, start, end)
-                keep = char in needed and char != last_joiner
-                last_joiner = char if keep else last_joiner
+                keep = char in needed and char != last_joiner and joiners < MOST_JOINERS
+                last_joiner, joiners = (char, joiners + 1) if keep else (last_joiner, joiners)
             elif BIDI_CONTROL.match(char):
                 keep = holds(RIGHT_TO_LEFT_LETTER)
             elif char == BRAILLE_BLANK:
                 keep = holds(BRAILLE)
+            elif char == CGJ:
+                keep = bool(MARK.fullmatch(text[start - 1:start]) and MARK.match(text, end))
             else:
                 keep = not out and VARIATION_SEQUENCE.fullmatch(text[start - 1:start] + char)
             if keep:
@@ -191,7 +201,11 @@ class Cleaner:
             self.moses = GatedMoses(self.moses)
 
     def normalize(self, text: str) -> str:
-        text = unicodedata.normalize("NFKC", remove_format(text))
+        # NFKC first: it makes joining letters of presentation forms (a joiner between them
+        # means something only then), and it splits characters (U+203C into "!!") that a
+        # variation selector kept after them would be left behind by; and nothing it composes
+        # or reorders after a character is removed (CGJ, a Hangul filler)
+        text = remove_format(unicodedata.normalize("NFKC", text))
         text = CONTROL.sub(" ", text)
         if "@" in text:  # the cheap test spares most documents the regular expression
             text = EMAIL.sub(r"\g<1>" + EMAIL_TOKEN, text)  # before URLs: an address is no URL

@@ -68,8 +68,11 @@ class PrepConfig:
             if not os.path.exists(os.path.join(folder, "manifest.json")):
                 fail("--dedup-against", f"{folder}: no manifest.json; name folders written by "
                      "tupe-prep")
+            if os.path.realpath(folder) == os.path.realpath(self.output):
+                fail("--dedup-against", f"{folder} is this run's --out: its documents would all "
+                     "be found there and removed; name the other corpora's folders")
         if self.dedup_against:  # this run's folder beside them, at this tupe-prep's version
-            versions = {folder: cleaning_version(read_manifest(folder))
+            versions = {folder: cleaning_version(folder, read_manifest(folder))
                         for folder in self.dedup_against}
             check_cleaning_versions({f"{self.output} (this run)": CLEANING_VERSION, **versions},
                                     "--dedup-against")

@@ -43,7 +43,7 @@ def merge(shards: List[str], output: str, quiet: bool = False,
     if len(dtypes) != 1:
         raise ValueError(f"merge: the shards have different token dtypes {sorted(dtypes)}")
     version = check_cleaning_versions(
-        {folder: cleaning_version(manifest) for folder, manifest in
+        {folder: cleaning_version(folder, manifest) for folder, manifest in
          [*zip(shards, manifests), *((f, read_manifest(f)) for f in dedup_against)]}, "merge")
     near = near_settings(shards, manifests, dedup_against)
     started = time.perf_counter()

@@ -32,12 +32,27 @@ def read_manifest(folder: str) -> dict:
     if not os.path.exists(path):
         raise ValueError(f"{folder}: no manifest.json, so the folder is missing or unfinished; "
                          "re-run its tupe-prep command")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{path}: not readable as a tupe-prep manifest ({error}); re-run its "
+                         "tupe-prep command") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: not a tupe-prep manifest (not a JSON object); re-run its "
+                         "tupe-prep command")
+    return manifest
 
 
-def cleaning_version(manifest: dict) -> int:
-    return manifest.get("cleaning_version", 1)
+def cleaning_version(folder: str, manifest: dict) -> int:
+    """The cleaning_version of `folder`'s manifest, 1 where it has none (a tupe-prep before
+    they were recorded); ValueError naming the file where it is no version."""
+    version = manifest.get("cleaning_version", 1)
+    if type(version) is not int or version < 1:
+        raise ValueError(f"{os.path.join(folder, 'manifest.json')}: cleaning_version "
+                         f"{json.dumps(version)} is no version of tupe-prep's cleaning rules (a "
+                         "whole number from 1); re-run its tupe-prep command")
+    return version
 
 
 def check_cleaning_versions(versions: dict, command: str) -> int:
@@ -45,12 +60,19 @@ def check_cleaning_versions(versions: dict, command: str) -> int:
     with); a ValueError naming the folders and their versions when they differ, saying to
     prepare again those not of this tupe-prep's CLEANING_VERSION. Keys recomputed from a folder
     would not do: it holds the text as its own version cleaned it, not the input."""
+    newer = {folder: version for folder, version in versions.items()
+             if version > CLEANING_VERSION}
+    if newer:
+        made = ", ".join(f"{folder} was cleaned by the rules of version {version}"
+                         for folder, version in newer.items())
+        raise ValueError(f"{command}: {made}, newer than this tupe-prep's ({CLEANING_VERSION}): "
+                         "run this with the tupe-prep that made it")
     found = set(versions.values())
     if len(found) == 1:
         return found.pop()
     described = ", ".join(
-        f"{folder} version {version}" + (" (no cleaning_version in its manifest: an earlier "
-                                         "tupe-prep)" if version == 1 else "")
+        f"{folder} version {version}" + (" (the rules before versions were recorded)"
+                                         if version == 1 else "")
         for folder, version in versions.items())
     stale = [folder for folder, version in versions.items() if version != CLEANING_VERSION]
     raise ValueError(f"{command}: the folders' texts were cleaned and keyed by different rules, "

@@ -265,23 +265,27 @@ def chunks(text: str, size: int) -> List[str]:
 def join_short(text: str, sentences: List[str], min_words: int) -> List[str]:
     """Sentences (of `text`, in order) of fewer than min_words words (`count_words`) are joined
     to the next one (the last to the previous one), as the paper's cleaning concatenates short
-    sequences: by a space where the text has whitespace between them, else by nothing."""
+    sequences: by a space where the text has whitespace between them, else by nothing. The
+    words of a joined sentence are its sentences' words summed, each counted once: linear in
+    the text (a count of the joined text at each step was quadratic where sentences end inside
+    words, "ab.Cd.ab.Cd...", which join by nothing and never reach min_words)."""
     joined: List[str] = []
-    pending, pending_gap, at = "", "", 0
+    pending, pending_gap, words, at = [], "", 0, 0
     for sentence in sentences:
         start = text.index(sentence, at)
         gap = " " if start > at else ""
         at = start + len(sentence)
         if pending:
-            pending = f"{pending}{gap}{sentence}"
+            pending += [gap, sentence]
         else:
-            pending, pending_gap = sentence, gap
-        if count_words(pending) >= min_words:
-            joined.append(pending)
-            pending = ""
+            pending, pending_gap = [sentence], gap
+        words += count_words(sentence)
+        if words >= min_words:
+            joined.append("".join(pending))
+            pending, words = [], 0
     if pending:
         if joined:
-            joined[-1] = f"{joined[-1]}{pending_gap}{pending}"
+            joined[-1] = f"{joined[-1]}{pending_gap}{''.join(pending)}"
         else:
-            joined.append(pending)
+            joined.append("".join(pending))
     return joined

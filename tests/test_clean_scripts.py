@@ -137,3 +137,20 @@ def test_cleaning_is_linear_in_the_page(page, cleaned):
     with deadline(1.0):
         out = Cleaner().normalize(page)
     assert out == cleaned.strip()
+
+
+@pytest.mark.parametrize("text, cleaned", [
+    pytest.param("\ufee3\ufef4\u200c\ufea7\ufeee\ufe8d\ufeeb\ufee2",
+                 "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645".replace("\u06cc", "\u064a"),
+                 id="Persian 'I want' in presentation forms (a PDF's text): the ZWNJ stays"),
+    pytest.param("Wow\u203c\ufe0f and \u2139\ufe0f", "Wow!! and i",
+                 id="emoji NFKC makes letters: no selector left behind"),
+    pytest.param("\u05dc\u05b7\u034f\u05b4", "\u05dc\u05b7\u034f\u05b4",
+                 id="Hebrew points kept in their order by the CGJ between them"),
+    pytest.param("\u0915\u094d" + "\u200d\u200c" * 1000 + "\u0937",
+                 "\u0915\u094d\u200d\u200c\u200d\u0937", id="alternating joiners: three kept"),
+])
+def test_what_nfkc_makes_is_cleaned_and_what_it_would_undo_is_not(text, cleaned):
+    once = Cleaner().normalize(text)
+    assert once == cleaned
+    assert Cleaner().normalize(once) == once  # cleaning the cleaned text changes nothing

@@ -7,7 +7,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from data_prep.clean import Cleaner
-from data_prep.sentences import SentenceSplitter, count_words
+from data_prep.sentences import SentenceSplitter, count_words, join_short
+from test_clean_scripts import deadline
 from test_data_prep import documents_of, run, write_txt
 
 ZWSP = "\u200b"
@@ -145,3 +146,14 @@ def test_articles_without_spaces_are_kept_and_split_into_sentences(tmp_path):
     assert [" ".join(doc) for doc in written[2:]] == cleaned[2:]
     assert [len(doc) for doc in written[:2]] == [15, 12]  # every sentence long enough
     assert all(len(doc) >= 2 for doc in written[2:])
+
+
+def test_short_sentences_join_in_a_time_linear_in_the_page():
+    """Sentences ending inside words ("ab.Cd.", as spaCy cuts them) join by nothing and never
+    reach --min-sentence-words: 1 MB of them took minutes while the joined text was counted
+    again at each sentence."""
+    sentences = ["ab.", "Cd."] * ((1 << 20) // 6)
+    text = "".join(sentences)
+    with deadline(5.0):
+        joined = join_short(text, sentences, 4)
+    assert "".join(joined) == text and len(joined) == len(sentences) // 4

@@ -4,9 +4,11 @@ versions, naming them, their versions and what to do."""
 
 import json
 import random
+import re
 
 import pytest
 
+from data_prep import output
 from data_prep.cli import main
 from data_prep.merge import merge
 from data_prep.output import CLEANING_VERSION
@@ -43,13 +45,16 @@ def test_dedup_against_a_folder_of_another_version_is_refused(folders, capsys):
             "--tokenizer", str(folders / "old0" / "tokenizer.json"), "--dedup-against"]
     assert main(argv + [str(folders / "new"), str(folders / "old1")]) == 2
     said = capsys.readouterr().err
-    assert (f"--dedup-against: the folders' texts were cleaned and keyed by different rules"
+    assert ("--dedup-against: the folders' texts were cleaned and keyed by different rules"
             in said)
     assert f"{folders / 'more'} (this run) version {CLEANING_VERSION}" in said
-    assert f"{folders / 'old1'} version 1 (no cleaning_version in its manifest" in said
+    assert f"{folders / 'old1'} version 1 (the rules before versions were recorded)" in said
     assert f"Prepare {folders / 'old1'} again from its input with this tupe-prep" in said
     assert not (folders / "more").exists()  # refused before anything was read or written
     assert main(argv + [str(folders / "new")]) == 0
+    again = argv[:argv.index("--out") + 1] + [str(folders / "new")] + argv[argv.index("--out") + 2:]
+    assert main(again + [str(folders / "new")]) == 2  # the folder it writes
+    assert f"--dedup-against: {folders / 'new'} is this run's --out" in capsys.readouterr().err
 
 
 def test_merge_refuses_folders_of_different_versions(folders):
@@ -66,3 +71,30 @@ def test_merge_refuses_folders_of_different_versions(folders):
               dedup_against=[str(folders / "old")])
     new = merge([str(folders / "new")], str(folders / "new-merged"), quiet=True)
     assert new["cleaning_version"] == CLEANING_VERSION
+
+
+@pytest.mark.parametrize("value", ['"2"', "true", "[2]", "0", "null"])
+def test_a_cleaning_version_that_is_no_version_is_refused_naming_the_file(tmp_path, value):
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / "manifest.json").write_text('{"cleaning_version": %s}' % value)
+    with pytest.raises(ValueError, match=rf"{folder}/manifest.json: cleaning_version "
+                                         rf"{re.escape(value)} is no version"):
+        output.cleaning_version(str(folder), output.read_manifest(str(folder)))
+
+
+def test_manifests_that_do_not_read_and_newer_versions_are_refused_saying_what_to_do(tmp_path):
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    (folder / "manifest.json").write_text('{"cleaning_version": ')
+    with pytest.raises(ValueError, match=rf"{folder}/manifest.json: not readable as a tupe-prep "
+                                         "manifest"):
+        output.read_manifest(str(folder))
+    (folder / "manifest.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        output.read_manifest(str(folder))
+    newer = output.CLEANING_VERSION + 1
+    with pytest.raises(ValueError, match=rf"merge: b was cleaned by the rules of version {newer}, "
+                                         "newer than this tupe-prep's .*: run this with the "
+                                         "tupe-prep that made it"):
+        output.check_cleaning_versions({"a": output.CLEANING_VERSION, "b": newer}, "merge")
