@@ -135,7 +135,7 @@ def test_fill_mask_and_trainer_after_a_short_pretraining(data, tmp_path):
     assert her in ids
     expected = [2] + [pretraining.token_to_id("[MASK]") if i == her else i for i in ids] + [3]
     assert masked["ids"] == expected, masked["tokens"]
-    assert trained["after"] < 0.95 * trained["before"], trained  # one epoch of 20 steps
+    assert trained["after"] < 0.95 * trained["before"], trained  # three epochs of 20 steps
     assert trained["reloaded"] < 1e-6, trained
 
 

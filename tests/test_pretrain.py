@@ -102,8 +102,12 @@ def test_loss_falls_and_tensorboard_has_the_run(data, tmp_path, encoding):
     if encoding == "tupe-r":
         assert {f"positional_logits/head{h}" for h in range(4)} <= set(tags["images"])
     deepspeed_events = EventAccumulator(str(out / "tensorboard" / "deepspeed")).Reload()
-    # DeepSpeed's own monitor writes no lr (it logs the next step's: train/lr has each step's)
-    assert "Train/Samples/lr" not in deepspeed_events.Tags()["scalars"]
+    # DeepSpeed's own monitor: each step's lr at the samples after it, the rate train/lr has (it
+    # read the next step's)
+    samples = {e.step: e.value for e in deepspeed_events.Scalars("Train/Samples/lr")}
+    rates = {e.step: e.value for e in events.Scalars("train/lr")}
+    batch = min(samples)  # the global batch: the first step's samples
+    assert {step // batch: rate for step, rate in samples.items()} == pytest.approx(rates)
 
 
 @pytest.mark.slow

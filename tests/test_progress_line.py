@@ -171,3 +171,9 @@ def test_on_an_80_column_terminal_the_progress_line_fits_and_the_log_keeps_it_wh
     logged = log(str(out))[3]
     assert {"train/tokens_seen", "throughput/tokens_per_s_per_gpu",
             "throughput/data_loading_percent"} <= set(logged)
+
+
+def test_counts_are_short_and_never_in_scientific_notation():
+    assert [progress.count(n) for n in (950, 999.4, 999.5, 53898.2, 999_499, 999_600,
+                                        999_999_999, 1.234e12)] == [
+        "950", "999", "1k", "53.9k", "999k", "1M", "1B", "1234B"]

@@ -68,7 +68,7 @@ def fill_mask(folder, text):
 
 
 def finetune(folder, out, train, labels):
-    """One epoch of Trainer on AutoModelForSequenceClassification: the training set's loss
+    """Three epochs of Trainer on AutoModelForSequenceClassification: the training set's loss
     before and after, and whether save_pretrained + from_pretrained gives the same logits."""
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def finetune(folder, out, train, labels):
         folder, trust_remote_code=True, num_labels=2)
     examples = [{**tokenizer(text), "labels": label} for text, label in zip(train, labels)]
     arguments = transformers.TrainingArguments(
-        output_dir=out, num_train_epochs=1, per_device_train_batch_size=8, learning_rate=1e-3,
+        output_dir=out, num_train_epochs=3, per_device_train_batch_size=8, learning_rate=1e-3,
         warmup_steps=0, report_to=[], save_strategy="no", use_cpu=True, seed=0,
         per_device_eval_batch_size=32, disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=arguments, train_dataset=examples,

@@ -112,8 +112,11 @@ class TrialMonitor:
                             if writer else None)
         self.step = 0
         self.bar = None
+        self.trial_started = time.perf_counter()
 
     def start_epoch(self, epoch: int) -> None:
+        if epoch == 1:  # the grid's ETA: at the trial's own pace since here
+            self.trial_started = time.perf_counter()
         self.epoch, self.epoch_step = epoch, 0
         self.since_point = [0.0, 0]  # this rank's loss x examples, examples since the last point
         self.epoch_loss = [0.0, 0]  # every rank's, over the epoch's log points
@@ -146,8 +149,9 @@ class TrialMonitor:
         now = time.perf_counter()
         rate = (self.step - self.point_step) / max(now - self.point_time, 1e-9)
         self.point_time, self.point_step = now, self.step
-        steps = self.epochs * self.steps_per_epoch
-        grid_left = clock((steps - self.step + self.after * steps) / rate)
+        steps = self.epochs * self.steps_per_epoch  # at the trial's pace so far, not the point's
+        pace = self.step / max(now - self.trial_started, 1e-9)
+        grid_left = clock((steps - self.step + self.after * steps) / pace)
         if self.bar is not None:
             self.bar.bar_format = BAR.format(fields=f"loss {running:.4f} | lr {lr:.3g} | "
                                                     f"grid ETA {grid_left}")

@@ -29,13 +29,18 @@ class Bar(tqdm):
         if not self.plain:
             return super().display(msg, pos)
         if msg is None and self.n:  # a message '' clears a bar: in a file, nothing to clear
-            self.fp.write(f"{self}\n")
-            self.fp.flush()
+            self.line()
         return False
+
+    def line(self) -> None:
+        self.fp.write(f"{self}\n")
+        self.fp.flush()
+        self.written = self.n
 
     def close(self):
         if self.plain and not self.disable:
             self.leave = False  # the last line is written here, not ended by tqdm's '\n'
             self._ema_dt = lambda: None  # its rate over the whole work, as tqdm's last one
-            self.display()
+            if getattr(self, "written", None) != self.n:  # not the line just written again
+                self.line()
         super().close()

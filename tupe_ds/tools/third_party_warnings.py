@@ -128,5 +128,6 @@ def quietly(work: Callable):
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
             return work()
     except BaseException:
-        logging.getLogger(__name__).error(said.getvalue()[-4000:])
+        if said.getvalue().strip():
+            logging.getLogger(__name__).error(said.getvalue()[-4000:])
         raise

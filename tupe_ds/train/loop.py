@@ -94,6 +94,9 @@ def train(run: RunConfig, launcher: str) -> None:
     state, branched = resume.load_or_initialise(run, engine, start)
     step = state["step"] if state else 0
     batches = train_batches(run, data["train"], engine, state, device)
+    if state and "tokens_seen" not in state:  # a checkpoint of a tupe_ds before they were counted
+        logger.info(f"tupe-pretrain: counting the tokens of the {batches.consumed:,} samples "
+                    "trained before, from the data's index (about a second a million samples)")
     training = Training(
         objective, model, engine, steps, data, batches,
         layout=saved_layout(run, engine),
@@ -107,9 +110,11 @@ def train(run: RunConfig, launcher: str) -> None:
 
 
 def finished(run: RunConfig, start: resume.Start, rank: int) -> bool:
-    """Whether the run has trained its --steps already, as the checkpoint it resumes says: then
-    rank 0 says so and the summary its log holds, no engine built (Monitor.finished_summary)."""
-    if start.plan is None or start.training_changes or \
+    """Whether the run has trained its --steps already, as the checkpoint it resumes on its own
+    layout says: then rank 0 says so and the summary its log holds, no engine built
+    (Monitor.finished_summary). On another layout it loads as a resume does (its conversion
+    checked)."""
+    if start.plan is None or start.training_changes or start.plan.resharding is not None or \
             checkpoint_folder.step_of(start.plan.tag) != run.steps:
         return False
     said = [run_files.on_every_rank(
@@ -201,6 +206,7 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
             engine.set_train_batch_size(batches.global_batch)
         follow_step(engine.lr_scheduler, step + 1)
         lr, global_batch = engine.get_lr()[0], batches.global_batch  # this step's
+        monitor.step_rate = lr  # DeepSpeed's monitor writes it at the step's end (Monitor.watch)
         training.steps.train(monitor.loading(batches.next_step()), totals)
         step += 1
         said = guard.after_step(step)

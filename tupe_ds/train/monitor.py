@@ -100,8 +100,9 @@ def entry_step(line: bytes):
 
 def logged_times(path: str, resumed_at: int) -> dict:
     """The last value of each cumulative time/NAME_seconds in a run's log (NAME in
-    Monitor.TIMED). A log of an earlier tupe_ds has none: its training seconds are estimated
-    (`estimated_training_seconds`) for the `resumed_at` steps it trained."""
+    Monitor.TIMED), and the largest time/elapsed_seconds ("elapsed"). A log of an earlier
+    tupe_ds has none: its training seconds are estimated (`estimated_training_seconds`) for the
+    `resumed_at` steps it trained."""
     found, step_times = {}, {}
     for line in read_log(path).split(b"\n"):
         step = entry_step(line)
@@ -112,6 +113,8 @@ def logged_times(path: str, resumed_at: int) -> dict:
                       if isinstance(entry.get(f"time/{name}_seconds"), float)})
         if "throughput/seconds_per_step" in entry:
             step_times[step] = entry["throughput/seconds_per_step"]
+        if isinstance(entry.get("time/elapsed_seconds"), float):
+            found["elapsed"] = max(found.get("elapsed", 0.0), entry["time/elapsed_seconds"])
     if "training" not in found and step_times:
         found["training"] = estimated_training_seconds(step_times, resumed_at)
     return found
@@ -185,6 +188,7 @@ class Monitor:
         self.elapsed_before = float((times or {}).get("elapsed", 0.0))  # the earlier starts'
         self.tokens_seen = tokens_seen
         self.loading_seconds = 0.0  # making batches, since the last line
+        self.step_rate = None  # the learning rate of the step being trained (`watch`)
         self.failure = None  # what rank 0 could not write or read (run_files.py)
         self.events = os.path.join(out, "tensorboard", "tupe")
         if rank == 0:
@@ -193,7 +197,10 @@ class Monitor:
                 keep_log_until(self.log_path, resumed_at)
                 # the save that ended the last start is in the log, not in its own checkpoint
                 for name, value in logged_times(self.log_path, resumed_at).items():
-                    self.seconds[name] = max(self.seconds[name], value)
+                    if name in self.seconds:
+                        self.seconds[name] = max(self.seconds[name], value)
+                    elif "elapsed" not in (times or {}):  # a checkpoint without it: the log's
+                        self.elapsed_before = value
             with self.writing(self.events):
                 # TensorBoard hides what earlier attempts wrote for the steps trained again
                 self.writer = SummaryWriter(self.events, purge_step=resumed_at + 1)
@@ -234,10 +241,11 @@ class Monitor:
         events = os.path.join(self.out, "tensorboard")
 
         def write_events_noting_failure(event_list):
-            # its lr is the next step's (the scheduler stepped before it is read): train/lr has
-            # the rate each step ran with
-            event_list = [event for event in event_list if event[0] != "Train/Samples/lr"]
-            if self.failure is None and event_list:
+            # its lr is read after the scheduler stepped, the next step's: the step's own, as
+            # train/lr has it
+            event_list = [(name, self.step_rate, x) if name == "Train/Samples/lr" else
+                          (name, value, x) for name, value, x in event_list]
+            if self.failure is None:
                 with self.writing(events):
                     write_events(event_list)
 

@@ -85,11 +85,11 @@ def clock(seconds: float) -> str:
 
 
 def count(number: float) -> str:
-    """A count in 4 characters or so: 950, 53.9k, 1.23M, 4.56B."""
+    """A count in 4 characters or so: 950, 53.9k, 1.23M, 4.56B (999,600: 1M, not 1e+03k)."""
     for limit, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(number) >= limit:
+        if abs(number) >= 0.9995 * limit:  # what rounds to 1000 of the unit below
             scaled = number / limit
-            return f"{scaled:.3g}{suffix}" if scaled < 1000 else f"{scaled:.0f}{suffix}"
+            return f"{scaled:.3g}{suffix}" if scaled < 999.5 else f"{scaled:.0f}{suffix}"
     return f"{number:.0f}"
 
 
