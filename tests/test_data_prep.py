@@ -704,7 +704,7 @@ def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_p
     assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["documents_out"] == 12
     # the de-duplication's and the copy's progress, with totals and rates; none with --quiet
     for stage in ("near duplicates", "merge train"):
-        assert re.search(rf"^{stage}: 12/12 docs \(100%\), [0-9.]+ docs/s, ", said[0],
+        assert re.search(rf"^{stage}: 12/12 docs \(100%\), +[0-9.]+ docs/s, ", said[0],
                          re.MULTILINE), said[0]  # a pipe: plain lines (progress_bar.py)
     assert [line for line in said[1].splitlines() if not line.startswith("warning:")] == []
 

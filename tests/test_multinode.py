@@ -88,8 +88,9 @@ def assert_trains_like_one_process(run, reference, tmp_path):
     for step in range(1, STEPS + 1):  # the gradient norm, a sum of squares, drifts the most:
         # other reduction orders leave the loss within 5e-7 at every step and the norm within
         # 1e-5, except at a few steps whose gradients cancel (seen here: 3e-4 at step 38 of the
-        # batches since issue 21, then back to 1e-5); a lost or doubled micro-batch moves it by percents
-        for name, tolerance in (("train/loss", 1e-5), ("train/grad_norm", 1e-3)):
+        # batches since issue 21; 1.3e-3 at step 39 of the corpus as issue 68 cleans it, the
+        # loss within 1e-5 there); a lost or doubled micro-batch moves it by percents
+        for name, tolerance in (("train/loss", 1e-5), ("train/grad_norm", 3e-3)):
             assert mine[step][name] == pytest.approx(theirs[step][name], rel=tolerance), (
                 step, name)
     assert mine[STEPS]["valid/loss"] == pytest.approx(theirs[STEPS]["valid/loss"], rel=1e-5)
@@ -97,8 +98,10 @@ def assert_trains_like_one_process(run, reference, tmp_path):
     expected = exported_weights(reference, tmp_path / "export-reference")
     assert weights.keys() == expected.keys()
     for name, tensor in expected.items():  # one Adam step moves a weight by up to lr = 2e-3;
-        # 80 of them in another reduction order leave up to 1.5e-6 (seen here, tp=2)
-        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+        # 80 of them in another reduction order leave up to 1.5e-6 (seen here, tp=2), and 1.9e-5
+        # where a clipped step's norm differs by 1.3e-3 (step 39 of the corpus as issue 68
+        # cleans it: every weight's update of that step scaled alike)
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=5e-5, msg=name)
 
 
 def as_host(network, node):
