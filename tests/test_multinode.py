@@ -135,7 +135,7 @@ def test_sbatch_on_two_nodes_preempted_and_requeued_trains_like_one_process(
                    and len(logged_steps(out)) >= 3)
     two_nodes.run("scancel", "--batch", "--signal=USR1", job_id)
     two_nodes.wait(job_id, lambda job: job["Restarts"] == "1" and job["JobState"] == "PENDING")
-    two_nodes.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+2")  # test_slurm.py
+    two_nodes.start_requeued(job_id)
     output = finished(two_nodes, job_id, out)
     assert "4 tasks on n[1-2]" in output
     assert "4 processes from srun (tp 1, pp 1, dp 4)" in output

@@ -86,7 +86,7 @@ def test_resume_from_left_in_a_requeued_job_applies_once(cluster, data, tmp_path
                                 "step2", "--allow-training-changes")
     assert cluster.wait_until_done(job_id)["JobState"] == "COMPLETED"
     cluster.run("scontrol", "requeue", job_id)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    cluster.start_requeued(job_id)
     job = cluster.wait(job_id, lambda job: job["Restarts"] == "1"
                        and job["JobState"] == "COMPLETED")
     output = (tmp_path / "run.log").read_text().split(f"job {job_id} (restart 1)")[-1]

@@ -286,6 +286,24 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
                 raise AssertionError(f"job {job_id} timed out in state {job.get('JobState')}")
             time.sleep(1)
 
+    def start_requeued(self, job_id: str, timeout: float = 120) -> None:
+        """Starts a requeued job (pending for Slurm's requeue delay) now. slurmd revokes the
+        credential of a job's last run as it ends, to the second: a run started in that same
+        second is killed ("Job credential revoked") and the job FAILS, which a loaded machine
+        makes likely. So the job starts 2 s after every node has finished its last run."""
+        deadline = time.time() + timeout
+        while any(busy in state for state in self._node_states()
+                  for busy in ("ALLOCATED", "MIXED", "COMPLETING")):
+            if time.time() > deadline:
+                raise AssertionError(f"the nodes stayed busy: {self._node_states()}")
+            time.sleep(0.5)
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+2")
+
+    def _node_states(self) -> list:
+        lines = self.run("scontrol", "show", "node", "-o").stdout.splitlines()
+        return [field.split("=", 1)[1] for line in lines
+                for field in line.split() if field.startswith("State=")]
+
     def wait_until_done(self, job_id: str, timeout: float = 300) -> dict:
         return self.wait(job_id, lambda job: job["JobState"] in (
             "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), timeout)
