@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tupe_ds  # noqa: E402
-from tupe_ds.tools import log_lines  # noqa: E402
+from tupe_ds.tools import log_lines, third_party_warnings  # noqa: E402
 
 # `make test` runs the files in 3 processes (pytest-xdist, -n 3; the suite's tests wait on the
 # processes they start, so 3 keep 2 cores busier than 2 do): each file whole in one of them,
@@ -30,6 +30,16 @@ LONGEST = {"test_run_integrity.py": 383, "slurm": 344, "test_chaos.py": 233,
            "test_stop_cleanly.py": 200, "test_pretrain.py": 119, "test_resume_layout.py": 105,
            "test_pipeline.py": 103, "test_export.py": 101, "test_stop_signal.py": 63,
            "test_resume_settings.py": 60}
+
+
+def pytest_configure(config):
+    """The warnings tupe_ds's commands filter (third_party_warnings.QUIETED), filtered in the
+    tests too, where pytest's own filters replace the ones the commands install at import; the
+    tests' own, each naming its source, are setup.cfg's."""
+    for quieted in third_party_warnings.QUIETED:
+        if not quieted.logger:
+            config.addinivalue_line("filterwarnings",
+                                    f"ignore:{quieted.message}::{quieted.origin}")
 
 
 @pytest.fixture(autouse=True)

@@ -167,6 +167,28 @@ def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset
     assert f'# lr-schedule = "linear"  # not set: the --ds-config\'s, {CPU_CONFIG}' in printed
 
 
+def test_print_config_works_without_the_required_settings_and_shows_the_tasks_values(capsys):
+    from tupe_ds.finetune.run import given_by_task, parser
+
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_args(["--steps", "7", "--print-config"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "# data = (not set)  # required: give it" in printed and "steps = 7  # command line" \
+        in printed
+    with pytest.raises(SystemExit) as exit_:
+        command_line.parse(parser(), ["--task", "mnli", "--print-config"], unset=given_by_task)
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "# model = (not set)  # required: give it" in printed
+    assert "# epochs = 5  # not set: the paper's for mnli" in printed
+    assert "# global-batch-size = 32  # not set: the paper's" in printed
+    with pytest.raises(SystemExit) as exit_:  # without --print-config they are still required
+        command_line.parse(parser(), ["--task", "mnli"])
+    assert exit_.value.code == 2 and "the following arguments are required: --model" in \
+        capsys.readouterr().err
+
+
 def test_shape_flags_change_the_preset_and_are_checked(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     common = ["--data", data, "--ds-config", CPU_CONFIG, "--steps", "2", "--seq-len", "64"]

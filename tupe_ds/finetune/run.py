@@ -31,7 +31,8 @@ from torch import nn
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import accelerator_device, end_distributed, share_cpu_cores
 from tupe_ds.export.read import exported_config, load_exported
-from tupe_ds.finetune.flags import add_batch_flags, global_batch_size, list_of
+from tupe_ds.finetune.flags import (DEFAULT_GLOBAL_BATCH, add_batch_flags, global_batch_size,
+                                    list_of)
 from tupe_ds.finetune.metrics import METRICS
 from tupe_ds.finetune.monitor import TrialMonitor, keep_only
 from tupe_ds.finetune.progress import Progress, finetune_settings, finished, hold
@@ -194,9 +195,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def given_by_task(args: argparse.Namespace) -> dict:
+    """{dest: (value, where)} of the flags left unset whose value the run takes from the task or
+    the paper (--print-config)."""
+    found = {}
+    if args.task in TASKS:
+        found["epochs"] = (TASKS[args.task].epochs, f"the paper's for {args.task}")
+    if args.per_device_train_batch_size is None:
+        found["global_batch_size"] = (DEFAULT_GLOBAL_BATCH, "the paper's")
+    return found
+
+
 def main(argv=None) -> int:
     startup.resume_collector()
-    args = command_line.parse(parser(), argv)
+    args = command_line.parse(parser(), argv, unset=given_by_task)
     launch.discover()
     task = TASKS[args.task]
     valid = parse_valid(args.valid)

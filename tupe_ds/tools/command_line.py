@@ -19,6 +19,7 @@ from tupe_ds.tools.files import regular_file
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"
+REQUIRED = "required: give it"
 # dests no file sets: --verbose is read as the command imports (third_party_warnings.py)
 NOT_SETTINGS = ("help", "config", "print_config", "local_rank", "verbose")
 MAX_CONFIG_BYTES = 1 << 20
@@ -53,11 +54,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                              "each came from, and exit")
 
 
-def parse(parser: argparse.ArgumentParser, argv=None,
-          recorded: Optional[Recorded] = None) -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Recorded] = None,
+          unset: Optional[Callable] = None) -> argparse.Namespace:
     """`parser`'s namespace from `argv` (default: sys.argv[1:]), its --config FILE and the
-    `recorded` layer, flags first; with --print-config, prints the settings and exits 0."""
-    return resolve(parser, argv, recorded)[0]
+    `recorded` layer, flags first; with --print-config, prints the settings (`unset`: as
+    resolve's) and exits 0."""
+    return resolve(parser, argv, recorded, unset=unset)[0]
 
 
 def parse_known(parser: argparse.ArgumentParser, argv=None) -> tuple:
@@ -91,15 +93,16 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
         args = parse_over(parser, defaults, layers, argv, known)
     sources = setting_sources(flags, layers, argv)
     missing = [action for action in required if sources[action.dest] == DEFAULT]
+    if args.print_config:  # the settings so far, the required ones not given among them
+        if os.environ.get("RANK", "0") == "0":  # once under a launcher: a file to keep
+            sources.update({action.dest: REQUIRED for action in missing})
+            print(settings_text(parser.prog, flags, args, sources, unset(args) if unset else {}),
+                  end="")
+        raise SystemExit(0)
     if missing:
         parser.error("the following arguments are required: "
                      + ", ".join("/".join(action.option_strings) for action in missing)
                      + " (on the command line or in the --config file)")
-    if args.print_config:
-        if os.environ.get("RANK", "0") == "0":  # once under a launcher: a file to keep
-            print(settings_text(parser.prog, flags, args, sources, unset(args) if unset else {}),
-                  end="")
-        raise SystemExit(0)
     return args, sources
 
 

@@ -51,9 +51,10 @@ QUIETED = (
             "DeepSpeed's WarmupLR and WarmupDecayLR ask themselves for their rate in their own "
             "constructor, before step 0, and start at warmup_min_lr as they should",
             logger=True),
-    Quieted(r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed",
-            "DeepSpeed's ZeRO calls all_gather_single by the name it had before torch 2.13: the "
-            "same collective"),
+    Quieted(r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+            r"deprecated", r"torch\.distributed",
+            "DeepSpeed's ZeRO calls all_gather_single and reduce_scatter_single by the names they "
+            "had before torch 2.13: the same collectives"),
     CPU_FALLBACK,
     Quieted(r"The PyTorch API of nested tensors is in prototype stage", r"torch\.",
             "tupe_ds's unpadded attention layout uses nested tensors on purpose and tests them "

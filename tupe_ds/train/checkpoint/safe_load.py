@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from typing import Dict, List, Optional, Tuple
 
@@ -67,7 +68,9 @@ def inspect(path: str) -> Tuple[Optional[str], Optional[str]]:
     """(scan's line, the global the file names that is not allowed, when that is why);
     FileNotFoundError and reads.Unreadable are raised."""
     try:
-        load(path, mmap=True)
+        with warnings.catch_warnings():  # damaged bytes read as a pickle protocol: the line says
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning, "torch")
+            load(path, mmap=True)
     except (FileNotFoundError, reads.Unreadable):
         raise
     except pickle.UnpicklingError as error:
