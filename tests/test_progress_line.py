@@ -3,6 +3,7 @@
 test_pretrain.py, test_loss_falls_and_tensorboard_has_the_run."""
 
 import json
+import math
 import re
 
 import pytest
@@ -147,6 +148,10 @@ def test_the_summary_says_the_run_s_best_validation_and_where_things_are(tmp_pat
                          f"tensorboard --logdir {out}/tensorboard"]
     assert "best valid loss 4.4000 at step 40" in monitor.summary(40, 40, 4.4, None)
     assert "newest checkpoint none written" in monitor.summary(40, 40, 4.4, None)
+    assert "best valid loss 4.5000 at step 20" in monitor.summary(40, 40, math.nan, None)
+    (out / "train_log.jsonl").write_text(json.dumps({"step": 10, "valid/loss": math.nan}) + "\n")
+    assert "best valid loss 4.6000 at step 40" in monitor.summary(40, 40, 4.6, None)
+    assert "best valid loss nan at step 10" in monitor.summary(40, 40, math.nan, None)
     stopped = monitor.summary(41, 40, 4.6, "step41").split("\n")  # SIGTERM after step 41
     assert stopped[0] == "final valid loss 4.6000 at step 40"
     assert stopped[1].startswith("this start trained steps 31-41 of 40 in ")

@@ -71,6 +71,15 @@ def test_a_longer_steps_that_moves_the_decay_is_refused_with_both_rates(run, mon
     assert load(["--out", run, "--steps", "30"]).resume_plan.notes == ()  # the same schedule
 
 
+def test_check_only_on_a_finished_run_says_a_run_would_train_nothing(run, capsys):
+    from tupe_ds.pretrain import run_or_check
+
+    assert run_or_check(load(["--out", run, "--check-only"]), "torchrun") == 0
+    said = capsys.readouterr().out
+    assert "tupe-pretrain: step30 is at the run's --steps 30: a run would train nothing and say " \
+        "the run's summary (a larger --steps trains on)" in said
+
+
 @pytest.mark.slow
 def test_a_moved_rate_allowed_is_said_and_trained(run, data):
     said = train("torchrun", 1, data, run, "--steps", "32", "--allow-training-changes")

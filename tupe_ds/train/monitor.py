@@ -3,6 +3,7 @@
 import contextlib
 import json
 import logging
+import math
 import os
 import statistics
 import threading
@@ -135,8 +136,10 @@ def validations(path: str) -> list:
 def best_validation(path: str, final: tuple) -> tuple:
     """The (step, valid/loss) lowest in the log `path`, or `final` (the same pair, measured at
     the end of a start and not logged where no validation fell on its last step); the earliest
-    of equal ones."""
-    return min([final, *validations(path)], key=lambda pair: (pair[1], pair[0]))
+    of equal ones; a nan (a diverged validation) only where every one is."""
+    return min([final, *validations(path)],
+               key=lambda pair: (math.isnan(pair[1]), 0.0 if math.isnan(pair[1]) else pair[1],
+                                 pair[0]))
 
 
 def finished_summary(out: str, step: int, checkpoint: str) -> Optional[str]:
