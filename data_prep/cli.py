@@ -68,6 +68,7 @@ def prep_parser() -> argparse.ArgumentParser:
                    help="folders of tupe-prep (other corpora): documents found in them, exact or "
                         "near, are removed from this one")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    command_line.paths(p, "inputs", "output", "tokenizer", "dedup_against")
     return p
 
 
@@ -84,6 +85,7 @@ def merge_parser() -> argparse.ArgumentParser:
                    help="folders of tupe-prep (other corpora) whose documents are removed from "
                         "the merge, exact or near")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    command_line.paths(p, "output", "dedup_against")
     return p
 
 

@@ -49,9 +49,35 @@ def test_the_file_sets_what_the_flags_do_not_and_the_flags_win(tmp_path):
                    'rampup-batch-size = [8, 8, 64]\nlr = 1e-4\n')
     args = pretrain_args(["--config", config, "--out", "run", "--seq-len", "256"])
     assert (args.data, args.ds_config, args.seq_len, args.steps, args.bf16) == \
-        (["prep"], "c.json", 256, 7, True)
+        ([str(tmp_path / "prep")], str(tmp_path / "c.json"), 256, 7, True)
+    assert args.out == "run"  # the command line's: relative to the working directory
     assert args.mask_split == (0.7, 0.2) and args.rampup_batch_size == [8, 8, 64]
     assert args.lr == 1e-4
+
+
+def test_paths_in_the_file_are_relative_to_its_folder_from_any_working_directory(
+        tmp_path, monkeypatch):
+    from data_prep.cli import prep_parser
+    from tupe_ds.finetune.run import parser as finetune_parser
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    config = write(folder / "run.toml", 'data = ["0.7", "wiki=../prep/wiki", "3e9", "/abs/books"]'
+                   '\nds-config = "ds.json"\nout = "~/runs/large"\ninit-from = "../runs/p1"\n'
+                   'steps = 7\nresume-from = "step4"\n')
+    monkeypatch.chdir("/")
+    args = pretrain_args(["--config", config])
+    assert args.data == ["0.7", f"wiki={tmp_path}/prep/wiki", "3e9", "/abs/books"]
+    assert (args.ds_config, args.init_from) == (str(folder / "ds.json"), str(tmp_path / "runs/p1"))
+    assert args.out == os.path.expanduser("~/runs/large") and args.resume_from == "step4"
+    finetune = command_line.parse(finetune_parser(), ["--config", write(
+        folder / "ft.toml", 'model = "m"\ntask = "rte"\ntrain = "t.tsv"\nvalid = ["dev=d.tsv"]\n'
+                            'out = "o"\n')])
+    assert (finetune.model, finetune.train, finetune.valid, finetune.out) == (
+        str(folder / "m"), str(folder / "t.tsv"), [f"dev={folder}/d.tsv"], str(folder / "o"))
+    prep = command_line.parse(prep_parser(), ["--config", write(
+        folder / "prep.toml", 'input = ["../corpora/a.txt"]\nout = "../prep"\n')])
+    assert (prep.inputs, prep.output) == ([str(tmp_path / "corpora/a.txt")], str(tmp_path / "prep"))
 
 
 def test_a_mistyped_flag_is_one_line_with_the_flag_meant_then_where_help_is(capsys):
@@ -151,7 +177,9 @@ def test_print_config_says_where_each_setting_came_from_and_is_a_config_file(tmp
     assert "steps = 9  # command line" in lines and "num-layers = 3  # command line" in lines
     assert "dropout = 0.1  # default" in lines and "# lr = (not set)  # default" in lines
     again = pretrain_args(["--config", write(tmp_path / "printed.toml", printed)])
-    assert vars(again) == {**vars(pretrain_args(argv)), "config": str(tmp_path / "printed.toml")}
+    assert f'out = "{os.path.abspath("run")}"  # command line' in lines  # the file read anywhere
+    assert vars(again) == {**vars(pretrain_args(argv)), "config": str(tmp_path / "printed.toml"),
+                           "out": os.path.abspath("run")}
 
 
 def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset(capsys):
@@ -256,7 +284,8 @@ def test_tupe_pretrain_print_config_is_refused_or_printed_before_any_work(tmp_pa
 
 @pytest.mark.parametrize("command, argv, line", [
     ("data_prep.cli", ["--input", "a", "--vocab-size", "100"], "vocab-size = 100  # command line"),
-    ("data_prep.cli", ["merge", "s1", "--output", "m"], 'out = "m"  # command line'),
+    ("data_prep.cli", ["merge", "s1", "--output", "m"],  # a path printed absolute
+     f'out = "{os.path.abspath("m")}"  # command line'),
     ("tupe_ds.export.write", ["RUN", "--out", "x"], 'format = "hf"  # default'),
     ("tupe_ds.machine.doctor", ["--nproc", "2"], "nproc = 2  # command line"),
     ("tupe_ds.machine.smoke", ["--steps", "3"], "steps = 3  # command line"),

@@ -142,6 +142,7 @@ def main(argv=None) -> int:
                         "run.json's data folder); checked against the checkpoint's manifest")
     p.add_argument("--electra-network", choices=["discriminator", "generator"],
                    default="discriminator", help="the ELECTRA network to export (generator: hf)")
+    command_line.paths(p, "out", "tokenizer")
     args = command_line.parse(p, argv)
     try:
         step_dir = export(args.checkpoint, args.out, args.format, args.electra_network,

@@ -192,6 +192,7 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens per example, [CLS] included; at most the model's pretraining "
                         "sequence length")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    command_line.paths(p, "model", "train", "valid", "out")
     return p
 
 

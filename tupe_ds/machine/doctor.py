@@ -215,6 +215,7 @@ def main(argv=None) -> int:
                         "go wrong across its nodes")
     p.add_argument("--data", help="with --slurm: the job's --data folder")
     p.add_argument("--out", help="with --slurm: the job's --out folder")
+    command_line.paths(p, "ds_config", "data", "out")
     args = command_line.parse(p, argv)
     machine = probe()
     try:

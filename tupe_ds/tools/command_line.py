@@ -54,6 +54,35 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                              "each came from, and exit")
 
 
+def paths(parser: argparse.ArgumentParser, *dests: str) -> None:
+    """Marks the settings whose values are paths: given in a --config file, a relative one is
+    relative to the file's folder (as paths in a Makefile or a pyproject.toml are), so that a
+    config file works from any working directory; on the command line, to the working directory.
+    A value NAME=PATH (a named --data source, a --valid file) keeps its NAME; a number (a --data
+    blend's weight) is no path."""
+    actions = {action.dest: action for action in parser._actions}
+    for dest in dests:
+        actions[dest].relative_to_config = True  # KeyError: a dest the parser does not have
+
+
+def relative_to(folder: str, value):
+    """A --config file's `value` of a path setting, made relative to `folder` (see paths)."""
+    if isinstance(value, list):
+        return [relative_to(folder, item) for item in value]
+    if not isinstance(value, str) or not value:
+        return value
+    try:
+        float(value)
+        return value  # a blend's weight
+    except ValueError:
+        pass
+    name, separator, path = value.partition("=")
+    if separator and name and os.sep not in name:
+        return f"{name}={relative_to(folder, path)}"
+    path = os.path.expanduser(value)
+    return os.path.normpath(path if os.path.isabs(path) else os.path.join(folder, path))
+
+
 def parse(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Recorded] = None,
           unset: Optional[Callable] = None) -> argparse.Namespace:
     """`parser`'s namespace from `argv` (default: sys.argv[1:]), its --config FILE and the
@@ -187,6 +216,8 @@ def read_config(parser, flags: dict, path: str) -> dict:
         if action.dest in values:
             parser.error(f"--config {path}: {key} sets {action.option_strings[0]} a second time "
                          "(under another of its names)")
+        if getattr(action, "relative_to_config", False):
+            value = relative_to(os.path.dirname(os.path.abspath(path)), value)
         values[action.dest] = flag_value(parser, action, f"--config {path}: {key}", value)
     return values
 
@@ -270,6 +301,8 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
         name = action.option_strings[0].lstrip("-")
         value = getattr(args, dest)
         where = sources[dest]
+        if getattr(action, "relative_to_config", False):  # the file read from any folder
+            value = relative_to(os.getcwd(), value)
         if value is None and dest in elsewhere:
             given, place = elsewhere[dest]
             lines.append(f"# {name} = {toml_value(given)}  # not set: {place}")

@@ -175,6 +175,7 @@ def parser() -> argparse.ArgumentParser:
                    help="check the command, data and DeepSpeed config for WORLD_SIZE processes, "
                         "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
+    command_line.paths(p, "data", "ds_config", "out", "index_cache", "init_from")
     return p
 
 
