@@ -80,6 +80,27 @@ def test_paths_in_the_file_are_relative_to_its_folder_from_any_working_directory
     assert (prep.inputs, prep.output) == ([str(tmp_path / "corpora/a.txt")], str(tmp_path / "prep"))
 
 
+def test_megatron_names_of_another_meaning_are_refused_saying_what_to_give(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_args([*OURS, "--save", "run", "--hidden-dropout=0.1", "--stpes", "3"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "tupe-pretrain: error: unrecognized arguments: --save run --hidden-dropout=0.1 --stpes 3; "
+        "--save: one --out holds the checkpoints (OUT/checkpoints), TensorBoard and the log; "
+        "--hidden-dropout: --dropout sets the hidden and the attention dropout together; "
+        "--stpes: did you mean --steps?")
+    with pytest.raises(SystemExit):
+        pretrain_args(["--config", write(tmp_path / "c.toml", "weight-decay = 0.1\n")])
+    assert "weight-decay is not a setting of tupe-pretrain (keys are its flags without the " \
+        "dashes: tupe-pretrain --help); the --ds-config's optimizer params set it " \
+        "(weight_decay)" in capsys.readouterr().err
+    assert pretrain_args([*OURS, "--lr-decay-style", "WSD"]).lr_schedule == "wsd"  # Megatron's
+    assert pretrain_args([*OURS, "--lr-decay-style", "cosine"]).lr_schedule == "cosine"
+    with pytest.raises(SystemExit):
+        pretrain_args([*OURS, "--lr-decay-style", "inverse-square-root"])
+    assert "invalid choice: 'inverse-square-root'" in capsys.readouterr().err
+
+
 def test_a_mistyped_flag_is_one_line_with_the_flag_meant_then_where_help_is(capsys):
     """As the same typo in a file: "did you mean", and argparse's usage block left out."""
     with pytest.raises(SystemExit) as exit_:

@@ -35,13 +35,20 @@ class Parser(argparse.ArgumentParser):
     (argparse prints its whole usage block above it), a "did you mean" for each mistyped flag,
     then where the help is."""
 
+    # {flag: what to give instead} of names other tools give a meaning this command does not
+    # have (Megatron-LM's --save and --load: one --out holds both), said in place of a guess
+    not_ours: dict = {}
+
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
             flags = [option for option in self._option_string_actions if option.startswith("--")]
             for given in message.split(": ", 1)[1].split():
-                close = difflib.get_close_matches(given.split("=")[0], flags, n=1)
-                if given.startswith("--") and close:
-                    message += f"; {given.split('=')[0]}: did you mean {close[0]}?"
+                name = given.split("=")[0]
+                close = difflib.get_close_matches(name, flags, n=1)
+                if name in self.not_ours:
+                    message += f"; {name}: {self.not_ours[name]}"
+                elif given.startswith("--") and close:
+                    message += f"; {name}: did you mean {close[0]}?"
         self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
 
 
@@ -211,6 +218,8 @@ def read_config(parser, flags: dict, path: str) -> dict:
         if action is None:
             close = difflib.get_close_matches(key, by_name, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
+            if f"--{key}" in getattr(parser, "not_ours", {}):
+                hint = f"; {parser.not_ours[f'--{key}']}"
             parser.error(f"--config {path}: {key} is not a setting of {parser.prog} (keys are "
                          f"its flags without the dashes: {parser.prog} --help){hint}")
         if action.dest in values:

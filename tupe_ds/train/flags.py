@@ -25,6 +25,26 @@ DATA_STREAMS = {
 }
 
 
+# Megatron-LM's names whose meaning differs from any tupe-pretrain flag: refused, saying what
+# to give (docs/pretraining.md, "Names from Megatron-LM and DeepSpeed").
+NOT_OURS = {
+    "--fp16": "the --ds-config sets the precision: ds_configs/*_fp16.json train in fp16 (--bf16 "
+              "trains any of them in bf16)",
+    "--min-lr": "the --ds-config's scheduler sets the minimum (warmup_min_lr; WarmupCosineLR's "
+                "cos_min_ratio)",
+    "--clip-grad": "the --ds-config's gradient_clipping sets it",
+    "--weight-decay": "the --ds-config's optimizer params set it (weight_decay)",
+    "--save": "one --out holds the checkpoints (OUT/checkpoints), TensorBoard and the log",
+    "--load": "one --out holds the checkpoints and a run resumes from it (--init-from starts a new "
+              "run from another run's)",
+    "--eval-iters": "give --eval-samples, valid samples per validation (iterations times the "
+                    "global batch)",
+    "--hidden-dropout": "--dropout sets the hidden and the attention dropout together",
+    "--attention-dropout": "--dropout sets the hidden and the attention dropout together",
+    "--tensorboard-dir": "TensorBoard's events go to OUT/tensorboard",
+}
+
+
 def parser() -> argparse.ArgumentParser:
     p = command_line.Parser(
         prog="tupe-pretrain", allow_abbrev=False,  # tupe-compare's recipes read the flags
@@ -99,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")
     p.add_argument("--warmup-steps", "--lr-warmup-iters", type=int,
                    help="overrides the scheduler's warmup_num_steps")
-    p.add_argument("--lr-schedule", choices=list(SCHEDULES),
+    p.add_argument("--lr-schedule", "--lr-decay-style", type=str.lower, choices=list(SCHEDULES),
                    help="the learning rate's shape, with the config's peak, minimum and warmup "
                         "(default: the --ds-config's scheduler, linear in every shipped one); "
                         + "; ".join(f"{name}: {text}" for name, text in SCHEDULES.items()))
@@ -175,6 +195,7 @@ def parser() -> argparse.ArgumentParser:
                    help="check the command, data and DeepSpeed config for WORLD_SIZE processes, "
                         "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
+    p.not_ours = NOT_OURS
     command_line.paths(p, "data", "ds_config", "out", "index_cache", "init_from")
     return p
 
