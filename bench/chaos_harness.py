@@ -21,7 +21,7 @@ from bench.chaos_faults import (FILE_FAULTS, NAN_RANK, NAN_STEP, PROCESS_FAULTS,
                                 READ_RETRY_SECONDS, REFERENCE_SPLIT, Fault, FaultInjection)
 from bench.chaos_report import Checks, Outcome, Report
 from tupe_ds.distributed import launchers
-from tupe_ds.tools.lock_holder import this_holder
+from tupe_ds.tools.lock import this_holder
 from tupe_ds.train import run_lock
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import history, manifest

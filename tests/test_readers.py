@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 
 from logged import logged_lines
 from tupe_ds.tools.errors import RunFolderBusy
-from tupe_ds.tools.lock_holder import this_holder
+from tupe_ds.tools.lock import this_holder
 from tupe_ds.train import monitor, run_description, run_lock
 from tupe_ds.train.checkpoint import folder, manifest, reshard, resume, same_run
 from tupe_ds.train.run_lock import RunLock

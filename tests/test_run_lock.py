@@ -14,9 +14,9 @@ import time
 import pytest
 
 from logged import logged_lines
-from tupe_ds.tools import lock_file, lock_holder
+from tupe_ds.tools import lock as tools_lock
 from tupe_ds.tools.errors import RunFolderBusy
-from tupe_ds.tools.lock_holder import process_start, this_holder
+from tupe_ds.tools.lock import process_start, this_holder
 from tupe_ds.train import run_lock
 from tupe_ds.train.run_lock import RunLock
 
@@ -96,7 +96,7 @@ def test_a_lease_renewed_in_the_future_counts_as_renewed_now(tmp_path, monkeypat
     assert "its lease renewed 0 s ago" in str(busy.value)
     assert "its lease renewed 0 s ago" in run_lock.check(str(tmp_path))  # --check-only
     assert os.stat(tmp_path / "run.lock").st_mtime < time.time() + 1  # now, for the next look
-    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 0.5)
+    monkeypatch.setattr(tools_lock, "LEASE_SECONDS", 0.5)
     time.sleep(1.0)
     with logged_lines() as lines:
         RunLock.acquire(str(tmp_path)).release()
@@ -106,7 +106,7 @@ def test_a_lease_renewed_in_the_future_counts_as_renewed_now(tmp_path, monkeypat
     lock.write_text("")
     now = os.stat(lock).st_mtime
     os.utime(lock, (now + 5, now + 5))
-    assert lock_file.lease_age(now, str(lock)) == 0.0
+    assert tools_lock.lease_age(now, str(lock)) == 0.0
     assert os.stat(lock).st_mtime == now + 5
 
 
@@ -119,7 +119,7 @@ def test_a_take_over_cut_short_in_the_future_is_cleared_once_stale(tmp_path, mon
                                    "boot_id": "another-boot", "pid": 12345}))
     ahead = time.time() + 10776
     os.utime(breaker, (ahead, ahead))
-    monkeypatch.setattr(lock_file, "BREAK_STALE_SECONDS", 0.5)
+    monkeypatch.setattr(tools_lock, "BREAK_STALE_SECONDS", 0.5)
     RunLock.acquire(str(tmp_path)).release()
     assert not breaker.exists()
 
@@ -305,7 +305,7 @@ def test_a_fifo_at_run_lock_is_refused_without_waiting(tmp_path):
 
 
 def test_the_renewal_thread_finds_a_take_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    monkeypatch.setattr(tools_lock, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
     lock = RunLock.acquire(str(tmp_path))
     plant(tmp_path, host="node-elsewhere", pid=4242)
     deadline = time.time() + 10
@@ -321,10 +321,10 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
     """EIO on run.lock (an NFS or Lustre hiccup): the checks before each write retry it, and the
     renewal thread tries again at its next period; only a lock unreadable for the whole retry
     window stops the run (reads.Unreadable, exit 3)."""
-    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    monkeypatch.setattr(tools_lock, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
     monkeypatch.setenv("TUPE_DS_READ_RETRY_SECONDS", "1")
     lock = RunLock.acquire(str(tmp_path))
-    content, failures = lock_file.lock_content, [0]
+    content, failures = tools_lock.lock_content, [0]
 
     def eio_first(path):
         if failures[0]:
@@ -332,7 +332,7 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
             raise OSError(5, "Input/output error", path)
         return content(path)
 
-    monkeypatch.setattr(lock_file, "lock_content", eio_first)
+    monkeypatch.setattr(tools_lock, "lock_content", eio_first)
     failures[0] = 3
     assert lock.still_held() is None
     failures[0] = 3
