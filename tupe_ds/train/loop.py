@@ -18,7 +18,7 @@ from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, st
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
 from tupe_ds.model import compiled
 from tupe_ds.tools.errors import TrainingStopped
-from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_files, run_lock
+from tupe_ds.train import micro_batch, optimizer_boundary, precision, run_files, run_lock
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest, resume
 from tupe_ds.train.checkpoint.reshard import SavedLayout
@@ -153,7 +153,7 @@ def built_engine(run: RunConfig, objective, device, rank: int) -> tuple:
         logger.info(f"tupe-pretrain: {arch_note}")
     with announced(waiting_with_extensions("the DeepSpeed engine of every rank"), rank):
         model = build_model(run, objective)
-        run = auto_micro_batch.settled(run, model, objective, device)  # the last run.json's
+        run = micro_batch.settled(run, model, objective, device)  # the last run.json's
         model, engine, steps = build_engine(run, objective, device, model)
     if run.lock is not None and engine.monitor.enabled:
         run.lock.guard(engine.monitor)
