@@ -22,7 +22,7 @@ from tupe_ds.train.ds_config import BatchSplit, micro_batch_candidates
 from tupe_ds.train.engine import build_engine, build_model
 from tupe_ds.train.micro_batch import Probe, largest_fitting
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.run_description import write_run_description
+from tupe_ds.train.run_folder.description import write_run_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")

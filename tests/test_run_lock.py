@@ -1,4 +1,4 @@
-"""One job per run folder (tupe_ds/train/run_lock.py): the lock's rules on real files and
+"""One job per run folder (tupe_ds/train/run_folder/lock.py): the lock's rules on real files and
 processes of this machine; two tupe-pretrain jobs on one --out: test_run_integrity.py and
 test_chaos.py."""
 
@@ -17,8 +17,8 @@ from logged import logged_lines
 from tupe_ds.tools import lock as tools_lock
 from tupe_ds.tools.errors import RunFolderBusy
 from tupe_ds.tools.lock import process_start, this_holder
-from tupe_ds.train import run_lock
-from tupe_ds.train.run_lock import RunLock
+from tupe_ds.train.run_folder import lock as folder_lock
+from tupe_ds.train.run_folder.lock import RunLock
 
 
 def dead_pid() -> int:
@@ -30,7 +30,7 @@ def dead_pid() -> int:
 def plant(out, **holder):
     record = {**this_holder(), "token": "f" * 32,
               "started": "2026-11-26T00:00:00+00:00", **holder}
-    (out / run_lock.LOCK_FILE).write_text(json.dumps(record))
+    (out / folder_lock.LOCK_FILE).write_text(json.dumps(record))
     return record
 
 
@@ -42,12 +42,12 @@ def test_a_live_holder_refuses_a_second_job_naming_it(tmp_path):
         message = str(busy.value)
         assert f"in use by process {os.getpid()} on {socket.gethostname()}" in message
         assert "give this one another --out" in message
-        assert "in use by process" in run_lock.check(str(tmp_path))  # --check-only
+        assert "in use by process" in folder_lock.check(str(tmp_path))  # --check-only
         assert lock.still_held() is None
     finally:
         lock.release()
-    assert not (tmp_path / run_lock.LOCK_FILE).exists()
-    assert run_lock.check(str(tmp_path)) is None
+    assert not (tmp_path / folder_lock.LOCK_FILE).exists()
+    assert folder_lock.check(str(tmp_path)) is None
     assert sorted(os.listdir(tmp_path)) == []  # no temporary file left behind
 
 
@@ -76,7 +76,7 @@ def test_another_host_holds_until_its_lease_runs_out(tmp_path, monkeypatch):
     plant(tmp_path, host="node-elsewhere", boot_id="another-boot", pid=12345)
     with pytest.raises(RunFolderBusy, match="in use by process 12345 on node-elsewhere"):
         RunLock.acquire(str(tmp_path))
-    old = time.time() - run_lock.LEASE_SECONDS - 60
+    old = time.time() - folder_lock.LEASE_SECONDS - 60
     os.utime(tmp_path / "run.lock", (old, old))  # its holder stopped renewing it
     with logged_lines() as lines:
         RunLock.acquire(str(tmp_path)).release()
@@ -94,7 +94,7 @@ def test_a_lease_renewed_in_the_future_counts_as_renewed_now(tmp_path, monkeypat
     with pytest.raises(RunFolderBusy) as busy:
         RunLock.acquire(str(tmp_path))
     assert "its lease renewed 0 s ago" in str(busy.value)
-    assert "its lease renewed 0 s ago" in run_lock.check(str(tmp_path))  # --check-only
+    assert "its lease renewed 0 s ago" in folder_lock.check(str(tmp_path))  # --check-only
     assert os.stat(tmp_path / "run.lock").st_mtime < time.time() + 1  # now, for the next look
     monkeypatch.setattr(tools_lock, "LEASE_SECONDS", 0.5)
     time.sleep(1.0)
@@ -154,7 +154,7 @@ def test_a_stopped_holder_of_this_machine_is_not_promised_a_lease(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         plant(tmp_path, pid=sleeper.pid, pid_start=process_start(sleeper.pid))
-        old = time.time() - run_lock.LEASE_SECONDS - 60
+        old = time.time() - folder_lock.LEASE_SECONDS - 60
         os.utime(tmp_path / "run.lock", (old, old))
         with pytest.raises(RunFolderBusy) as busy:
             RunLock.acquire(str(tmp_path))
@@ -175,7 +175,7 @@ def test_odd_lock_files(tmp_path):
     (tmp_path / "run.lock").mkdir()
     with pytest.raises(RunFolderBusy, match="is a folder, not a lock file"):
         RunLock.acquire(str(tmp_path))
-    assert "is a folder, not a lock file" in run_lock.check(str(tmp_path))  # --check-only
+    assert "is a folder, not a lock file" in folder_lock.check(str(tmp_path))  # --check-only
     (tmp_path / "run.lock").rmdir()
     target = tmp_path / "elsewhere"
     for exists in (False, True):
@@ -298,7 +298,7 @@ def test_a_fifo_at_run_lock_is_refused_without_waiting(tmp_path):
         with pytest.raises(RunFolderBusy, match="run.lock is a FIFO, not a lock file tupe_ds "
                                                 "wrote: remove it"):
             RunLock.acquire(str(tmp_path))
-        assert "is a FIFO, not a lock file" in run_lock.check(str(tmp_path))  # --check-only
+        assert "is a FIFO, not a lock file" in folder_lock.check(str(tmp_path))  # --check-only
     finally:
         signal.alarm(0)
     assert sorted(os.listdir(tmp_path)) == ["run.lock"]
@@ -343,7 +343,7 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
     assert failures[0] == 0 and os.stat(lock.path).st_mtime_ns != renewed  # renewed after EIO
     assert lock._renewer.is_alive() and lock.lost is None
     failures[0] = 10 ** 6
-    with pytest.raises(run_lock.reads.Unreadable, match="could not read .*run.lock"):
+    with pytest.raises(folder_lock.reads.Unreadable, match="could not read .*run.lock"):
         lock.stop_unless_held()
     failures[0] = 0
     lock.release()

@@ -4,11 +4,11 @@
 kernel when its holder dies). Where `flock` fails for want of support (FLOCK_UNSUPPORTED: ENOSYS
 from Lustre mounted without `-o flock`, ENOLCK from NFS without its lock daemon, EOPNOTSUPP or
 EINVAL from some FUSE and network filesystems) it takes a LinkLock instead: PATH.holder, made as
-the run folder's lock OUT/run.lock is (tupe_ds/train/run_lock.py), from the same records and rules.
-This module holds, in order, who holds a lock (the holder's record, read back, described, and
-judged alive or gone), the lock file on disk (its record hard-linked to the lock's name, read back,
-and taken over, and the probe of whether a folder's filesystem has `flock` and hard links), and
-LinkLock, which takes a lock, waits for it, renews it and gives it back.
+the run folder's lock OUT/run.lock is (tupe_ds/train/run_folder/lock.py), from the same records and
+rules. This module holds, in order, who holds a lock (the holder's record, read back, described,
+and judged alive or gone), the lock file on disk (its record hard-linked to the lock's name, read
+back, and taken over, and the probe of whether a folder's filesystem has `flock` and hard links),
+and LinkLock, which takes a lock, waits for it, renews it and gives it back.
 
 The holder's record (host, boot, PID namespace, PID and its start time, Slurm job, step and restart
 count, when it started) is written as JSON to a file of its own and hard-linked to the lock's name,
@@ -361,7 +361,7 @@ WAIT_NOTICE_SECONDS = 30.0
 
 class LinkLock:
     """The lock file `path`, held by this process: the lock `locked` takes where `flock` fails,
-    and the base of the run folder's (tupe_ds/train/run_lock.py). `lost`: why it is no longer
+    and the base of the run folder's (tupe_ds/train/run_folder/lock.py). `lost`: why it is no longer
     this process's, once found out (by the renewal thread, every LEASE_SECONDS / 10, or by
     `lost_because`)."""
 

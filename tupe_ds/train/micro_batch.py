@@ -56,8 +56,8 @@ from tupe_ds.distributed.launch import processes_on_this_node
 from tupe_ds.distributed.parallel import to_device
 from tupe_ds.model.layers import labelled_positions
 from tupe_ds.tools.errors import Refused
-from tupe_ds.train import run_description
 from tupe_ds.train.ds_config import micro_batch_candidates, with_micro_batch
+from tupe_ds.train.run_folder import description as folder_description
 
 # Of the memory a process may use, kept free of what the probe counts: the caching allocator's
 # fragmentation, DeepSpeed's reduce and all-gather buckets (100 MB each in fp16 with the shipped
@@ -346,7 +346,7 @@ def device_name(device: torch.device) -> str:
 def recorded(out: str) -> Optional[dict]:
     """The auto choice OUT/run.json records (None: none, or no readable run.json)."""
     try:
-        entry = run_description.read(out).get("micro_batch")
+        entry = folder_description.read(out).get("micro_batch")
     except ValueError:
         return None
     auto = entry.get("auto") if isinstance(entry, dict) else None

@@ -60,7 +60,7 @@ def on_every_rank(work: Callable[[], Result], doing: str, path: str, newest: Opt
                   waiting_for: str) -> Result:
     """Collective: work() on every rank; TrainingStopped on every rank when it raised an OSError
     (or stopped the run: a file retried for the whole window) on any rank. A run folder another
-    job took over stops rank 0 alone, as everywhere else (run_lock.py)."""
+    job took over stops rank 0 alone, as everywhere else (lock.py)."""
     failure, result = None, None
     try:
         result = work()
