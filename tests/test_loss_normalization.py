@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from runs import ROOT, log, train
-from tupe_ds.data.loader import MaskedSamples, Vocabulary
+from tupe_ds.data.loader import Vocabulary
+from tupe_ds.data.masking import MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.consolidate import consolidated_state
 from tupe_ds.train.objectives import OBJECTIVES

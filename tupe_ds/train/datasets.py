@@ -9,7 +9,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tupe_ds.data.blend import BlendedSamples
-from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
+from tupe_ds.data.loader import TrainBatches, Vocabulary
+from tupe_ds.data.masking import MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.config import RunConfig
