@@ -15,7 +15,7 @@ from tupe_ds.data.packing import PackedSentences
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.config import RunConfig
 from tupe_ds.train.run_folder import files as folder_files
-from tupe_ds.train.waits import announced
+from tupe_ds.tools.waits import announced
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, objective, newest: Optional[str] = None) -> dict:

@@ -14,8 +14,10 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
 from tupe_ds.data.loader import TrainBatches
-from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, start_distributed
+from tupe_ds.distributed.parallel import (accelerator_device, rendezvous_text, share_cpu_cores,
+                                          start_distributed)
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
+from tupe_ds.machine.extension_locks import waiting_with_extensions
 from tupe_ds.model import compiled
 from tupe_ds.tools.errors import TrainingStopped
 from tupe_ds.train import micro_batch, optimizer_boundary, precision
@@ -39,7 +41,7 @@ from tupe_ds.train.steps import EngineSteps, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal, before_first_step
 from tupe_ds.train.validation import evaluate
 from tupe_ds.tools import log_lines
-from tupe_ds.train.waits import announced, rendezvous_text, waiting_with_extensions
+from tupe_ds.tools.waits import announced
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from tupe_ds.tools.errors import FolderTakenOver, TrainingStopped, error_text
-from tupe_ds.train.waits import announced
+from tupe_ds.tools.waits import announced
 
 Result = TypeVar("Result")
 
