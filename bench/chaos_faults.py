@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from tupe_ds.tools.lock_holder import this_holder
+from tupe_ds.tools.lock import this_holder
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import manifest
 

@@ -21,10 +21,10 @@ from bench.chaos_faults import (FILE_FAULTS, NAN_RANK, NAN_STEP, PROCESS_FAULTS,
                                 READ_RETRY_SECONDS, REFERENCE_SPLIT, Fault, FaultInjection)
 from bench.chaos_report import Checks, Outcome, Report
 from tupe_ds.distributed import launchers
-from tupe_ds.tools.lock_holder import this_holder
-from tupe_ds.train import run_lock
+from tupe_ds.tools.lock import this_holder
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import history, manifest
+from tupe_ds.train.run_folder import lock as folder_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "support", "fault_worker.py")
@@ -67,7 +67,7 @@ class Chaos(FaultInjection, Checks):
         self.file_kinds = [k for k in FILE_FAULTS if k in drawn]
         self.out = os.path.join(root, "run")
         self.checkpoints = os.path.join(self.out, "checkpoints")
-        self.lock_path = os.path.join(self.out, run_lock.LOCK_FILE)
+        self.lock_path = os.path.join(self.out, folder_lock.LOCK_FILE)
         self.canary = os.path.join(root, "canary-code-ran")
         self.report = Report(seed)
         self.outputs: List[str] = []

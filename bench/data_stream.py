@@ -87,8 +87,8 @@ def measure(prefix: str, cache: str, seq_lens, samples_per_run: int, reference_s
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     import torch
     torch.set_num_threads(1)
-    from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
-    from tupe_ds.data.masking import BERT_MASKING
+    from tupe_ds.data.loader import TrainBatches, Vocabulary
+    from tupe_ds.data.masking import BERT_MASKING, MaskedSamples
     from tupe_ds.data.packing import PackedSentences
 
     vocab = Vocabulary(size=VOCAB_SIZE, pad=0, cls=2, sep=3, mask=4, special=(0, 1, 2, 3, 4))

@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import tupe_ds.tools.third_party_warnings  # noqa: F401,E402  (first: filters import warnings)
-from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary  # noqa: E402
-from tupe_ds.data.masking import BERT_MASKING  # noqa: E402
+from tupe_ds.data.loader import TrainBatches, Vocabulary  # noqa: E402
+from tupe_ds.data.masking import BERT_MASKING, MaskedSamples  # noqa: E402
 from tupe_ds.data.packing import PackedSentences  # noqa: E402
 from tupe_ds.tools.files import write_atomically  # noqa: E402
 

@@ -10,9 +10,8 @@ import os
 import shutil
 
 from tupe_ds.tools.files import locked, write_atomically
-from tupe_ds.tools.lock_file import HOLDER_SUFFIX, lock_content
-from tupe_ds.tools.lock_holder import (describe, gone_because, parse_holder, same_machine,
-                                       this_holder)
+from tupe_ds.tools.lock import (HOLDER_SUFFIX, describe, gone_because, lock_content,
+                                parse_holder, same_machine, this_holder)
 
 SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy} and near-duplicate files
 WORK_DIR = ".tmp-prep"  # a run's work folder is OUTPUT/.tmp-prep.HOST.PID.TOKEN
@@ -86,7 +85,7 @@ def check_cleaning_versions(versions: dict, command: str) -> int:
 def work_folder(output: str):
     """An empty folder of this run's own, OUTPUT/.tmp-prep.HOST.PID.TOKEN, for its files until
     `publish` moves them into OUTPUT; removed when the block ends, published or failed. Beside
-    it, FOLDER.holder records its run (tupe_ds/tools/lock_holder.py), so that a later run can
+    it, FOLDER.holder records its run (tupe_ds/tools/lock.py), so that a later run can
     remove what a killed one left (`remove_abandoned_work`). Runs into one OUTPUT take turns
     (OUTPUT/.tupe-prep.lock): the later one waits, then replaces the earlier one's output; where
     the lock holds on one node only (Lustre's localflock, NFS with local locks), runs on two
@@ -116,7 +115,7 @@ def remove_work(work: str) -> None:
 
 def remove_abandoned_work(output: str) -> None:
     """Removes the work folders in `output` whose run is gone by the rules of the lock files'
-    holders (tupe_ds/tools/lock_holder.py: its process of this machine has ended, it is this
+    holders (tupe_ds/tools/lock.py: its process of this machine has ended, it is this
     Slurm job before a requeue, or its record is damaged), saying so; says which it leaves and
     why. A run on another machine is never judged gone by age: its record is not renewed, as a
     run may take hours, so only the requeue rule can find it gone."""

@@ -16,8 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 from tupe_ds.data.blend import BlendedSamples
 from tupe_ds.data.blend_schedule import PERIOD, Schedule, whole_shares
-from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
-from tupe_ds.data.masking import BERT_MASKING
+from tupe_ds.data.loader import TrainBatches, Vocabulary
+from tupe_ds.data.masking import BERT_MASKING, MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.data.sources import parse_sources
 from tupe_ds.tools.errors import Refused
@@ -309,9 +309,9 @@ def test_real_tokens_are_what_the_batches_hold_without_their_padding(data, secon
                                                                       monkeypatch):
     """Counted from the index alone (PackedSentences.lengths), in chunks: each source's and the
     blend's, across an epoch's end, equal the attention masks' sums."""
-    from tupe_ds.data import loader
+    from tupe_ds.data import masking
 
-    monkeypatch.setattr(loader, "SAMPLES_AT_ONCE", 7)  # several chunks
+    monkeypatch.setattr(masking, "SAMPLES_AT_ONCE", 7)  # several chunks
     sources = streams(data, train_splits(data, second), tmp_path)
     blend = BlendedSamples(sources, [3, 1])
     for stream in (*sources, blend):

@@ -12,9 +12,10 @@ import pytest
 
 from tupe_ds.tools import command_line
 from tupe_ds.tools.errors import Refused
-from tupe_ds.train import flags, recorded_settings
+from tupe_ds.train import flags
 from tupe_ds.train.checkpoint import history
 from tupe_ds.train.config import load
+from tupe_ds.train.run_folder import recorded_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")

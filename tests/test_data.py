@@ -21,10 +21,9 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from tupe_ds.data import counter_random
-from tupe_ds.data.loader import (MaskedSamples, TrainBatches, Vocabulary, collate, valid_batches,
-                                 with_empty_rows)
-from tupe_ds.data.masking import (BERT_MASKING, ELECTRA_MASKING, IGNORE_INDEX, MaskingIds,
-                                  MaskingScheme, mask_batch, mask_tokens)
+from tupe_ds.data.loader import TrainBatches, Vocabulary, valid_batches, with_empty_rows
+from tupe_ds.data.masking import (BERT_MASKING, ELECTRA_MASKING, IGNORE_INDEX, MaskedSamples,
+                                  MaskingIds, MaskingScheme, collate, mask_batch, mask_tokens)
 from tupe_ds.data.packing import PackedSentences, pack
 from tupe_ds.data.prefetch import Prefetched
 

@@ -23,7 +23,7 @@ from data_prep.near import shingle_hashes
 from data_prep.output import WORK_DIR, work_folder
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.read import InputError
-from tupe_ds.tools import lock_holder
+from tupe_ds.tools import lock
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sample")
 WORDS = ("time house river light garden letter morning friend answer window evening carriage "
@@ -264,7 +264,7 @@ def test_a_run_works_in_a_folder_of_its_own_and_removes_it_when_it_fails(tmp_pat
             assert os.path.basename(work).startswith(
                 f"{WORK_DIR}.{socket.gethostname()}.{os.getpid()}.")
             with open(f"{work}.holder", "rb") as record:
-                assert lock_holder.parse_holder(record.read())["pid"] == os.getpid()
+                assert lock.parse_holder(record.read())["pid"] == os.getpid()
             with open(os.path.join(work, "train.bin"), "wb") as half:
                 half.write(b"half")
             raise RuntimeError("failed mid-way")
@@ -284,12 +284,12 @@ def left_work(output, name, record):
 def test_a_later_run_removes_the_work_folders_of_ended_runs_only(tmp_path, monkeypatch, capsys):
     """Runs on two nodes share OUTPUT where flock holds on one node only (Lustre's localflock):
     a run removes only the work folders whose run is gone by the lock holders' rules."""
-    for name in lock_holder.SLURM_FIELDS.values():
+    for name in lock.SLURM_FIELDS.values():
         monkeypatch.delenv(name, raising=False)
-    here = {k: v for k, v in lock_holder.this_holder().items()
-            if k not in lock_holder.SLURM_FIELDS}
+    here = {k: v for k, v in lock.this_holder().items()
+            if k not in lock.SLURM_FIELDS}
     killed = subprocess.Popen(["sleep", "60"])
-    killed_start = lock_holder.process_start(killed.pid)
+    killed_start = lock.process_start(killed.pid)
     killed.kill()
     killed.wait()
     left = {

@@ -51,7 +51,7 @@ def test_no_module_below_the_commands_ends_the_process():
 
 def test_a_wait_notice_that_is_no_number_is_said_and_the_default_used():
     ran = subprocess.run(
-        [sys.executable, "-c", "from tupe_ds.train import waits; print(waits.NOTICE_SECONDS)"],
+        [sys.executable, "-c", "from tupe_ds.tools import waits; print(waits.NOTICE_SECONDS)"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "TUPE_DS_WAIT_NOTICE": "soon"})
     assert ran.returncode == 0, ran.stderr

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from logged import logged_lines
-from tupe_ds.tools import lock, lock_holder, settings
+from tupe_ds.tools import lock, settings
 from tupe_ds.tools.files import replacing_folder, write_atomically
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +89,7 @@ def test_a_lock_file_held_elsewhere_is_waited_for_then_taken_over_when_its_lease
     lease is renewed; once it has not been for LEASE_SECONDS (a lost node), it is taken over."""
     monkeypatch.setattr(lock, "WAIT_NOTICE_SECONDS", 0.05)
     path = tmp_path / "index.lock.holder"
-    path.write_text(json.dumps({**lock_holder.this_holder(), "host": "node-elsewhere", "pid": 4242,
+    path.write_text(json.dumps({**lock.this_holder(), "host": "node-elsewhere", "pid": 4242,
                                 "started": "2026-11-26T00:00:00+00:00"}))
     taken = []
     waiter = threading.Thread(target=lambda: taken.append(lock.LinkLock.acquire(str(path), "fix")))
@@ -100,10 +100,10 @@ def test_a_lock_file_held_elsewhere_is_waited_for_then_taken_over_when_its_lease
             time.sleep(0.01)
         assert said == [f"tupe_ds: waiting for {path}, held by process 4242 on node-elsewhere, "
                         "started 2026-11-26T00:00:00+00:00 (its lease renewed 0 s ago, taken over "
-                        f"once not renewed for {lock_holder.LEASE_SECONDS:.0f} s); "
+                        f"once not renewed for {lock.LEASE_SECONDS:.0f} s); "
                         f"if that process is gone, remove {path}"]
         assert not taken
-        old = time.time() - lock_holder.LEASE_SECONDS - 60
+        old = time.time() - lock.LEASE_SECONDS - 60
         os.utime(path, (old, old))  # its holder stopped renewing it
         waiter.join(timeout=30)
     assert taken and said[1].startswith(f"tupe_ds: took over {path} from process 4242 on "
@@ -116,12 +116,12 @@ def test_a_lock_file_held_elsewhere_is_waited_for_then_taken_over_when_its_lease
 def test_a_holder_whose_process_proc_hides_counts_as_alive(monkeypatch):
     """/proc mounted with hidepid (shared nodes) shows no other user's process: the kernel is
     asked instead, so a live holder is not taken over and a dead one is."""
-    monkeypatch.setattr(lock_holder, "process_start", lambda pid: None)
-    here = {**lock_holder.this_holder(), "pid_start": None}
-    assert lock_holder.alive_here({**here, "pid": os.getpid()})
+    monkeypatch.setattr(lock, "process_start", lambda pid: None)
+    here = {**lock.this_holder(), "pid_start": None}
+    assert lock.alive_here({**here, "pid": os.getpid()})
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    assert not lock_holder.alive_here({**here, "pid": int(dead.stdout)})
+    assert not lock.alive_here({**here, "pid": int(dead.stdout)})
 
 
 @pytest.mark.parametrize("name, least, default", [("TUPE_DS_LOCK_LEASE_SECONDS", 10, 600.0),

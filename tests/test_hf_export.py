@@ -16,8 +16,8 @@ import tupe_ds
 from runs import environment
 from test_finetune import FILLER, NEGATIVE, POSITIVE, write_sentiment
 from tp_inputs import inputs
-from tupe_ds.data.loader import MaskedSamples, Vocabulary
-from tupe_ds.data.masking import BERT_MASKING
+from tupe_ds.data.loader import Vocabulary
+from tupe_ds.data.masking import BERT_MASKING, MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.formats import save_exported
 from tupe_ds.export.read import load_exported

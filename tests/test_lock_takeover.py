@@ -1,4 +1,4 @@
-"""A run whose folder another job took over writes nothing more (tupe_ds/train/run_lock.py):
+"""A run whose folder another job took over writes nothing more (tupe_ds/train/run_folder/lock.py):
 real one-process tupe-pretrain runs under torchrun, the take-over made by
 tests/support/takeover_worker.py as after this run was presumed gone."""
 

@@ -7,7 +7,7 @@ for ELECTRA (both terms, and the generator's samples drawn from the data stream)
 logged losses, gradient norms and validation metrics. BERT's batches ramp up
 (--rampup-batch-size: 8 samples, then 16, so each layout's accumulation steps change between
 steps), ELECTRA's are 8 each. The reference layout takes --micro-batch auto, whose probe
-chooses 8 for it (auto_micro_batch.py): the split auto chooses changes nothing either. Two
+chooses 8 for it (micro_batch.py): the split auto chooses changes nothing either. Two
 layouts compile (COMPILED): the compiled step gives the eager one's parameters too. The same
 comparison on the mean-of-means path (--loss-normalization micro-batch) gives other parameters:
 the negative control that shows the comparison can fail.
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from runs import ROOT, log, train
-from tupe_ds.data.loader import MaskedSamples, Vocabulary
+from tupe_ds.data.loader import Vocabulary
+from tupe_ds.data.masking import MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.consolidate import consolidated_state
 from tupe_ds.train.objectives import OBJECTIVES

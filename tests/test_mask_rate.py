@@ -19,7 +19,7 @@ from tupe_ds.train.datasets import datasets
 from tupe_ds.train.flags import parser
 from tupe_ds.train.masking_flags import masking_scheme
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.run_description import write_run_description
+from tupe_ds.train.run_folder.description import write_run_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")

@@ -1,4 +1,4 @@
-"""--micro-batch auto (tupe_ds/train/auto_micro_batch.py): the candidates, the search and its
+"""--micro-batch auto (tupe_ds/train/micro_batch.py): the candidates, the search and its
 agreement over ranks, the probe on the tiny model in this process (a memory limit that nothing
 fits, what DeepSpeed is handed), the choice kept in run.json or probed again, the pipeline
 refused, tupe-compare's ramp left out. tests/test_loss_normalization.py trains its reference
@@ -14,15 +14,15 @@ import torch
 from tupe_ds.compare import recipes
 from tupe_ds.distributed.parallel import accelerator_device, ensure_model_parallel
 from tupe_ds.tools.errors import Refused
-from tupe_ds.train import auto_micro_batch
+from tupe_ds.train import micro_batch
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.resume import ResumePlan
 from tupe_ds.train.config import load
 from tupe_ds.train.ds_config import BatchSplit, micro_batch_candidates
 from tupe_ds.train.engine import build_engine, build_model
-from tupe_ds.train.micro_batch_search import Probe, largest_fitting
+from tupe_ds.train.micro_batch import Probe, largest_fitting
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.run_description import write_run_description
+from tupe_ds.train.run_folder.description import write_run_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
@@ -63,7 +63,7 @@ def test_the_search_probes_two_then_the_largest_predicted_to_fit():
 
 
 def test_every_rank_takes_the_same_decisions_from_the_agreed_figures():
-    """Each probe as auto_micro_batch.agreed makes it from every rank's figures: the tightest
+    """Each probe as micro_batch.agreed makes it from every rank's figures: the tightest
     rank's. Ranks with other memory and other activations end with one micro-batch, the largest
     that fits on all, after the same probes."""
     ranks = [linear(10, 3, budget=40), linear(12, 2, budget=30), linear(4, 4, budget=70)]
@@ -93,7 +93,7 @@ def probed(data, tmp_path_factory):
     assert run.ds_config["train_micro_batch_size_per_gpu"] == "auto"
     model = build_model(run, OBJECTIVES["mlm"])
     state = torch.random.get_rng_state()
-    chosen = auto_micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device())
+    chosen = micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device())
     return run, model, chosen, torch.equal(torch.random.get_rng_state(), state)
 
 
@@ -116,7 +116,7 @@ def test_a_probe_chooses_keeps_the_random_state_and_hands_deepspeed_a_count(prob
 def test_nothing_fits_says_what_to_change(probed):
     run, model, _, _ = probed
     with pytest.raises(Refused) as refused:
-        auto_micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device(), limit=2**20)
+        micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device(), limit=2**20)
     message = str(refused.value)
     assert message.startswith("--micro-batch auto: not even micro-batch 1 fits at seq 64 with 10% "
                               "headroom on every rank (1 needs ")
@@ -136,14 +136,14 @@ def test_a_start_keeps_run_jsons_choice_for_its_layout_and_probes_another(data, 
     assert recorded["auto"]["layout"]["global_batch"] == 16
     # no checkpoint of the run behind the choice (its first step may have run out of memory):
     # probed again, and said
-    fresh = auto_micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device())
+    fresh = micro_batch.settled(run, model, OBJECTIVES["mlm"], accelerator_device())
     assert fresh.batch_split.note.endswith("; probed again: run.json's choice of 16 has no "
                                            "checkpoint of this run behind it (a first step that "
                                            "ran out of memory, another model)")
     # resuming a checkpoint on the same layout: kept, not probed (nothing would fit in 1 byte)
     resumed = dataclasses.replace(run, resume_plan=ResumePlan(
         os.path.join(run.out, "checkpoints"), ("step2",), None, False))
-    again = auto_micro_batch.settled(resumed, model, OBJECTIVES["mlm"], accelerator_device(),
+    again = micro_batch.settled(resumed, model, OBJECTIVES["mlm"], accelerator_device(),
                                      limit=1)
     assert again.batch_split.micro_batch == 16
     assert again.batch_split.note.startswith("auto, kept from run.json for this layout: the "
@@ -151,7 +151,7 @@ def test_a_start_keeps_run_jsons_choice_for_its_layout_and_probes_another(data, 
     # another global batch: probed again, and said
     other = dataclasses.replace(load(flags(data, run.out, "--global-batch", "8")),
                                 resume_plan=resumed.resume_plan)
-    changed = auto_micro_batch.settled(other, model, OBJECTIVES["mlm"], accelerator_device())
+    changed = micro_batch.settled(other, model, OBJECTIVES["mlm"], accelerator_device())
     assert changed.batch_split.micro_batch == 8
     assert changed.batch_split.note.endswith("; probed again: the layout changed since run.json's "
                                              "choice of 16 (global_batch 16 -> 8)")

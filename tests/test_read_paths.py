@@ -68,7 +68,7 @@ LOG_USES = [resume_the_log, read_the_times, log_a_line]
 
 def failure_of(use, out, place) -> str:
     """What stops the run: what a read raises, or what the Monitor noted for the next agreement
-    of every rank (tupe_ds/train/run_files.py)."""
+    of every rank (tupe_ds/train/run_folder/files.py)."""
     try:
         made = use(out, place)
     except TrainingStopped as stopped:

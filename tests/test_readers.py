@@ -23,10 +23,12 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 
 from logged import logged_lines
 from tupe_ds.tools.errors import RunFolderBusy
-from tupe_ds.tools.lock_holder import this_holder
-from tupe_ds.train import monitor, run_description, run_lock
+from tupe_ds.tools.lock import this_holder
+from tupe_ds.train import monitor
 from tupe_ds.train.checkpoint import folder, manifest, reshard, resume, same_run
-from tupe_ds.train.run_lock import RunLock
+from tupe_ds.train.run_folder import description as folder_description
+from tupe_ds.train.run_folder import lock as folder_lock
+from tupe_ds.train.run_folder.lock import RunLock
 
 
 def at_most(examples: int):
@@ -437,39 +439,39 @@ def test_identity_differences_are_lines_whatever_the_manifest_records(saved):
     assert isinstance(same_run.differences(saved, TRAINING), list)
 
 
-# --- run_description.py ------------------------------------------------------------------------
+# --- run_folder/description.py -----------------------------------------------------------------
 
 @at_most(150)
 @given(data=st.none() | st.just("a folder") | damaged(RUN)
        | with_field(RUN, "lineage", json_values))
 @example(data=encoded(RUN))
 def test_run_description_reads_or_names_run_json(data):
-    """run_description.read: a description with the fields its readers use, or ValueError
+    """folder_description.read: a description with the fields its readers use, or ValueError
     naming OUT/run.json (missing too); lineage: its lineage or None, never an exception."""
     with tempfile.TemporaryDirectory() as out:
-        path = os.path.join(out, run_description.FILE)
+        path = os.path.join(out, folder_description.FILE)
         if data == "a folder":
             os.makedirs(path)
         elif data is not None:
             write_bytes(path, data)
         try:
-            description = run_description.read(out)
+            description = folder_description.read(out)
         except ValueError as error:
             event("ValueError")
             assert names_the_file(error, path), error
-            assert run_description.lineage(out) is None
+            assert folder_description.lineage(out) is None
             return
         event("a description")
         assert isinstance(description, dict)
-        for field, kind in run_description.FIELDS.items():
+        for field, kind in folder_description.FIELDS.items():
             assert isinstance(description[field], kind) and type(description[field]) is not bool
         assert all(isinstance(model, dict) for model in description["models"])
         recorded = description.get("lineage")
-        assert run_description.lineage(out) == (recorded if isinstance(recorded, str)
+        assert folder_description.lineage(out) == (recorded if isinstance(recorded, str)
                                                 and recorded else None)
 
 
-# --- run_lock.py -------------------------------------------------------------------------------
+# --- run_folder/lock.py ------------------------------------------------------------------------
 
 def dead_pid() -> int:
     process = subprocess.Popen(["true"])
@@ -487,14 +489,14 @@ lock_records = damaged(LIVE_HOLDER) | damaged(DEAD_HOLDER) | damaged(OTHER_HOST)
 @at_most(200)
 @given(data=lock_records)
 def test_parse_holder_is_a_holder_or_none(data):
-    """run_lock.parse_holder: a holder with the fields the lock's rules read (token, host, an
+    """folder_lock.parse_holder: a holder with the fields the lock's rules read (token, host, an
     int pid), or None when the bytes are no lock record."""
-    holder = run_lock.parse_holder(data)
+    holder = folder_lock.parse_holder(data)
     event(f"a holder: {holder is not None}")
     if holder is not None:
         assert isinstance(holder, dict) and isinstance(holder["token"], str)
         assert isinstance(holder["host"], str) and type(holder["pid"]) is int
-        assert isinstance(run_lock.describe(holder), str)
+        assert isinstance(folder_lock.describe(holder), str)
 
 
 @at_most(60)
@@ -502,13 +504,13 @@ def test_parse_holder_is_a_holder_or_none(data):
 @example(data=encoded(LIVE_HOLDER))
 @example(data=encoded(DEAD_HOLDER))
 def test_a_run_lock_of_any_content_is_taken_over_or_refused_naming_it(data):
-    """run_lock.check (--check-only): None or the refusal, naming OUT/run.lock. RunLock.acquire
+    """folder_lock.check (--check-only): None or the refusal, naming OUT/run.lock. RunLock.acquire
     over it: takes it over, saying so (always when it is no lock record), or RunFolderBusy
     naming it, leaving it as it was, exactly when check said so. Released, nothing is left."""
     with tempfile.TemporaryDirectory() as out:
-        path = os.path.join(out, run_lock.LOCK_FILE)
+        path = os.path.join(out, folder_lock.LOCK_FILE)
         write_bytes(path, data)
-        refusal = run_lock.check(out)
+        refusal = folder_lock.check(out)
         assert refusal is None or refusal.startswith(f"{path}: this run folder is in use by ")
         try:
             with logged_lines() as said:
@@ -516,17 +518,17 @@ def test_a_run_lock_of_any_content_is_taken_over_or_refused_naming_it(data):
         except RunFolderBusy as busy:
             event("busy")
             assert names_the_file(busy, path), busy
-            assert run_lock.parse_holder(data) is not None  # damaged is never busy
+            assert folder_lock.parse_holder(data) is not None  # damaged is never busy
             assert refusal is not None and read_bytes(path) == data
-            assert sorted(os.listdir(out)) == [run_lock.LOCK_FILE]
+            assert sorted(os.listdir(out)) == [folder_lock.LOCK_FILE]
             return
-        event("taken over" + (" (damaged)" if run_lock.parse_holder(data) is None else ""))
+        event("taken over" + (" (damaged)" if folder_lock.parse_holder(data) is None else ""))
         try:
             assert refusal is None
             assert len(said) == 1 and said[0].startswith(f"tupe-pretrain: took over {path} ")
-            if run_lock.parse_holder(data) is None:
+            if folder_lock.parse_holder(data) is None:
                 assert said[0].endswith("the lock file is damaged (not a lock record)")
-            assert run_lock.parse_holder(read_bytes(path))["token"] == lock.holder["token"]
+            assert folder_lock.parse_holder(read_bytes(path))["token"] == lock.holder["token"]
             assert lock.still_held() is None
         finally:
             lock.release()
@@ -633,7 +635,7 @@ def test_plan_resume_on_damaged_checkpoints_is_a_plan_none_or_a_value_error(fold
         directory = os.path.join(out, "checkpoints")
         plant(directory, content, lineage, latest)
         if run_json is not None:
-            write_bytes(os.path.join(out, run_description.FILE), run_json)
+            write_bytes(os.path.join(out, folder_description.FILE), run_json)
         complete, damaged_steps = folder.survey(directory)
         try:
             plan = plan_resume(out)
@@ -684,9 +686,9 @@ def test_a_damaged_older_checkpoint_never_stops_the_newest_good_one_from_resumin
               latest)
         good_checkpoint(directory, 40, "L")
         if run_json is not None:
-            write_bytes(os.path.join(out, run_description.FILE), run_json)
+            write_bytes(os.path.join(out, folder_description.FILE), run_json)
         others = {m["lineage"] for m in folder.survey(directory)[0].values()} - {"L"}
-        if others and run_description.lineage(out) != "L":  # no history, nor run.json, to tell
+        if others and folder_description.lineage(out) != "L":  # no history, nor run.json, to tell
             with pytest.raises(ValueError, match="holds checkpoints of 2 runs"):
                 plan_resume(out)
             return
@@ -731,16 +733,16 @@ def deep_survey(tmp):
 
 
 def deep_run_description(tmp):
-    write_bytes(os.path.join(tmp, run_description.FILE), DEEP)
-    assert run_description.lineage(tmp) is None
+    write_bytes(os.path.join(tmp, folder_description.FILE), DEEP)
+    assert folder_description.lineage(tmp) is None
     with pytest.raises(ValueError, match="run.json: not readable as a run description"):
-        run_description.read(tmp)
+        folder_description.read(tmp)
 
 
 def deep_run_lock(tmp):
-    assert run_lock.parse_holder(DEEP) is None
-    write_bytes(os.path.join(tmp, run_lock.LOCK_FILE), DEEP)
-    assert run_lock.check(tmp) is None
+    assert folder_lock.parse_holder(DEEP) is None
+    write_bytes(os.path.join(tmp, folder_lock.LOCK_FILE), DEEP)
+    assert folder_lock.check(tmp) is None
     with logged_lines() as said:
         RunLock.acquire(tmp).release()
     assert said and said[0].endswith("the lock file is damaged (not a lock record)")

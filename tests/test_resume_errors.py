@@ -545,7 +545,7 @@ def test_with_the_history_moved_aside_the_settings_come_from_the_newest_manifest
     """What a damaged history's refusal says to do (move it aside, run the same command) works
     with the short command: its settings are the newest checkpoint's; a run.json of an earlier
     tupe_ds that alone holds settings is named, not read."""
-    from tupe_ds.train import recorded_settings
+    from tupe_ds.train.run_folder import recorded_settings
     out = tmp_path / "run"
     for step, steps in ((2, 6), (4, 8)):
         step_dir = checkpoint(out, step)

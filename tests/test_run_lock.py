@@ -1,4 +1,4 @@
-"""One job per run folder (tupe_ds/train/run_lock.py): the lock's rules on real files and
+"""One job per run folder (tupe_ds/train/run_folder/lock.py): the lock's rules on real files and
 processes of this machine; two tupe-pretrain jobs on one --out: test_run_integrity.py and
 test_chaos.py."""
 
@@ -14,11 +14,11 @@ import time
 import pytest
 
 from logged import logged_lines
-from tupe_ds.tools import lock_file, lock_holder
+from tupe_ds.tools import lock as tools_lock
 from tupe_ds.tools.errors import RunFolderBusy
-from tupe_ds.tools.lock_holder import process_start, this_holder
-from tupe_ds.train import run_lock
-from tupe_ds.train.run_lock import RunLock
+from tupe_ds.tools.lock import process_start, this_holder
+from tupe_ds.train.run_folder import lock as folder_lock
+from tupe_ds.train.run_folder.lock import RunLock
 
 
 def dead_pid() -> int:
@@ -30,7 +30,7 @@ def dead_pid() -> int:
 def plant(out, **holder):
     record = {**this_holder(), "token": "f" * 32,
               "started": "2026-11-26T00:00:00+00:00", **holder}
-    (out / run_lock.LOCK_FILE).write_text(json.dumps(record))
+    (out / folder_lock.LOCK_FILE).write_text(json.dumps(record))
     return record
 
 
@@ -42,12 +42,12 @@ def test_a_live_holder_refuses_a_second_job_naming_it(tmp_path):
         message = str(busy.value)
         assert f"in use by process {os.getpid()} on {socket.gethostname()}" in message
         assert "give this one another --out" in message
-        assert "in use by process" in run_lock.check(str(tmp_path))  # --check-only
+        assert "in use by process" in folder_lock.check(str(tmp_path))  # --check-only
         assert lock.still_held() is None
     finally:
         lock.release()
-    assert not (tmp_path / run_lock.LOCK_FILE).exists()
-    assert run_lock.check(str(tmp_path)) is None
+    assert not (tmp_path / folder_lock.LOCK_FILE).exists()
+    assert folder_lock.check(str(tmp_path)) is None
     assert sorted(os.listdir(tmp_path)) == []  # no temporary file left behind
 
 
@@ -76,7 +76,7 @@ def test_another_host_holds_until_its_lease_runs_out(tmp_path, monkeypatch):
     plant(tmp_path, host="node-elsewhere", boot_id="another-boot", pid=12345)
     with pytest.raises(RunFolderBusy, match="in use by process 12345 on node-elsewhere"):
         RunLock.acquire(str(tmp_path))
-    old = time.time() - run_lock.LEASE_SECONDS - 60
+    old = time.time() - folder_lock.LEASE_SECONDS - 60
     os.utime(tmp_path / "run.lock", (old, old))  # its holder stopped renewing it
     with logged_lines() as lines:
         RunLock.acquire(str(tmp_path)).release()
@@ -94,9 +94,9 @@ def test_a_lease_renewed_in_the_future_counts_as_renewed_now(tmp_path, monkeypat
     with pytest.raises(RunFolderBusy) as busy:
         RunLock.acquire(str(tmp_path))
     assert "its lease renewed 0 s ago" in str(busy.value)
-    assert "its lease renewed 0 s ago" in run_lock.check(str(tmp_path))  # --check-only
+    assert "its lease renewed 0 s ago" in folder_lock.check(str(tmp_path))  # --check-only
     assert os.stat(tmp_path / "run.lock").st_mtime < time.time() + 1  # now, for the next look
-    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 0.5)
+    monkeypatch.setattr(tools_lock, "LEASE_SECONDS", 0.5)
     time.sleep(1.0)
     with logged_lines() as lines:
         RunLock.acquire(str(tmp_path)).release()
@@ -106,7 +106,7 @@ def test_a_lease_renewed_in_the_future_counts_as_renewed_now(tmp_path, monkeypat
     lock.write_text("")
     now = os.stat(lock).st_mtime
     os.utime(lock, (now + 5, now + 5))
-    assert lock_file.lease_age(now, str(lock)) == 0.0
+    assert tools_lock.lease_age(now, str(lock)) == 0.0
     assert os.stat(lock).st_mtime == now + 5
 
 
@@ -119,7 +119,7 @@ def test_a_take_over_cut_short_in_the_future_is_cleared_once_stale(tmp_path, mon
                                    "boot_id": "another-boot", "pid": 12345}))
     ahead = time.time() + 10776
     os.utime(breaker, (ahead, ahead))
-    monkeypatch.setattr(lock_file, "BREAK_STALE_SECONDS", 0.5)
+    monkeypatch.setattr(tools_lock, "BREAK_STALE_SECONDS", 0.5)
     RunLock.acquire(str(tmp_path)).release()
     assert not breaker.exists()
 
@@ -154,7 +154,7 @@ def test_a_stopped_holder_of_this_machine_is_not_promised_a_lease(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         plant(tmp_path, pid=sleeper.pid, pid_start=process_start(sleeper.pid))
-        old = time.time() - run_lock.LEASE_SECONDS - 60
+        old = time.time() - folder_lock.LEASE_SECONDS - 60
         os.utime(tmp_path / "run.lock", (old, old))
         with pytest.raises(RunFolderBusy) as busy:
             RunLock.acquire(str(tmp_path))
@@ -175,7 +175,7 @@ def test_odd_lock_files(tmp_path):
     (tmp_path / "run.lock").mkdir()
     with pytest.raises(RunFolderBusy, match="is a folder, not a lock file"):
         RunLock.acquire(str(tmp_path))
-    assert "is a folder, not a lock file" in run_lock.check(str(tmp_path))  # --check-only
+    assert "is a folder, not a lock file" in folder_lock.check(str(tmp_path))  # --check-only
     (tmp_path / "run.lock").rmdir()
     target = tmp_path / "elsewhere"
     for exists in (False, True):
@@ -298,14 +298,14 @@ def test_a_fifo_at_run_lock_is_refused_without_waiting(tmp_path):
         with pytest.raises(RunFolderBusy, match="run.lock is a FIFO, not a lock file tupe_ds "
                                                 "wrote: remove it"):
             RunLock.acquire(str(tmp_path))
-        assert "is a FIFO, not a lock file" in run_lock.check(str(tmp_path))  # --check-only
+        assert "is a FIFO, not a lock file" in folder_lock.check(str(tmp_path))  # --check-only
     finally:
         signal.alarm(0)
     assert sorted(os.listdir(tmp_path)) == ["run.lock"]
 
 
 def test_the_renewal_thread_finds_a_take_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    monkeypatch.setattr(tools_lock, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
     lock = RunLock.acquire(str(tmp_path))
     plant(tmp_path, host="node-elsewhere", pid=4242)
     deadline = time.time() + 10
@@ -321,10 +321,10 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
     """EIO on run.lock (an NFS or Lustre hiccup): the checks before each write retry it, and the
     renewal thread tries again at its next period; only a lock unreadable for the whole retry
     window stops the run (reads.Unreadable, exit 3)."""
-    monkeypatch.setattr(lock_holder, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
+    monkeypatch.setattr(tools_lock, "LEASE_SECONDS", 1.0)  # renewed every 0.1 s
     monkeypatch.setenv("TUPE_DS_READ_RETRY_SECONDS", "1")
     lock = RunLock.acquire(str(tmp_path))
-    content, failures = lock_file.lock_content, [0]
+    content, failures = tools_lock.lock_content, [0]
 
     def eio_first(path):
         if failures[0]:
@@ -332,7 +332,7 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
             raise OSError(5, "Input/output error", path)
         return content(path)
 
-    monkeypatch.setattr(lock_file, "lock_content", eio_first)
+    monkeypatch.setattr(tools_lock, "lock_content", eio_first)
     failures[0] = 3
     assert lock.still_held() is None
     failures[0] = 3
@@ -343,7 +343,7 @@ def test_a_lock_file_that_fails_to_read_for_a_moment_neither_stops_the_run_nor_i
     assert failures[0] == 0 and os.stat(lock.path).st_mtime_ns != renewed  # renewed after EIO
     assert lock._renewer.is_alive() and lock.lost is None
     failures[0] = 10 ** 6
-    with pytest.raises(run_lock.reads.Unreadable, match="could not read .*run.lock"):
+    with pytest.raises(folder_lock.reads.Unreadable, match="could not read .*run.lock"):
         lock.stop_unless_held()
     failures[0] = 0
     lock.release()

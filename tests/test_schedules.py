@@ -15,8 +15,8 @@ import torch
 from deepspeed.runtime import lr_schedules
 
 from runs import CPU_CONFIG, EXIT_WORKER, environment, free_port, log, train
-from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
-from tupe_ds.data.masking import BERT_MASKING
+from tupe_ds.data.loader import TrainBatches, Vocabulary
+from tupe_ds.data.masking import BERT_MASKING, MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.consolidate import consolidated_state
 from tupe_ds.tools.errors import Refused

@@ -1,7 +1,7 @@
-"""A run file that cannot be written or read while the run trains (tupe_ds/train/run_files.py)
-stops every rank alike: exit code 3 on each, one line naming the file, the error and the newest
-intact checkpoint, no traceback. Real runs under torchrun (2 CPU ranks), the fault injected by
-tests/support/file_fault_worker.py."""
+"""A run file that cannot be written or read while the run trains
+(tupe_ds/train/run_folder/files.py) stops every rank alike: exit code 3 on each, one line naming
+the file, the error and the newest intact checkpoint, no traceback. Real runs under torchrun (2 CPU
+ranks), the fault injected by tests/support/file_fault_worker.py."""
 
 import os
 import re

@@ -14,7 +14,7 @@ import pytest
 from runs import CPU_CONFIG, environment, free_port
 from tupe_ds.machine import doctor
 from tupe_ds.tools.errors import Refused
-from tupe_ds.train import waits
+from tupe_ds.tools import waits
 from tupe_ds.train.config import load
 
 

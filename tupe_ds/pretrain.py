@@ -13,8 +13,8 @@ SIGUSR1 saves a checkpoint and stops. Exit code 3: the run stopped itself (steps
 gradient was not finite, a checkpoint it could not write, a file of its run folder the filesystem
 did not give for TUPE_DS_READ_RETRY_SECONDS, its log, TensorBoard events, data or tokenizer it
 could not write or read, or its run folder taken over by another job), saying why and, for a
-file, the newest intact checkpoint (tupe_ds/train/run_files.py). Exit code 2: refused (the command, or what --out holds), saying what to change.
-One job per --out: a second one is refused before any work (tupe_ds/train/run_lock.py).
+file, the newest intact checkpoint (tupe_ds/train/run_folder/files.py). Exit code 2: refused (the command, or what --out holds), saying what to change.
+One job per --out: a second one is refused before any work (tupe_ds/train/run_folder/lock.py).
 """
 
 from tupe_ds.tools import startup  # first: the collector paused while libraries import

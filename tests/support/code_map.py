@@ -20,6 +20,7 @@ PACKAGES = {
     "tupe_ds/model": "the transformer and its positional encodings",
     "tupe_ds/distributed": "processes, launchers and parallel groups",
     "tupe_ds/train": "a run: configuration, steps, schedule, monitoring (`tupe-pretrain`)",
+    "tupe_ds/train/run_folder": "a run folder apart from its checkpoints: lock, run.json, settings",
     "tupe_ds/train/checkpoint": "a run's checkpoints: saved, verified, chosen, resumed",
     "tupe_ds/export": "checkpoints to a model folder (`tupe-export`)",
     "tupe_ds/export/hf": "the Hugging Face format",
@@ -37,7 +38,8 @@ Where each part of tupe_ds lives, in the order data flows through it:
 raw text -> data_prep (tupe-prep) -> DIR/{train,valid}.{bin,idx}, tokenizer.json
   -> tupe_ds/data (samples, masks, batches) -> tupe_ds/model (the network)
   -> tupe_ds/train with tupe_ds/distributed (tupe-pretrain under a launcher)
-  -> OUT/checkpoints (tupe_ds/train/checkpoint), OUT/tensorboard, OUT/train_log.jsonl
+  -> OUT/run.lock, OUT/run.json (tupe_ds/train/run_folder), OUT/tensorboard, OUT/train_log.jsonl
+  -> OUT/checkpoints (tupe_ds/train/checkpoint)
   -> tupe_ds/export (tupe-export) -> tupe_ds/finetune (tupe-finetune)
   -> tupe_ds/compare (tupe-compare: all of it, per encoding, and the report)
 ```

@@ -19,8 +19,8 @@ from tupe_ds.train.checkpoint.save import save, saved_layout
 from tupe_ds.train.config import load
 from tupe_ds.train.datasets import datasets
 from tupe_ds.train.engine import build_engine
-from tupe_ds.train.run_description import write_run_description
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.run_folder.description import write_run_description
 from tupe_ds.tools import startup
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tupe_ds.data.blend_schedule import PERIOD, Schedule
-from tupe_ds.data.loader import Batch, MaskedSamples, summed_in_chunks
+from tupe_ds.data.masking import Batch, MaskedSamples, summed_in_chunks
 from tupe_ds.data.sources import Source
 
 

@@ -1,20 +1,35 @@
-"""Dynamic masking: which tokens a sample's loss is on, and what the model sees there.
+"""Dynamic masking: which tokens a sample's loss is on, and what the model sees there; and
+MaskedSamples, the endless stream of a packed dataset's samples, each masked anew in each epoch.
 
 The random numbers of sample s in epoch e come from tupe_ds.data.counter_random at coordinates
 (seed, e, s, position), so a sample is masked the same way alone (`mask_tokens`, the reference)
 or in a micro-batch (`mask_batch`, what training runs), on any rank; and ELECTRA's generator
 samples its replacement at a masked position from a draw at the same coordinates
 (`generator_draws`), so a sample is corrupted alike in every layout.
+
+MaskedSamples visits every packed sample once per epoch in an order drawn from (seed, epoch) and
+masks each from (seed, epoch, sample): global sample g is the same whatever the number of ranks.
+It reads and masks a micro-batch in whole-batch operations (`MaskedSamples.batch`, through
+`mask_batch`); sample by sample (`mask_tokens`, rows padded by `collate`), the reference, gives
+the same tensors.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Dict, List
 
 import numpy as np
+import torch
 
 from tupe_ds.data import counter_random
 
+if TYPE_CHECKING:  # an annotation only: packing.py imports megatron-core's datasets
+    from tupe_ds.data.packing import PackedSentences
+
 IGNORE_INDEX = -100  # the label of a token the loss skips (torch's cross-entropy default)
 MAX_SEQ_LEN = 1 << 16  # positions fill the low 16 bits of the keys that pick the chosen tokens
+SAMPLES_AT_ONCE = 1 << 20  # real_tokens' memory: a few arrays of this many int64s
+
+Batch = Dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -127,3 +142,93 @@ def generator_draws(seed: int, epochs: np.ndarray, samples: np.ndarray,
     draws = np.zeros(labels.shape, dtype=np.float32)
     draws[row, column] = grid * 2.0**-24
     return draws
+
+
+def collate(samples: List[tuple], seq_len: int, pad: int) -> Batch:
+    """[(inputs, labels)] -> input_ids, attention_mask, labels: [batch, seq_len], padded."""
+    batch = len(samples)
+    input_ids = np.full((batch, seq_len), pad, dtype=np.int64)
+    labels = np.full((batch, seq_len), IGNORE_INDEX, dtype=np.int64)
+    attention_mask = np.zeros((batch, seq_len), dtype=np.int64)
+    for row, (inputs, targets) in enumerate(samples):
+        input_ids[row, : len(inputs)] = inputs
+        labels[row, : len(targets)] = targets
+        attention_mask[row, : len(inputs)] = 1
+    return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.from_numpy(labels)}
+
+
+class MaskedSamples:
+    """The endless stream over a PackedSentences dataset: global sample g is packed sample
+    order_epoch[position], (epoch, position) = divmod(g, len(packed)), masked from (seed, epoch,
+    sample). `vocab`: the data folder's loader.Vocabulary (not imported: loader.py imports this
+    module). `vectorised=False` makes batches sample by sample (the reference); `draws` adds
+    the ELECTRA generator's `generator_draws` to each batch."""
+
+    def __init__(self, packed: "PackedSentences", vocab, scheme: MaskingScheme, seed: int,
+                 vectorised: bool = True, draws: bool = False):
+        if len(packed) == 0:
+            raise ValueError(f"{packed.prefix}: the dataset holds no sample")
+        self.packed, self.vocab, self.scheme, self.seed = packed, vocab, scheme, seed
+        self.vectorised, self.draws = vectorised, draws
+        self.special = np.array(vocab.special)
+        self.is_special = np.zeros(vocab.size, dtype=bool)
+        self.is_special[self.special] = True
+        self.ids = MaskingIds(mask=vocab.mask, random_low=max(vocab.special) + 1,
+                              random_high=vocab.size)
+
+    def locate(self, global_samples: np.ndarray):
+        """(epochs, samples) of global samples."""
+        epochs, positions = np.divmod(np.asarray(global_samples, dtype=np.int64), len(self.packed))
+        samples = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            samples[here] = counter_random.permutation(self.seed, int(epoch), len(self.packed),
+                                                       positions[here])
+        return epochs, samples
+
+    def masked(self, epoch: int, sample: int) -> tuple:
+        """(inputs, labels) of one sample, read and masked alone."""
+        return mask_tokens(self.packed[sample], self.seed, epoch, sample, self.scheme, self.ids,
+                           self.special)
+
+    def __getitem__(self, g: int) -> tuple:
+        epochs, samples = self.locate(np.array([g]))
+        return self.masked(int(epochs[0]), int(samples[0]))
+
+    def batch(self, epochs: np.ndarray, samples: np.ndarray) -> Batch:
+        """Sample samples[i] of epoch epochs[i] in row i."""
+        seq_len, pad = self.packed.seq_len, self.vocab.pad
+        if self.vectorised:
+            tokens, lengths = self.packed.rows(samples, pad)
+            inputs, labels = mask_batch(tokens, self.seed, epochs, samples, self.scheme, self.ids,
+                                        self.is_special)
+            attention_mask = (np.arange(seq_len) < lengths[:, None]).astype(np.int64)
+            batch = {"input_ids": torch.from_numpy(inputs),
+                     "attention_mask": torch.from_numpy(attention_mask),
+                     "labels": torch.from_numpy(labels)}
+        else:
+            batch = collate([self.masked(int(e), int(s)) for e, s in zip(epochs, samples)],
+                            seq_len, pad)
+        if self.draws:
+            batch["generator_draws"] = torch.from_numpy(
+                generator_draws(self.seed, epochs, samples, batch["labels"].numpy()))
+        return batch
+
+    def global_samples(self, first: int, count: int) -> Batch:
+        """Global samples [first, first + count), one per row."""
+        return self.batch(*self.locate(np.arange(first, first + count)))
+
+    def real_tokens(self, first: int, count: int) -> int:
+        """The tokens of global samples [first, first + count), padding not counted."""
+        return summed_in_chunks(self.tokens_of, first, count)
+
+    def tokens_of(self, global_samples: np.ndarray) -> int:
+        """The tokens of these global samples, from the index alone (PackedSentences.lengths)."""
+        return int(self.packed.lengths(self.locate(global_samples)[1]).sum())
+
+
+def summed_in_chunks(count_of: Callable[[np.ndarray], int], first: int, count: int) -> int:
+    """count_of(global samples) over [first, first + count), SAMPLES_AT_ONCE at a time."""
+    return sum(count_of(np.arange(start, min(start + SAMPLES_AT_ONCE, first + count)))
+               for start in range(first, first + count, SAMPLES_AT_ONCE))

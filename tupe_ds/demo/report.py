@@ -18,8 +18,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
-from tupe_ds.data.loader import MaskedSamples, Vocabulary
-from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX
+from tupe_ds.data.loader import Vocabulary
+from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX, MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.read import load_exported
 from tupe_ds.export.write import export

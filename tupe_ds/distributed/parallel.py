@@ -1,5 +1,6 @@
 """Process groups, devices and generators: megatron-core's parallel_state, set up when nobody else
-did, and taken down at the end of a command; the tensor-parallel ranks' dropout generators."""
+did, and taken down at the end of a command; the tensor-parallel ranks' dropout generators. Also
+what a rank waiting at the rendezvous says it waits for (`rendezvous_text`)."""
 
 import contextlib
 import gc
@@ -57,6 +58,14 @@ def start_distributed(backend: str) -> None:
                 _ONE_PROCESS_VARIABLES.append(name)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def rendezvous_text(world_size: int) -> str:
+    if world_size == 1:
+        return "the process group of this one process"
+    return (f"the rendezvous of {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT): every process of the "
+            "run must start")
 
 
 def share_cpu_cores(environ=os.environ) -> None:

@@ -30,7 +30,7 @@ from tupe_ds.export.consolidate import consolidated_state, files_named, network_
 from tupe_ds.export.formats import FORMATS, save_exported
 from tupe_ds.tools import command_line
 from tupe_ds.tools.files import file_digest
-from tupe_ds.train import run_description
+from tupe_ds.train.run_folder import description as folder_description
 from tupe_ds.train.checkpoint import manifest, reads, safe_load
 from tupe_ds.train.checkpoint.folder import latest_step, survey, tag_of
 from tupe_ds.train.checkpoint.reshard import saved_layout
@@ -43,7 +43,7 @@ def find_checkpoint(path: str) -> tuple:
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
     if not os.path.basename(path).startswith("step"):
-        own = run_description.lineage(os.path.dirname(path))
+        own = folder_description.lineage(os.path.dirname(path))
         complete = survey(path)[0]
         ours = [step for step, record in complete.items() if own in (None, record["lineage"])]
         newest = max(ours) if ours else latest_step(path)
@@ -79,7 +79,7 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
     checkpoint's manifest records."""
     run_dir, step_dir = find_checkpoint(checkpoint)
     try:
-        run = run_description.read(run_dir)
+        run = folder_description.read(run_dir)
     except ValueError as error:
         raise ExportError(str(error)) from None
     electra = run["objective"] == "electra"

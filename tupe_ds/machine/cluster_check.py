@@ -15,7 +15,7 @@ from tupe_ds.distributed.launchers import PORT_RANGE_FILE, ephemeral_ports
 from tupe_ds.machine.extension_locks import (LOCAL_FILESYSTEMS, SHARED_FILESYSTEMS,
                                              extensions_root, filesystem_type)
 from tupe_ds.machine.findings import Finding
-from tupe_ds.tools.lock_file import HOLDER_SUFFIX, lock_support
+from tupe_ds.tools.lock import HOLDER_SUFFIX, lock_support
 
 NETWORK_VARIABLES = ("NCCL_", "GLOO_", "UCX_", "FI_")  # prefixes of the interface settings
 

@@ -1,6 +1,7 @@
 """The locks of torch's extension builder, which DeepSpeed uses for its compiled ops: where they
 are, which live process holds each, and what to tell a user about one that nobody holds (a build
-killed midway leaves it, and every later run that loads the extension waits on it forever)."""
+killed midway leaves it, and every later run that loads the extension waits on it forever), and
+the text of a wait during which DeepSpeed may build or load one (`waiting_with_extensions`)."""
 
 import glob
 import os
@@ -99,3 +100,13 @@ def lock_text(path: str, age: float, holders: list, shared: str) -> str:
                  "sharing this folder may be building")
     return (f"{path}: {state}; every run that loads this extension waits on it forever. "
             f"If no build is running, remove it: rm {path}")
+
+
+def waiting_with_extensions(what: str):
+    """A wait during which DeepSpeed may also build or load an extension: its text, with the
+    state of every build lock at the time it is printed."""
+    def text() -> str:
+        locks = [lock_text(*lock) for lock in extension_locks()]
+        return (f"{what} (DeepSpeed may be building an extension in {extensions_root()})"
+                + "".join(f"; {lock}" for lock in locks))
+    return text

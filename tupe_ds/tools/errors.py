@@ -93,7 +93,7 @@ class NotRegularFile(ValueError):
 
 
 class NotALockFile(OSError):
-    """Something no lock of tools/lock_file.py leaves is at a lock's name (a folder, a FIFO, a
+    """Something no lock of tools/lock.py leaves is at a lock's name (a folder, a FIFO, a
     device, a socket): never removed, as it may be someone's; the message says to remove it."""
 
 

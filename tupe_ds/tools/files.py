@@ -12,8 +12,7 @@ import stat
 from typing import Iterable, Optional, Union
 
 from tupe_ds.tools.errors import NotRegularFile
-from tupe_ds.tools.lock import LinkLock
-from tupe_ds.tools.lock_file import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, file_kind
+from tupe_ds.tools.lock import FLOCK_UNSUPPORTED, HOLDER_SUFFIX, LinkLock, file_kind
 
 
 def file_digest(path: str) -> str:

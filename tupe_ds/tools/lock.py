@@ -3,22 +3,24 @@
 `tupe_ds.tools.files.locked` takes `flock` where the filesystem has it (fast, and released by the
 kernel when its holder dies). Where `flock` fails for want of support (FLOCK_UNSUPPORTED: ENOSYS
 from Lustre mounted without `-o flock`, ENOLCK from NFS without its lock daemon, EOPNOTSUPP or
-EINVAL from some FUSE and network filesystems) it takes a LinkLock instead: PATH.holder, made
-as the run folder's lock OUT/run.lock is (tupe_ds/train/run_lock.py), from the same records and
-rules. LinkLock, which takes a lock, waits for it, renews it and gives it back, lives here; the
-holder's record and the rules that judge it gone in tupe_ds/tools/lock_holder.py; the lock
-file's operations (the hard link, reading it back, the take-over) in tupe_ds/tools/lock_file.py.
-The holder's record (host, boot, PID namespace, PID and its start time,
-Slurm job, step and restart count, when it started) is written as JSON to a file of its own and
-hard-linked to the lock's name, which fails when the name exists (`link` is atomic on local
-disks, NFSv3+ and Lustre, the classic NFS lock), so the lock appears whole or not at all. Whether
-it was made is judged by the record file's link count, or else the lock's content, never by what
-link() answered: over NFS a retransmitted link() that was done answers EEXIST. While
-it is held, a thread renews the lease by touching the file every LEASE_SECONDS / 10; its age is
-measured against the filesystem's own clock (the mtime of a file just written there), not this
-host's, and is never negative: a lease renewed in the future (a holder's clock ahead) counts as
-renewed now, and lapses LEASE_SECONDS after it is first seen (lock_file.lease_age). A holder
-is gone, and its lock taken over with a line saying so, when (gone_because):
+EINVAL from some FUSE and network filesystems) it takes a LinkLock instead: PATH.holder, made as
+the run folder's lock OUT/run.lock is (tupe_ds/train/run_folder/lock.py), from the same records and
+rules. This module holds, in order, who holds a lock (the holder's record, read back, described,
+and judged alive or gone), the lock file on disk (its record hard-linked to the lock's name, read
+back, and taken over, and the probe of whether a folder's filesystem has `flock` and hard links),
+and LinkLock, which takes a lock, waits for it, renews it and gives it back.
+
+The holder's record (host, boot, PID namespace, PID and its start time, Slurm job, step and restart
+count, when it started) is written as JSON to a file of its own and hard-linked to the lock's name,
+which fails when the name exists (`link` is atomic on local disks, NFSv3+ and Lustre, the classic
+NFS lock), so the lock appears whole or not at all. Whether it was made is judged by the record
+file's link count, or else the lock's content, never by what link() answered: over NFS a
+retransmitted link() that was done answers EEXIST. While it is held, a thread renews the lease by
+touching the file every LEASE_SECONDS / 10; its age is measured against the filesystem's own clock
+(the mtime of a file just written there), not this host's, and is never negative: a lease renewed
+in the future (a holder's clock ahead) counts as renewed now, and lapses LEASE_SECONDS after it is
+first seen (lease_age). A holder is gone, and its lock taken over with a line saying so, when
+(gone_because):
 
 - it ran on this machine (the same host name, boot and PID namespace: containers on one host
   share the first two) and its process (its PID with that PID's start time) has ended;
@@ -56,27 +58,310 @@ the same lease duration or fail (LeaseSettingsMismatch). It would replace the re
 """
 
 import contextlib
+import datetime
+import errno
+import fcntl
+import json
 import logging
 import os
+import socket
+import stat
 import threading
 import time
+import uuid
 from typing import Optional
 
-from tupe_ds.tools import lock_file, lock_holder
-from tupe_ds.tools.lock_file import (NO_HARD_LINKS, NotALockFile, link_exclusively, renewed_ago,
-                                     replace_lock, write_record)
-from tupe_ds.tools.lock_holder import (describe, gone_because, parse_holder, same_machine,
-                                       this_holder)
+from tupe_ds.tools import settings
+from tupe_ds.tools.errors import NotALockFile
 from tupe_ds.tools.log_lines import EVERY_RANK
 
 logger = logging.getLogger(__name__)
+
+LEASE_SECONDS = settings.seconds("TUPE_DS_LOCK_LEASE_SECONDS", 600.0, least=10)  # renewed every tenth
+SLURM_FIELDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
+                "slurm_restart_count": "SLURM_RESTART_COUNT"}
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot), None when there is no such process:
+    a PID reused by a later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ("pid:[4026531836]"): containers on one host share its name
+    and boot, not their PIDs."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def this_holder() -> dict:
+    pid = os.getpid()
+    holder = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "boot_id": boot_id(),
+              "pid_namespace": pid_namespace(), "pid": pid, "pid_start": process_start(pid),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds")}
+    holder.update({field: os.environ[name] for field, name in SLURM_FIELDS.items()
+                   if name in os.environ})
+    return holder
+
+
+REQUIRED_FIELDS = {"token": str, "host": str, "pid": int}
+OPTIONAL_FIELDS = {"boot_id": str, "pid_namespace": str, "pid_start": int, "started": str,
+                   **{field: str for field in SLURM_FIELDS}}
+MAX_PID = 2 ** 22  # Linux's largest pid_max: 0 and negative PIDs would name process groups
+
+
+def parse_holder(data: bytes) -> Optional[dict]:
+    """The holder a lock file's bytes name; None when they are no lock record (damaged): not a
+    JSON object, a field of this module's records of another type (`pid` a bool or a string) or
+    a PID that names no single process (0 or less would ask the kernel about process groups,
+    and so always count as alive)."""
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    for field, kind in {**REQUIRED_FIELDS, **OPTIONAL_FIELDS}.items():
+        value = record.get(field)
+        if type(value) is not kind and not (value is None and field in OPTIONAL_FIELDS):
+            return None
+    return record if 0 < record["pid"] <= MAX_PID else None
+
+
+def describe(holder: dict) -> str:
+    slurm = holder.get("slurm_job_id")
+    job = f", Slurm job {slurm}" if slurm else ""
+    step = holder.get("slurm_step_id")
+    if job and step:
+        job += f" step {step}"
+    return (f"process {holder['pid']} on {holder['host']}{job}, started "
+            f"{holder.get('started') or 'at an unknown time'}")
+
+
+def same_machine(holder: dict) -> bool:
+    """Whether the holder's PID means a process here: the same host, boot and PID namespace."""
+    return (holder["host"] == socket.gethostname() and holder.get("boot_id") == boot_id()
+            and holder.get("pid_namespace") == pid_namespace())
+
+
+def alive_here(holder: dict) -> bool:
+    """Whether the holder is a live process of this machine (its PID, with its start time)."""
+    if not same_machine(holder):
+        return False
+    started = process_start(holder["pid"])
+    if started is None:  # no such process, or /proc hides it (hidepid): ask the kernel
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return process_start(holder["pid"]) is None  # alive, but its start time unreadable
+    return started == holder.get("pid_start", started)
+
+
+def restarts(count) -> int:
+    """SLURM_RESTART_COUNT as recorded (absent before a job's first requeue: 0)."""
+    try:
+        return int(count or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def gone_because(holder: Optional[dict], lease_age: float) -> Optional[str]:
+    """Why the holder of a lock is gone; None when it may be alive. `lease_age`: seconds since
+    its last renewal, on the filesystem's clock and never negative (lease_age)."""
+    if holder is None:
+        return "the lock file is damaged (not a lock record)"
+    if same_machine(holder):
+        if not alive_here(holder):
+            return "its process has ended"
+        return None
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is not None and holder.get("slurm_job_id") == job and \
+            restarts(holder.get("slurm_restart_count")) < restarts(
+                os.environ.get("SLURM_RESTART_COUNT")):
+        return f"it is this Slurm job ({job}) before it was requeued"
+    if lease_age > LEASE_SECONDS:
+        return f"its lease was not renewed for {lease_age:.0f} s (its node is lost)"
+    return None
+
+
+FLOCK_UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
+NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
+HOLDER_SUFFIX = ".holder"
+BREAK_SUFFIX = ".break"
+BREAK_STALE_SECONDS = 30  # a take-over holds PATH.break for milliseconds
+CLOCK_SKEW_SECONDS = 10.0  # between hosts whose clocks a filesystem takes (Lustre's clients)
+
+
+def write_record(path: str, record: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(record, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def lock_content(path: str) -> Optional[bytes]:
+    """What judges a lock: the first 64 KiB of its bytes (a record is far smaller); for a
+    symbolic link (no lock this module writes: damaged, taken over by removing the link) where
+    it points. None when there is none; NotALockFile when no regular file is there, checked
+    before it is opened: opening a FIFO would wait for a writer forever."""
+    try:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            return b"a symbolic link to " + os.fsencode(os.readlink(path))
+        if stat.S_ISREG(mode):
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with open(descriptor, "rb") as f:
+                mode = os.fstat(descriptor).st_mode  # a FIFO put there since, opened not blocking
+                if stat.S_ISREG(mode):
+                    return f.read(1 << 16)
+    except FileNotFoundError:
+        return None
+    raise NotALockFile(f"{path} is {file_kind(mode)}, not a lock file tupe_ds wrote: remove it, "
+                       "then run the same command")
+
+
+def holds(path: str, token: str) -> bool:
+    """Whether the lock file `path` is the record with `token`."""
+    holder = parse_holder(lock_content(path) or b"")
+    return holder is not None and holder["token"] == token
+
+
+def link_exclusively(source: str, target: str, token: str) -> bool:
+    """Whether `target` is now a hard link to `source`, the record with `token`. Judged by
+    `source`'s link count, or else `target`'s content, whatever link() answered: over NFS a
+    retransmitted link() that was done answers EEXIST."""
+    links = os.stat(source).st_nlink
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        pass
+    if os.stat(source).st_nlink > links:
+        return True
+    try:
+        return holds(target, token)
+    except NotALockFile:
+        return False
+
+
+def renewed_ago(own: str, path: str) -> Optional[float]:
+    """Seconds since the lock `path` was last renewed, on the filesystem's clock (`own`: a file
+    of this process beside it, touched now); None when there is no lock."""
+    os.utime(own)
+    return lease_age(os.stat(own).st_mtime, path)
+
+
+def lease_age(now: float, path: str) -> Optional[float]:
+    """Seconds from the last renewal of the lock `path` (its mtime) to `now` on the filesystem's
+    clock; None when there is no lock. Never negative: a renewal in the future (its holder's
+    clock ahead, on a filesystem that takes the client's time, or a copied file) is one made
+    now. More than CLOCK_SKEW_SECONDS ahead, its time is set to now: its lease then runs out
+    LEASE_SECONDS after the first look, for whoever looks next, not hours later (a holder alive
+    sets it ahead again at its next renewal). A lock this process may not touch is judged
+    renewed now at each look."""
+    try:
+        age = now - os.lstat(path).st_mtime
+        if age < -CLOCK_SKEW_SECONDS:
+            with contextlib.suppress(PermissionError):
+                os.utime(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return max(age, 0.0)
+
+
+def replace_lock(path: str, own: str, token: str, judged: bytes) -> bool:
+    """Replaces the lock `path`, found gone from its content `judged`, with a hard link to
+    `own` (the record with `token`): True when done; False when another process is taking it
+    over or the lock changed meanwhile (judge it again)."""
+    breaker = path + BREAK_SUFFIX
+    if not link_exclusively(own, breaker, token):
+        remove_stale_breaker(breaker, own)
+        return False
+    try:
+        if lock_content(path) != judged:
+            return False  # released or replaced while we looked
+        os.remove(path)
+        return link_exclusively(own, path, token)
+    finally:
+        os.remove(breaker)
+
+
+def remove_stale_breaker(breaker: str, own: str) -> None:
+    """A take-over cut short by a kill leaves PATH.break (its taker's record): removed at once
+    when the taker is gone by the lock's own rules, else once it is BREAK_STALE_SECONDS old."""
+    age = lease_age(os.stat(own).st_mtime, breaker)
+    if age is None:
+        return
+    try:
+        taker = parse_holder(lock_content(breaker) or b"")
+        if gone_because(taker, 0.0) or age > BREAK_STALE_SECONDS:
+            os.remove(breaker)
+    except FileNotFoundError:
+        pass
+
+
+def lock_support(folder: str) -> tuple:
+    """(why `flock` fails in `folder`, why hard links fail there): each an error's text, None
+    where it works; OSError when no file can be made there to try."""
+    probe = os.path.join(folder, f".lock-probe-{uuid.uuid4().hex}")
+    failures = []
+    try:
+        with open(probe, "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                failures.append(None)
+            except OSError as error:
+                if error.errno not in FLOCK_UNSUPPORTED:
+                    raise
+                failures.append(os.strerror(error.errno))
+        try:
+            os.link(probe, probe + ".link")
+            os.remove(probe + ".link")
+            failures.append(None)
+        except OSError as error:
+            if error.errno not in NO_HARD_LINKS:
+                raise
+            failures.append(os.strerror(error.errno))
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    return tuple(failures)
+
 
 WAIT_NOTICE_SECONDS = 30.0
 
 
 class LinkLock:
     """The lock file `path`, held by this process: the lock `locked` takes where `flock` fails,
-    and the base of the run folder's (tupe_ds/train/run_lock.py). `lost`: why it is no longer
+    and the base of the run folder's (tupe_ds/train/run_folder/lock.py). `lost`: why it is no longer
     this process's, once found out (by the renewal thread, every LEASE_SECONDS / 10, or by
     `lost_because`)."""
 
@@ -126,7 +411,7 @@ class LinkLock:
                 raise OSError(f"{self.path}: this filesystem can lock files neither with flock "
                               f"nor with hard links ({error.strerror}); {fix}") from error
             raise
-        judged = lock_file.lock_content(self.path)
+        judged = lock_content(self.path)
         age = renewed_ago(own, self.path)
         if judged is None or age is None:
             return False
@@ -147,20 +432,20 @@ class LinkLock:
         for."""
 
     def _say_what_it_waits_for(self, own: str) -> bool:
-        holder = parse_holder(lock_file.lock_content(self.path) or b"")
+        holder = parse_holder(lock_content(self.path) or b"")
         age = renewed_ago(own, self.path)
         if holder is None or age is None:
             return False  # changed meanwhile: said at the next try
         state = ("a live process of this machine" if same_machine(holder) else
                  f"its lease renewed {age:.0f} s ago, taken over once not renewed for "
-                 f"{lock_holder.LEASE_SECONDS:.0f} s")
+                 f"{LEASE_SECONDS:.0f} s")
         logger.warning(f"{self.speaker}: waiting for {self.path}, held by {describe(holder)} "
                        f"({state}); if that process is gone, remove {self.path}",
                        extra=EVERY_RANK)
         return True
 
     def _renew(self) -> None:
-        while not self._stop.wait(lock_holder.LEASE_SECONDS / 10):
+        while not self._stop.wait(LEASE_SECONDS / 10):
             try:
                 if self.lost_because():
                     return
@@ -171,7 +456,7 @@ class LinkLock:
     def check(self) -> Optional[str]:
         """None while the lock file is this process's; else what holds it now."""
         try:
-            data = lock_file.lock_content(self.path)
+            data = lock_content(self.path)
         except NotALockFile as error:
             return str(error)
         if data is None:

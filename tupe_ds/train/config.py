@@ -18,7 +18,7 @@ from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
 from tupe_ds.tools.errors import RunFolderBusy
-from tupe_ds.train import nonfinite, optimizer_boundary, recorded_settings, run_lock
+from tupe_ds.train import nonfinite, optimizer_boundary
 from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.checkpoint.init_from import (InitPlan, branch_rate_change, check_branch,
                                                 plan_init, refuse_another_branch)
@@ -29,8 +29,10 @@ from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_confi
 from tupe_ds.train.flags import SHAPE_FLAGS, check_flags, fail, parser
 from tupe_ds.train.masking_flags import masking_scheme
 from tupe_ds.train.objectives import OBJECTIVES
+from tupe_ds.train.run_folder import lock as folder_lock
+from tupe_ds.train.run_folder import recorded_settings
+from tupe_ds.train.run_folder.lock import RunLock
 from tupe_ds.train.schedule import ran_under, resume_rate_change
-from tupe_ds.train.run_lock import RunLock
 
 CPU_CONFIG = doctor.CPU_CONFIG
 
@@ -89,7 +91,7 @@ class RunConfig:
     init_plan: Optional[InitPlan] = None  # --init-from, for a run with nothing to resume
     branch_origin: Optional[str] = None  # --branch: its --init-from, absolute (run.json)
     allow_training_changes: bool = False  # --allow-training-changes
-    lock: Optional[RunLock] = None  # OUT/run.lock, held by rank 0 (run_lock.py)
+    lock: Optional[RunLock] = None  # OUT/run.lock, held by rank 0 (run_folder/lock.py)
     optimizer_boundary: str = optimizer_boundary.DEFAULT  # --optimizer-boundary
     settings: Optional[dict] = None  # the command's, as run.json records them (recorded_settings)
     setting_sources: Optional[dict] = None  # where each setting came from (command_line.resolve)
@@ -137,7 +139,7 @@ def load(argv=None, world_size: Optional[int] = None,
         fail(problem)
     lock = None
     if args.check_only:
-        problem = run_lock.check(args.out)
+        problem = folder_lock.check(args.out)
         if problem:
             fail(problem)
     elif take_lock:

@@ -9,12 +9,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tupe_ds.data.blend import BlendedSamples
-from tupe_ds.data.loader import MaskedSamples, TrainBatches, Vocabulary
+from tupe_ds.data.loader import TrainBatches, Vocabulary
+from tupe_ds.data.masking import MaskedSamples
 from tupe_ds.data.packing import PackedSentences
-from tupe_ds.train import run_files
 from tupe_ds.train.batch_ramp import BatchRamp
 from tupe_ds.train.config import RunConfig
-from tupe_ds.train.waits import announced
+from tupe_ds.train.run_folder import files as folder_files
+from tupe_ds.tools.waits import announced
 
 
 def datasets(run: RunConfig, vocab: Vocabulary, objective, newest: Optional[str] = None) -> dict:
@@ -24,7 +25,7 @@ def datasets(run: RunConfig, vocab: Vocabulary, objective, newest: Optional[str]
     barrier, then map them: the index cache's file lock alone would let every node build at once
     on a filesystem whose locks hold per node (NFS with local_lock, BeeGFS, Lustre's
     localflock). A file that cannot be read or written (a read error, a full disk) on any rank
-    stops every rank (run_files.py; `newest`: the newest intact checkpoint's tag)."""
+    stops every rank (run_folder/files.py; `newest`: the newest intact checkpoint's tag)."""
     def open_sources():
         return [{split: PackedSentences(os.path.join(source.folder, split), run.seq_len,
                                         vocab.cls, vocab.sep, source.index_cache)
@@ -35,9 +36,9 @@ def datasets(run: RunConfig, vocab: Vocabulary, objective, newest: Optional[str]
                              objective.generator_draws)
 
     first, folders = dist.get_rank() == 0, ", ".join(source.folder for source in run.sources)
-    packed = run_files.on_every_rank(open_sources if first else lambda: None, "open the data",
+    packed = folder_files.on_every_rank(open_sources if first else lambda: None, "open the data",
                                      folders, newest, "rank 0 to open the data")
-    later = run_files.on_every_rank(lambda: None if first else open_sources(), "open the data",
+    later = folder_files.on_every_rank(lambda: None if first else open_sources(), "open the data",
                                     folders, newest, "every rank to open the data")
     packed = packed if first else later
     return {"train": BlendedSamples([stream(p["train"]) for p in packed],
@@ -53,8 +54,8 @@ def reads_data(run: RunConfig) -> bool:
 
 def open_datasets(run: RunConfig, objective, rank: int, newest: Optional[str]) -> dict:
     """datasets(), saying what it waits for while the sample indexes are built; a tokenizer or
-    data that cannot be read stops every rank (run_files.py)."""
-    vocab = run_files.on_every_rank(lambda: Vocabulary.from_data_dir(run.data), "read",
+    data that cannot be read stops every rank (run_folder/files.py)."""
+    vocab = folder_files.on_every_rank(lambda: Vocabulary.from_data_dir(run.data), "read",
                                     os.path.join(run.data, "tokenizer.json"), newest,
                                     "every rank to read the tokenizer")
     folders = ", ".join(source.folder for source in run.sources)

@@ -22,7 +22,7 @@ class BatchSplit:
     """How a step's global batch is split: micro-batch x accumulation steps x data-parallel
     ranks; `note` says what the config logic changed or chose by itself ("" if nothing). Under
     --micro-batch auto, micro_batch and accumulation are None until the start chooses them
-    (train/auto_micro_batch.py), which `auto` then records."""
+    (train/micro_batch.py), which `auto` then records."""
     global_batch: int
     micro_batch: Optional[int]
     accumulation: Optional[int]
@@ -118,7 +118,7 @@ def check_pipeline(args: argparse.Namespace, ds_config: dict, dtype: str) -> Non
 
 def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
     """Global batch, micro-batch and the gradient accumulation that joins them over dp ranks;
-    a micro-batch `auto` is checked here and chosen at the start (train/auto_micro_batch.py)."""
+    a micro-batch `auto` is checked here and chosen at the start (train/micro_batch.py)."""
     if args.micro_batch is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.global_batch is not None:

@@ -36,7 +36,7 @@ def build_engine(run: RunConfig, objective, device, model=None):
     """The model (build_model's unless given), its DeepSpeed engine and its steps."""
     if run.batch_split.micro_batch is None:  # DeepSpeed must never read "auto"
         raise RuntimeError("--micro-batch auto is chosen before the engine is built: "
-                           "auto_micro_batch.settled(run, model, ...) first")
+                           "micro_batch.settled(run, model, ...) first")
     model = build_model(run, objective) if model is None else model
     normalization = LossNormalization(run.loss_normalization, objective, device)
     weight_decay = run.ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)

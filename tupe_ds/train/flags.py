@@ -18,7 +18,7 @@ from tupe_ds.train.schedule import DECAY_SHAPES, SCHEDULES
 SHAPE_FLAGS = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
                "--num-attention-heads": "num_attention_heads",
                "--ffn-hidden-size": "ffn_hidden_size"}  # flag: its ModelConfig field
-MICRO_BATCH_AUTO = "auto"  # of --micro-batch and the config's micro-batch: auto_micro_batch.py
+MICRO_BATCH_AUTO = "auto"  # of --micro-batch and the config's micro-batch: train/micro_batch.py
 DATA_STREAMS = {
     "vectorised": "each micro-batch read and masked in whole-batch operations",
     "per-sample": "the reference: sample by sample (the same batches, slower)",
@@ -113,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
                    help="overrides train_micro_batch_size_per_gpu; auto: the largest divisor of "
                         "each rank's share of the global batch that fits in memory, probed at the "
                         "start and kept in OUT/run.json for the run's resumes on the same layout "
-                        "(train/auto_micro_batch.py)")
+                        "(train/micro_batch.py)")
     p.add_argument("--global-batch", "--global-batch-size", type=int,
                    help="overrides train_batch_size")
     p.add_argument("--lr", type=float, help="overrides the peak learning rate")

@@ -14,11 +14,13 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core import parallel_state
 
 from tupe_ds.data.loader import TrainBatches
-from tupe_ds.distributed.parallel import accelerator_device, share_cpu_cores, start_distributed
+from tupe_ds.distributed.parallel import (accelerator_device, rendezvous_text, share_cpu_cores,
+                                          start_distributed)
 from tupe_ds.machine.cuda_arch import fit_cuda_arch_list
+from tupe_ds.machine.extension_locks import waiting_with_extensions
 from tupe_ds.model import compiled
 from tupe_ds.tools.errors import TrainingStopped
-from tupe_ds.train import auto_micro_batch, optimizer_boundary, precision, run_files, run_lock
+from tupe_ds.train import micro_batch, optimizer_boundary, precision
 from tupe_ds.train.checkpoint import folder as checkpoint_folder
 from tupe_ds.train.checkpoint import manifest, resume
 from tupe_ds.train.checkpoint.reshard import SavedLayout
@@ -31,13 +33,15 @@ from tupe_ds.train.monitor import Monitor, finished_summary
 from tupe_ds.train.nonfinite import NonFiniteGuard, loss_scale
 from tupe_ds.train.objectives import OBJECTIVES, Electra, MaskedLM
 from tupe_ds.train.progress import start_line
+from tupe_ds.train.run_folder import files as folder_files
+from tupe_ds.train.run_folder import lock as folder_lock
+from tupe_ds.train.run_folder.description import describe_run
 from tupe_ds.train.schedule import follow_step
-from tupe_ds.train.run_description import describe_run
 from tupe_ds.train.steps import EngineSteps, PipelineSteps
 from tupe_ds.train.stop_signal import StopSignal, before_first_step
 from tupe_ds.train.validation import evaluate
 from tupe_ds.tools import log_lines
-from tupe_ds.train.waits import announced, rendezvous_text, waiting_with_extensions
+from tupe_ds.tools.waits import announced
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ def train(run: RunConfig, launcher: str) -> None:
     log_lines.show(rank)
     if any(model.compile_mode == "block" for model in run.models):
         compiled.keep_compiled_in(run.out)
-    run_lock.confirm_on_every_rank(run.lock, run.out)
+    folder_lock.confirm_on_every_rank(run.lock, run.out)
     dtype = precision.of_run(run.ds_config)
     start = resume.agreed(run)
     if finished(run, start, rank):
@@ -84,10 +88,10 @@ def train(run: RunConfig, launcher: str) -> None:
     objective = OBJECTIVES[run.objective]
     last_checkpoint = start.plan.tag if start.plan else None  # the newest intact one
     # DeepSpeed's monitor opens its events file inside the engine's build, on rank 0 alone
-    run_files.on_every_rank(lambda: run_files.takes_writes(run.out) if rank == 0 else None,
+    folder_files.on_every_rank(lambda: folder_files.takes_writes(run.out) if rank == 0 else None,
                             "write", run.out, last_checkpoint, "rank 0 to write in the run folder")
     run, model, engine, steps = built_engine(run, objective, device, rank)
-    run_files.on_every_rank(lambda: describe_run(run, start.lineage) if rank == 0 else None,
+    folder_files.on_every_rank(lambda: describe_run(run, start.lineage) if rank == 0 else None,
                             "write", os.path.join(run.out, "run.json"), last_checkpoint,
                             "rank 0 to write run.json")  # with the micro-batch chosen
     data = open_datasets(run, objective, rank, last_checkpoint)
@@ -117,7 +121,7 @@ def finished(run: RunConfig, start: resume.Start, rank: int) -> bool:
     if start.plan is None or start.training_changes or start.plan.resharding is not None or \
             checkpoint_folder.step_of(start.plan.tag) != run.steps:
         return False
-    said = [run_files.on_every_rank(
+    said = [folder_files.on_every_rank(
         lambda: finished_summary(run.out, run.steps, start.plan.tag) if rank == 0 else None,
         "read", os.path.join(run.out, "train_log.jsonl"), start.plan.tag,
         "rank 0 to read the run's log")]
@@ -153,7 +157,7 @@ def built_engine(run: RunConfig, objective, device, rank: int) -> tuple:
         logger.info(f"tupe-pretrain: {arch_note}")
     with announced(waiting_with_extensions("the DeepSpeed engine of every rank"), rank):
         model = build_model(run, objective)
-        run = auto_micro_batch.settled(run, model, objective, device)  # the last run.json's
+        run = micro_batch.settled(run, model, objective, device)  # the last run.json's
         model, engine, steps = build_engine(run, objective, device, model)
     if run.lock is not None and engine.monitor.enabled:
         run.lock.guard(engine.monitor)
@@ -185,7 +189,7 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
     logs, validates, draws the positional images and saves a checkpoint. The run stops short
     on too many steps not finite (NonFiniteGuard), its folder taken over, a failed save, or a
     write of its log or TensorBoard events that failed (agreed at the start and at each log
-    interval: run_files.py)."""
+    interval: run_folder/files.py)."""
     engine, batches, guard, monitor = (training.engine, training.batches, training.guard,
                                        training.monitor)
     metrics, totals = {}, {}
@@ -243,7 +247,7 @@ def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,
 def agreed_writes(training: Training, last_checkpoint: Optional[str]) -> Optional[str]:
     """Collective: why every rank stops because rank 0 could not write the run's log or
     TensorBoard events since the last agreement (None: it wrote them)."""
-    return run_files.agreed(training.monitor.failure, last_checkpoint,
+    return folder_files.agreed(training.monitor.failure, last_checkpoint,
                             "rank 0 to write the run's log")
 
 
@@ -287,7 +291,7 @@ def save_checkpoint(run: RunConfig, training: Training, step: int,
     """Saves `step`'s checkpoint (which records it in the run's history). Returns the newest complete
     checkpoint's tag then, and why the run stops (its folder taken over, weights not finite,
     a failed save; None: saved) with whether every rank stops on it."""
-    failure = run_lock.lost_on_rank_0(run.lock)
+    failure = folder_lock.lost_on_rank_0(run.lock)
     if failure:
         return last_checkpoint, failure, True
     monitor, checkpoints = training.monitor, os.path.join(run.out, "checkpoints")

@@ -18,8 +18,9 @@ from torch.utils.tensorboard import SummaryWriter
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.tools.errors import FolderTakenOver, NotRegularFile, TrainingStopped
 from tupe_ds.tools.files import regular_file, write_atomically
-from tupe_ds.train import progress, run_files
+from tupe_ds.train import progress
 from tupe_ds.train.checkpoint import reads
+from tupe_ds.train.run_folder import files as folder_files
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ class Monitor:
         self.tokens_seen = tokens_seen
         self.loading_seconds = 0.0  # making batches, since the last line
         self.step_rate = None  # the learning rate of the step being trained (`watch`)
-        self.failure = None  # what rank 0 could not write or read (run_files.py)
+        self.failure = None  # what rank 0 could not write or read (run_folder/files.py)
         self.events = os.path.join(out, "tensorboard", "tupe")
         if rank == 0:
             quiet_event_writer_errors()
@@ -228,13 +229,13 @@ class Monitor:
     @contextlib.contextmanager
     def writing(self, path: str):
         """A write to `path` (or a read of it) that fails is noted in `failure`, said at the next
-        agreement (run_files.agreed), and nothing more is written: the run stops there."""
+        agreement (folder_files.agreed), and nothing more is written: the run stops there."""
         try:
             yield
         except FolderTakenOver:
             raise
         except (OSError, TrainingStopped) as error:
-            self.failure = self.failure or run_files.failed("write", error, path)
+            self.failure = self.failure or folder_files.failed("write", error, path)
             self.writer = None
 
     def watch(self, deepspeed_monitor) -> None:

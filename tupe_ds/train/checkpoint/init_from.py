@@ -5,9 +5,10 @@ import logging
 import os
 
 from tupe_ds.tools.errors import Refused
-from tupe_ds.train import recorded_settings, schedule
+from tupe_ds.train import schedule
 from tupe_ds.train.checkpoint import folder as folders, loading, manifest, reshard, rng, same_run
 from tupe_ds.train.flags import fail
+from tupe_ds.train.run_folder import recorded_settings
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from tupe_ds.tools.files import regular_file
 from tupe_ds.train.checkpoint import manifest, reads, reshard
 from tupe_ds.train.checkpoint.rng import derive_rng_state, file_name, load_rng_state
 from tupe_ds.train.progress import processes
-from tupe_ds.train.waits import announced
+from tupe_ds.tools.waits import announced
 
 logger = logging.getLogger(__name__)
 

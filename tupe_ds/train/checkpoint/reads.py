@@ -14,7 +14,7 @@ from tupe_ds.tools import settings
 from tupe_ds.tools.log_lines import EVERY_RANK
 from tupe_ds.tools.errors import Unreadable, error_text
 from tupe_ds.tools.files import regular_file
-from tupe_ds.train.waits import announced
+from tupe_ds.tools.waits import announced
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from tupe_ds.tools.errors import NotRegularFile, Refused
-from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import history, init_from, loading, manifest, reads, reshard
 from tupe_ds.train.checkpoint import same_run
 from tupe_ds.train.checkpoint.folder import (SET_ASIDE, latest_tag, set_aside, step_folders,
                                              step_of, survey, tag_of, tags)
 from tupe_ds.train.optim import apply_config, rate_from_schedule
+from tupe_ds.train.run_folder import description as folder_description
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
     complete, damaged = survey(directory)
     records, kept = history.read(out) or [], set_aside_manifests(directory)
     lineages = sorted({m["lineage"] for m in complete.values()})
-    described = run_description.lineage(out)  # with the history lost, run.json names the run
+    described = folder_description.lineage(out)  # with the history lost, run.json names the run
     lineage = history.lineage(records) or (described if described in lineages else None) or (
         lineages[0] if len(lineages) == 1 else None)
     if lineage is None and lineages:

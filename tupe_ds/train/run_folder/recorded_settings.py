@@ -7,8 +7,8 @@ import logging
 import os
 
 from tupe_ds.data.sources import named_folder
-from tupe_ds.train import run_description
 from tupe_ds.train.checkpoint import folder, history
+from tupe_ds.train.run_folder import description as folder_description
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,10 @@ def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> tuple | None
         if not quiet:
             logger.warning(f"tupe-pretrain: the run's settings cannot be taken from it: {error}")
         return None
-    if found is None and not quiet and "settings" in run_description.recorded(args.out):
-        logger.warning(f"tupe-pretrain: {os.path.join(args.out, run_description.FILE)} holds the "
-                       "settings of a run of a tupe_ds before 2026-11-29, which this one does not "
-                       "read: give the run's flags, or resume it with that version")
+    if found is None and not quiet and "settings" in folder_description.recorded(args.out):
+        logger.warning(f"tupe-pretrain: {os.path.join(args.out, folder_description.FILE)} holds "
+                       "the settings of a run of a tupe_ds before 2026-11-29, which this one does "
+                       "not read: give the run's flags, or resume it with that version")
     return found and (found[0], {k: v for k, v in found[1].items() if k not in ONE_SHOT})
 
 

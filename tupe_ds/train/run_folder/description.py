@@ -1,5 +1,5 @@
 """OUT/run.json: what a run is (models, layout, data, lineage), written by rank 0 at each start
-for tupe-export, tupe-compare and auto_micro_batch; what a start decides from is the history's."""
+for tupe-export, tupe-compare and micro_batch.py; what a start decides from is the history's."""
 
 import dataclasses
 import json

@@ -11,7 +11,7 @@ from typing import Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from tupe_ds.tools.errors import FolderTakenOver, TrainingStopped, error_text
-from tupe_ds.train.waits import announced
+from tupe_ds.tools.waits import announced
 
 Result = TypeVar("Result")
 
@@ -60,7 +60,7 @@ def on_every_rank(work: Callable[[], Result], doing: str, path: str, newest: Opt
                   waiting_for: str) -> Result:
     """Collective: work() on every rank; TrainingStopped on every rank when it raised an OSError
     (or stopped the run: a file retried for the whole window) on any rank. A run folder another
-    job took over stops rank 0 alone, as everywhere else (run_lock.py)."""
+    job took over stops rank 0 alone, as everywhere else (lock.py)."""
     failure, result = None, None
     try:
         result = work()

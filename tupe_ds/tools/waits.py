@@ -4,18 +4,17 @@ A wait of tupe-pretrain on something outside its own process (the other ranks at
 or a checkpoint barrier, DeepSpeed building an extension, rank 0 building the sample index or
 converting a checkpoint) prints a line naming it once it has lasted NOTICE_SECONDS (30 s;
 TUPE_DS_WAIT_NOTICE to change), and again every REPEAT_SECONDS, so that nothing waits in silence.
-Here too the texts of tupe-pretrain's own start-up waits: the rendezvous, and a wait during which
-DeepSpeed may build an extension.
+The texts of tupe-pretrain's own start-up waits live beside what they wait on: the rendezvous's in
+tupe_ds/distributed/parallel.py (`rendezvous_text`), that of a wait during which DeepSpeed may
+build an extension in tupe_ds/machine/extension_locks.py (`waiting_with_extensions`).
 """
 
-import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Union
 
-from tupe_ds.machine.extension_locks import extension_locks, extensions_root, lock_text
 from tupe_ds.tools import settings
 
 NOTICE_SECONDS = settings.seconds("TUPE_DS_WAIT_NOTICE", 30.0, least=0.01)
@@ -46,20 +45,3 @@ def announced(what: Union[str, Callable[[], str]], rank=None):
         done.set()
         watcher.join()
 
-
-def waiting_with_extensions(what: str):
-    """A wait during which DeepSpeed may also build or load an extension: its text, with the
-    state of every build lock at the time it is printed."""
-    def text() -> str:
-        locks = [lock_text(*lock) for lock in extension_locks()]
-        return (f"{what} (DeepSpeed may be building an extension in {extensions_root()})"
-                + "".join(f"; {lock}" for lock in locks))
-    return text
-
-
-def rendezvous_text(world_size: int) -> str:
-    if world_size == 1:
-        return "the process group of this one process"
-    return (f"the rendezvous of {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
-            f"{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT): every process of the "
-            "run must start")

@@ -24,10 +24,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from tupe_ds.tools.errors import FolderTakenOver, NotALockFile, Refused, RunFolderBusy
-from tupe_ds.tools.lock import LinkLock
-from tupe_ds.tools.lock_file import lease_age, lock_content, write_record
-from tupe_ds.tools.lock_holder import (LEASE_SECONDS, describe, gone_because, parse_holder,
-                                       same_machine)
+from tupe_ds.tools.lock import (LEASE_SECONDS, LinkLock, describe, gone_because, lease_age,
+                               lock_content, parse_holder, same_machine, write_record)
 from tupe_ds.train.checkpoint import reads
 
 LOCK_FILE = "run.lock"
