@@ -158,6 +158,19 @@ def test_a_flag_given_wins_over_the_recipes():
     assert "a linear decay" in wsd.notes[1]
 
 
+def test_a_flag_given_under_megatrons_name_or_another_case_wins_as_well():
+    megatron = modern_recipe((*FLAGS, "--lr-decay-style", "cosine"))
+    assert "--lr-schedule" not in megatron.flags and "--lr-decay-style" not in megatron.flags
+    assert megatron.notes[1].startswith("learning-rate schedule cosine: --lr-schedule given, kept")
+    upper = modern_recipe((*FLAGS, "--lr-schedule=WSD", "--lr-wsd-decay-iters", "5"))
+    assert upper.flags[:4] == ("--mask-rate", "0.3", "--decay-shape", "1-sqrt")
+    assert "over the last 5 of the 100 steps" in upper.notes[1]
+    deepspeed_name = ("--model", "tiny", "--deepspeed_config", FP16_CONFIG)
+    recipe = modern_recipe(deepspeed_name, machine=A100S)
+    applied = recipe.applied_to(deepspeed_name)  # its bf16 config in place of the user's
+    assert "--deepspeed_config" not in applied and applied.count("--ds-config") == 1
+
+
 def test_bf16_where_every_gpu_has_it_in_a_config_of_the_comparison():
     recipe = modern_recipe(machine=A100S)
     made = "/c/" + recipes.DS_CONFIG_FILE

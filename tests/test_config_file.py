@@ -77,8 +77,33 @@ def test_paths_in_the_file_are_relative_to_its_folder_from_any_working_directory
     assert (finetune.model, finetune.train, finetune.valid, finetune.out) == (
         str(folder / "m"), str(folder / "t.tsv"), [f"dev={folder}/d.tsv"], str(folder / "o"))
     prep = command_line.parse(prep_parser(), ["--config", write(
-        folder / "prep.toml", 'input = ["../corpora/a.txt"]\nout = "../prep"\n')])
-    assert (prep.inputs, prep.output) == ([str(tmp_path / "corpora/a.txt")], str(tmp_path / "prep"))
+        folder / "prep.toml", 'input = ["../corpora/a.txt", "lang=en"]\nout = "../prep"\n')])
+    assert (prep.inputs, prep.output) == (  # a folder named lang=en is one path
+        [str(tmp_path / "corpora/a.txt"), str(folder / "lang=en")], str(tmp_path / "prep"))
+    numbers = pretrain_args(["--config", write(folder / "n.toml", 'data = ["2024"]\nout = 2025\n'
+                                               'ds-config = "bs=large"\nsteps = 1\n')])
+    assert (numbers.data, numbers.out, numbers.ds_config) == (
+        [str(folder / "2024")], str(folder / "2025"), str(folder / "bs=large"))
+
+
+def test_a_config_written_when_its_paths_were_the_working_directorys_is_refused(
+        tmp_path, monkeypatch, capsys):
+    """A relative path that names nothing from the file's folder but something from the working
+    directory: the file was written before paths were the file's; refused, naming both."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    config = write(tmp_path / "configs" / "old.toml", 'out = "runs/a"\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_args(["--config", "configs/old.toml", "--data", "d", "--ds-config", "c.json",
+                       "--steps", "3"])
+    assert exit_.value.code == 2
+    assert (f"--config configs/old.toml: out = 'runs/a' is relative to the file's folder, "
+            f"{tmp_path}/configs, where {tmp_path}/configs/runs/a is not; {tmp_path}/runs/a (from "
+            "the working directory) is: write that path") in capsys.readouterr().err
+    write(tmp_path / "configs" / "old.toml", 'out = "../runs/a"\n')  # as the message says
+    assert pretrain_args(["--config", config, "--data", "d", "--ds-config", "c.json", "--steps",
+                          "3"]).out == str(tmp_path / "runs" / "a")
 
 
 def test_megatron_names_of_another_meaning_are_refused_saying_what_to_give(tmp_path, capsys):
@@ -95,6 +120,14 @@ def test_megatron_names_of_another_meaning_are_refused_saying_what_to_give(tmp_p
     assert "weight-decay is not a setting of tupe-pretrain (keys are its flags without the " \
         "dashes: tupe-pretrain --help); the --ds-config's optimizer params set it " \
         "(weight_decay)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretrain_args(["--config", write(tmp_path / "u.toml", "clip_grad = 1.0\n")])
+    assert "clip_grad is not a setting of tupe-pretrain (keys are its flags without the dashes: " \
+        "tupe-pretrain --help); the --ds-config's gradient_clipping sets it" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretrain_args([*OURS, "--min_lr", "1e-5"])
+    assert "--min_lr: the --ds-config's scheduler sets the minimum" in capsys.readouterr().err
     assert pretrain_args([*OURS, "--lr-decay-style", "WSD"]).lr_schedule == "wsd"  # Megatron's
     assert pretrain_args([*OURS, "--lr-decay-style", "cosine"]).lr_schedule == "cosine"
     with pytest.raises(SystemExit):

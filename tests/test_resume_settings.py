@@ -76,8 +76,8 @@ def test_check_only_on_a_finished_run_says_a_run_would_train_nothing(run, capsys
 
     assert run_or_check(load(["--out", run, "--check-only"]), "torchrun") == 0
     said = capsys.readouterr().out
-    assert "tupe-pretrain: step30 is at the run's --steps 30: a run would train nothing and say " \
-        "the run's summary (a larger --steps trains on)" in said
+    assert "tupe-pretrain: step30 is at --steps 30: resuming it, a run would train nothing and " \
+        "say the run's summary (a larger --steps trains on)" in said
 
 
 @pytest.mark.slow

@@ -85,11 +85,11 @@ def run_or_check(run, launcher: str) -> int:
             print(line)  # what a start would say: a consent spent, the history made again
         for line in resume.what_is_where(run.out, run.resume_plan, run.init_plan):
             print(f"tupe-pretrain: {line}")
-        if run.resume_plan and run.resume_plan.candidates and \
-                run.resume_plan.candidates[0] >= run.steps:
-            print(f"tupe-pretrain: {run.resume_plan.tag} is at the run's --steps {run.steps}: a "
-                  "run would train nothing and say the run's summary (a larger --steps trains "
-                  "on)")
+        plan = run.resume_plan
+        if plan and plan.candidates and plan.candidates[0] >= run.steps:
+            where = "at" if plan.candidates[0] == run.steps else "past"
+            print(f"tupe-pretrain: {plan.tag} is {where} --steps {run.steps}: resuming it, a run "
+                  "would train nothing and say the run's summary (a larger --steps trains on)")
         return 0
     said, code = None, 0
     try:

@@ -83,7 +83,7 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
                       metavar="N", help="examples per optimizer step summed over the --nproc "
                                         f"processes (default: {DEFAULT_GLOBAL_BATCH})")
     glue.add_argument("--finetune-max-length", type=int, help="tokens per example (default 512)")
-    command_line.paths(p, "data", "out", "finetune")
+    command_line.paths(p, "out", "finetune", blend=["data"])
     return p
 
 

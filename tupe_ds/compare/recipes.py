@@ -15,6 +15,7 @@ the --ds-config with bf16 in place of its precision, and the runs take that one.
 recipes have that tupe_ds does not: docs/pretraining.md, "Modern recipes".
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -63,27 +64,38 @@ class Recipe:
         return (*flags, *self.flags)
 
 
+@functools.lru_cache(maxsize=None)
+def spellings(name: str) -> tuple:
+    """Every name of tupe-pretrain's flag `name` (--lr-schedule: --lr-decay-style too)."""
+    from tupe_ds.train.flags import parser  # tupe-pretrain's own parser, read once
+
+    return next((tuple(action.option_strings) for action in parser()._actions
+                 if name in action.option_strings), (name,))
+
+
 def given(flags, name: str) -> Optional[str]:
-    """The value of `name` in `flags` (`NAME VALUE` or `NAME=VALUE`; the last one, as argparse
-    takes it); None when absent."""
-    value = None
+    """The value of tupe-pretrain's flag `name` in `flags`, under any of its names (`NAME VALUE`
+    or `NAME=VALUE`; the last one, as argparse takes it); None when absent."""
+    value, names = None, spellings(name)
     for i, flag in enumerate(flags):
-        if flag == name:
+        if flag in names:
             value = flags[i + 1] if i + 1 < len(flags) else ""
-        elif flag.startswith(name + "="):
-            value = flag[len(name) + 1:]
+        elif flag.split("=", 1)[0] in names and "=" in flag:
+            value = flag.split("=", 1)[1]
     return value
 
 
 def without(flags, *names: str) -> tuple:
-    """`flags` less every `NAME VALUE` and `NAME=VALUE` of `names` (flags of one value)."""
+    """`flags` less every `NAME VALUE` and `NAME=VALUE` of `names`, under any of their names
+    (flags of one value)."""
+    every = {spelling for name in names for spelling in spellings(name)}
     kept, skip = [], False
     for flag in flags:
         if skip:
             skip = False
-        elif flag in names:
+        elif flag in every:
             skip = True
-        elif not any(flag.startswith(name + "=") for name in names):
+        elif not ("=" in flag and flag.split("=", 1)[0] in every):
             kept.append(flag)
     return tuple(kept)
 
@@ -163,7 +175,7 @@ def schedule(user_flags, steps: int, warmup: int) -> tuple:
     its decay the last DECAY_SHARE of the steps that the `warmup` steps leave room for; the
     flags of it the user gave are theirs."""
     chosen = given(user_flags, "--lr-schedule")
-    if chosen is not None and chosen != "wsd":
+    if chosen is not None and chosen.lower() != "wsd":
         return (), (f"learning-rate schedule {chosen}: --lr-schedule given, kept (the recipe's "
                     f"is wsd, {DECAY_SHAPE} decay over the last {DECAY_SHARE:.0%} of the steps)")
     if warmup < 1:

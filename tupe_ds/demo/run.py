@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="build/sample-prep-2048")
     p.add_argument("--out", default="build/demo-run")
     p.add_argument("--steps", type=int, default=2500)
-    command_line.paths(p, "data", "out")
+    command_line.paths(p, "out", blend=["data"])
     args = command_line.parse(p, argv)
     processes, config, why = demo_launch(doctor.probe())
     print(f"demo: {why} ({config})", flush=True)

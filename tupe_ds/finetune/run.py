@@ -68,10 +68,13 @@ class SequenceClassifier(nn.Module):
 
 
 def parse_valid(values: list) -> dict:
-    """["m=dev_matched.tsv", "dev.tsv"] -> {"m": path, "dev": path}."""
+    """["m=dev_matched.tsv", "dev.tsv"] -> {"m": path, "dev": path}; an '=' after a '/' is part
+    of the path (as in --data's NAME=FOLDER)."""
     named = {}
     for value in values:
-        name, _, path = value.rpartition("=")
+        name, equals, path = value.partition("=")
+        if not (equals and name and os.sep not in name):
+            name, path = "", value
         named[name or os.path.splitext(os.path.basename(path))[0]] = path
     return named
 
@@ -192,7 +195,7 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens per example, [CLS] included; at most the model's pretraining "
                         "sequence length")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    command_line.paths(p, "model", "train", "valid", "out")
+    command_line.paths(p, "model", "train", "out", named=["valid"])
     return p
 
 

@@ -45,8 +45,8 @@ class Parser(argparse.ArgumentParser):
             for given in message.split(": ", 1)[1].split():
                 name = given.split("=")[0]
                 close = difflib.get_close_matches(name, flags, n=1)
-                if name in self.not_ours:
-                    message += f"; {name}: {self.not_ours[name]}"
+                if name.replace("_", "-") in self.not_ours:  # --min_lr as Megatron-LM takes it
+                    message += f"; {name}: {self.not_ours[name.replace('_', '-')]}"
                 elif given.startswith("--") and close:
                     message += f"; {name}: did you mean {close[0]}?"
         self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
@@ -61,33 +61,48 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                              "each came from, and exit")
 
 
-def paths(parser: argparse.ArgumentParser, *dests: str) -> None:
+PATH, NAMED, BLEND = "path", "named", "blend"  # the kinds of path settings (paths)
+
+
+def paths(parser: argparse.ArgumentParser, *dests: str, named=(), blend=()) -> None:
     """Marks the settings whose values are paths: given in a --config file, a relative one is
     relative to the file's folder (as paths in a Makefile or a pyproject.toml are), so that a
     config file works from any working directory; on the command line, to the working directory.
-    A value NAME=PATH (a named --data source, a --valid file) keeps its NAME; a number (a --data
-    blend's weight) is no path."""
+    `named`: each value PATH or NAME=PATH (tupe-finetune's --valid), the NAME kept (an '=' after
+    a '/' is part of the path); `blend`: --data's one folder, or weights and folders in turn,
+    each folder as a `named` one."""
     actions = {action.dest: action for action in parser._actions}
-    for dest in dests:
-        actions[dest].relative_to_config = True  # KeyError: a dest the parser does not have
+    for kind, kind_dests in ((PATH, dests), (NAMED, named), (BLEND, blend)):
+        for dest in kind_dests:
+            actions[dest].path_kind = kind  # KeyError: a dest the parser does not have
 
 
-def relative_to(folder: str, value):
-    """A --config file's `value` of a path setting, made relative to `folder` (see paths)."""
+def relative_to(folder: str, value, kind: str = PATH):
+    """A `kind` path setting's `value`, a relative path in it taken as relative to `folder` (see
+    paths); ValueError where that path does not exist but the same path from the working
+    directory does: a config file written before its paths were the file's."""
     if isinstance(value, list):
-        return [relative_to(folder, item) for item in value]
+        if kind == BLEND and len(value) > 1:  # weight, folder, weight, folder...
+            return [item if i % 2 == 0 else relative_to(folder, item, NAMED)
+                    for i, item in enumerate(value)]
+        return [relative_to(folder, item, NAMED if kind == BLEND else kind) for item in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # out = 2024: a folder
     if not isinstance(value, str) or not value:
         return value
-    try:
-        float(value)
-        return value  # a blend's weight
-    except ValueError:
-        pass
     name, separator, path = value.partition("=")
-    if separator and name and os.sep not in name:
+    if kind != PATH and separator and name and os.sep not in name:
         return f"{name}={relative_to(folder, path)}"
     path = os.path.expanduser(value)
-    return os.path.normpath(path if os.path.isabs(path) else os.path.join(folder, path))
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    resolved = os.path.normpath(os.path.join(folder, path))
+    if not os.path.exists(resolved) and os.path.exists(path) and \
+            os.path.abspath(path) != resolved:
+        raise ValueError(f"{value!r} is relative to the file's folder, {folder}, where "
+                         f"{resolved} is not; {os.path.abspath(path)} (from the working "
+                         f"directory) is: write that path, or one relative to {folder}")
+    return resolved
 
 
 def parse(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Recorded] = None,
@@ -218,15 +233,20 @@ def read_config(parser, flags: dict, path: str) -> dict:
         if action is None:
             close = difflib.get_close_matches(key, by_name, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            if f"--{key}" in getattr(parser, "not_ours", {}):
-                hint = f"; {parser.not_ours[f'--{key}']}"
+            other = "--" + key.replace("_", "-")
+            if other in getattr(parser, "not_ours", {}):
+                hint = f"; {parser.not_ours[other]}"
             parser.error(f"--config {path}: {key} is not a setting of {parser.prog} (keys are "
                          f"its flags without the dashes: {parser.prog} --help){hint}")
         if action.dest in values:
             parser.error(f"--config {path}: {key} sets {action.option_strings[0]} a second time "
                          "(under another of its names)")
-        if getattr(action, "relative_to_config", False):
-            value = relative_to(os.path.dirname(os.path.abspath(path)), value)
+        if hasattr(action, "path_kind"):
+            try:
+                value = relative_to(os.path.dirname(os.path.abspath(path)), value,
+                                    action.path_kind)
+            except ValueError as error:
+                parser.error(f"--config {path}: {key} = {error}")
         values[action.dest] = flag_value(parser, action, f"--config {path}: {key}", value)
     return values
 
@@ -310,8 +330,8 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
         name = action.option_strings[0].lstrip("-")
         value = getattr(args, dest)
         where = sources[dest]
-        if getattr(action, "relative_to_config", False):  # the file read from any folder
-            value = relative_to(os.getcwd(), value)
+        if hasattr(action, "path_kind"):  # the file read from any folder
+            value = relative_to(os.getcwd(), value, action.path_kind)
         if value is None and dest in elsewhere:
             given, place = elsewhere[dest]
             lines.append(f"# {name} = {toml_value(given)}  # not set: {place}")

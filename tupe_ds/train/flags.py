@@ -42,6 +42,9 @@ NOT_OURS = {
     "--hidden-dropout": "--dropout sets the hidden and the attention dropout together",
     "--attention-dropout": "--dropout sets the hidden and the attention dropout together",
     "--tensorboard-dir": "TensorBoard's events go to OUT/tensorboard",
+    "--lr-decay-iters": "the schedule decays to the minimum at --steps (--lr-schedule wsd: over "
+                        "the last --decay-steps)",
+    "--train-samples": "give --steps, optimizer steps (samples divided by the global batch)",
 }
 
 
@@ -196,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
                         "then exit (what slurm/pretrain.sbatch does before starting the tasks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
     p.not_ours = NOT_OURS
-    command_line.paths(p, "data", "ds_config", "out", "index_cache", "init_from")
+    command_line.paths(p, "ds_config", "out", "index_cache", "init_from", blend=["data"])
     return p
 
 
