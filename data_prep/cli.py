@@ -5,7 +5,7 @@
     tupe-prep merge --out data/all data/shard0 data/shard1 data/shard2 data/shard3
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import sys
@@ -14,7 +14,8 @@ import sys
 from data_prep.merge import merge
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.read import InputError
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, entry
+from tupe_ds.tools.errors import CommandRefused
 
 
 def shard(value: str):
@@ -131,7 +132,12 @@ def source_table(sources: dict) -> list:
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("tupe-prep", lambda: prep(argv), errors=(InputError,))
+
+
+def prep(argv) -> int:
+    """tupe-prep's work: the corpus prepared (or, `tupe-prep merge`, shards merged), and what it
+    holds said."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["merge"]:
@@ -146,9 +152,8 @@ def main(argv=None) -> int:
                 del args[name]
             manifest = prepare(PrepConfig(**args))
             output = args["output"]
-    except (InputError, ValueError) as error:
-        print(f"tupe-prep: error: {error}", file=sys.stderr)
-        return 2
+    except ValueError as error:  # here only: a ValueError of the summary is a bug, no refusal
+        raise CommandRefused(str(error)) from None
     print(summary(manifest))
     if manifest["splits"]["valid"]["documents"] == 0:
         print("warning: the valid split is empty (raise --valid-fraction for a validation set)",

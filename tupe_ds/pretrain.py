@@ -17,7 +17,7 @@ file, the newest intact checkpoint (tupe_ds/train/run_folder/files.py). Exit cod
 One job per --out: a second one is refused before any work (tupe_ds/train/run_folder/lock.py).
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 import tupe_ds.tools.third_party_warnings  # noqa: F401  (filters what others warn at import)
 import os
 import signal
@@ -27,7 +27,7 @@ import sys
 def interrupted_while_starting(signum, frame):
     os.write(2, b"tupe-pretrain: SIGINT while starting: nothing was trained, there is nothing to "
                 b"save; run the same command to continue\n")
-    raise SystemExit(130)  # no traceback; main's finally releases run.lock
+    raise SystemExit(130)  # no traceback; pretrain()'s finally releases run.lock
 
 
 if __name__ == "__main__":  # python -m: from before the imports below (StopSignal's in train())
@@ -36,8 +36,8 @@ if __name__ == "__main__":  # python -m: from before the imports below (StopSign
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.machine import doctor
-from tupe_ds.tools import log_lines
-from tupe_ds.tools.errors import Refused, TrainingStopped, Unreadable
+from tupe_ds.tools import entry, log_lines
+from tupe_ds.tools.errors import Refused, TrainingStopped
 from tupe_ds.train.checkpoint import resume, safe_load
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import train
@@ -45,20 +45,18 @@ from tupe_ds.train.progress import processes
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("tupe-pretrain", lambda: pretrain(argv), errors=(Refused,))
+
+
+def pretrain(argv) -> int:
+    """Checks the run (load: a Refused, or an Unreadable run folder, every rank alike, before
+    any process group), then trains it or, with --check-only, says what a start would do."""
     signal.signal(signal.SIGINT, interrupted_while_starting)  # tupe-pretrain's entry point
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     log_lines.show(int(os.environ.get("RANK", "0")))  # rank 0 says the start's lines, every rank errors
     safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock
-    try:
-        run = load(argv, take_lock=first_rank())
-    except Refused as refused:  # its message says what to change
-        print(f"tupe-pretrain: error: {refused}", file=sys.stderr, flush=True)
-        return 2
-    except Unreadable as unreadable:  # every rank reads the run folder before the launch
-        print(f"tupe-pretrain: {unreadable}", file=sys.stderr, flush=True)
-        return 3
+    run = load(argv, take_lock=first_rank())
     try:
         return run_or_check(run, launcher)
     finally:

@@ -15,7 +15,7 @@ what is unfinished and starts nothing that is done. List flags take their values
 space-separated, or comma-separated as earlier versions did (--seeds 1,2,3).
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.errors import CompareError
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
@@ -36,7 +36,7 @@ from tupe_ds.finetune.flags import DEFAULT_GLOBAL_BATCH, list_of, positive
 from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.machine.doctor import probe
 from tupe_ds.model.config import ENCODINGS
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, entry
 
 
 def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -212,52 +212,51 @@ def plan_and_index(command: str, rest: list, count) -> tuple:
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("tupe-compare", lambda: compare(argv), errors=(CompareError,))
+
+
+def compare(argv) -> int:
+    """tupe-compare's work: its first argument's command (plan, run, report, and the Slurm array
+    tasks' run-flags, finetune-flags, finetune-ended); 1 where a run or fine-tune failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("run", "plan", "report", "run-flags", "finetune-flags", "finetune-ended")
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
-        print(f"tupe-compare: error: the first argument is one of {', '.join(commands)}",
-              file=sys.stderr)
-        return 2
+        raise CompareError(f"the first argument is one of {', '.join(commands)}")
     command, rest = argv[0], argv[1:]
-    try:
-        if command == "plan":  # what slurm/submit_compare.sh runs before submitting the arrays
-            plan, _ = planned("tupe-compare plan", rest)
-            print(f"{len(plan.runs)} runs planned in {plan.out}: "
-                  + ", ".join(run.name for run in plan.runs))
-            if plan.tasks:
-                print(f"{len(plan.finetunes)} fine-tunes planned: each run on "
-                      + ", ".join(plan.tasks))
-            return 0
-        if command == "run-flags":  # OUT INDEX: one Slurm array task's tupe-pretrain flags
-            plan, index = plan_and_index(command, rest, lambda plan: len(plan.runs))
-            print("\n".join(plan.pretrain_argv(plan.runs[index])))
-            return 0
-        if command == "finetune-flags":  # OUT INDEX: a fine-tune array task's, after the export
-            plan, index = plan_and_index(command, rest, lambda plan: len(plan.finetunes))
-            with contextlib.redirect_stdout(sys.stderr):  # the export's messages: not flags
-                flags = finetune_flags(plan, index)
-            print("\n".join(flags))
-            return 0
-        if command == "finetune-ended":  # OUT INDEX EXIT LOG: a fine-tune array task's end
-            plan, index = plan_and_index(command, rest[:2], lambda plan: len(plan.finetunes))
-            if len(rest) != 4 or not rest[2].isdigit():
-                raise CompareError("usage: tupe-compare finetune-ended OUT INDEX EXIT LOG")
-            record_status(plan.out, status_name(*plan.finetunes[index]), int(rest[2]), rest[3])
-            return 0
-        if command == "report":
-            if len(rest) != 1:
-                raise CompareError("usage: tupe-compare report OUT")
-            plan = read_plan(os.path.abspath(rest[0]))
-            exits = {}
-        else:
-            plan, launcher = planned("tupe-compare run", rest)
-            exits = run_all(plan, launcher)
-        report = write_report(plan)
-    except CompareError as error:
-        print(f"tupe-compare: error: {error}", file=sys.stderr)
-        return 2
+    if command == "plan":  # what slurm/submit_compare.sh runs before submitting the arrays
+        plan, _ = planned("tupe-compare plan", rest)
+        print(f"{len(plan.runs)} runs planned in {plan.out}: "
+              + ", ".join(run.name for run in plan.runs))
+        if plan.tasks:
+            print(f"{len(plan.finetunes)} fine-tunes planned: each run on "
+                  + ", ".join(plan.tasks))
+        return 0
+    if command == "run-flags":  # OUT INDEX: one Slurm array task's tupe-pretrain flags
+        plan, index = plan_and_index(command, rest, lambda plan: len(plan.runs))
+        print("\n".join(plan.pretrain_argv(plan.runs[index])))
+        return 0
+    if command == "finetune-flags":  # OUT INDEX: a fine-tune array task's, after the export
+        plan, index = plan_and_index(command, rest, lambda plan: len(plan.finetunes))
+        with contextlib.redirect_stdout(sys.stderr):  # the export's messages: not flags
+            flags = finetune_flags(plan, index)
+        print("\n".join(flags))
+        return 0
+    if command == "finetune-ended":  # OUT INDEX EXIT LOG: a fine-tune array task's end
+        plan, index = plan_and_index(command, rest[:2], lambda plan: len(plan.finetunes))
+        if len(rest) != 4 or not rest[2].isdigit():
+            raise CompareError("usage: tupe-compare finetune-ended OUT INDEX EXIT LOG")
+        record_status(plan.out, status_name(*plan.finetunes[index]), int(rest[2]), rest[3])
+        return 0
+    if command == "report":
+        if len(rest) != 1:
+            raise CompareError("usage: tupe-compare report OUT")
+        plan = read_plan(os.path.abspath(rest[0]))
+        exits = {}
+    else:
+        plan, launcher = planned("tupe-compare run", rest)
+        exits = run_all(plan, launcher)
+    report = write_report(plan)
     print(summary(report))
     print("\n".join(headline(report)))
     print(f"report: {os.path.join(plan.out, 'report.md')} (and report.json, figures/)")

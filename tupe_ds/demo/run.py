@@ -9,7 +9,7 @@ The tiny model's settings are TINY_MODEL_SETTINGS, on the corpus prepared with a
 vocabulary of 8,192, 300 steps) it learned word frequencies and nothing else.
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import os
 import re
@@ -19,7 +19,7 @@ import sys
 from tupe_ds.demo.report import report
 from tupe_ds.distributed.launchers import launch
 from tupe_ds.machine import doctor
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, entry
 from tupe_ds.tools.errors import Refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,7 +65,11 @@ def train(command: list) -> int:
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("demo", lambda: demo(argv), errors=(Refused,))
+
+
+def demo(argv) -> int:
+    """The demo's work: the tiny model trained (train), then its report; train's exit code."""
     p = command_line.Parser(prog="python -m tupe_ds.demo.run",
                                 description=__doc__.split("\n")[0], allow_abbrev=False)
     add_verbose_flag(p)
@@ -83,12 +87,8 @@ def main(argv=None) -> int:
         *TINY_MODEL_SETTINGS, "--eval-interval", "250", "--save-interval", "500",
         "--image-interval", "500", "--log-interval", "100",
         "--allow-training-changes"], train)  # DEMO_STEPS trains on: its decay moves, said
-    if code == 0:
-        try:
-            print(report(args.out, args.data), flush=True)
-        except Refused as refused:  # its data's index cache, as tupe-pretrain checks it
-            print(f"demo: error: {refused}", file=sys.stderr)
-            return 2
+    if code == 0:  # report's Refused: its data's index cache, as tupe-pretrain checks it
+        print(report(args.out, args.data), flush=True)
     return code
 
 

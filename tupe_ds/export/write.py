@@ -18,7 +18,7 @@ discriminator (the network to fine-tune) or, for transformers, the generator.
 installed).
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.errors import ExportError
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import os
@@ -28,10 +28,10 @@ from typing import Optional
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.export.consolidate import consolidated_state, files_named, network_state
 from tupe_ds.export.formats import FORMATS, save_exported
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, entry
 from tupe_ds.tools.files import file_digest
 from tupe_ds.train.run_folder import description as folder_description
-from tupe_ds.train.checkpoint import manifest, reads, safe_load
+from tupe_ds.train.checkpoint import manifest, safe_load
 from tupe_ds.train.checkpoint.folder import latest_step, survey, tag_of
 from tupe_ds.train.checkpoint.reshard import saved_layout
 
@@ -128,7 +128,11 @@ def check_tokenizer(path: str, step_dir: str) -> None:
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("tupe-export", lambda: export_command(argv), errors=(ExportError,))
+
+
+def export_command(argv) -> int:
+    """tupe-export's work: the checkpoint written as --out (export), and what it holds said."""
     p = command_line.Parser(prog="tupe-export", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     command_line.add_config_flags(p)
@@ -144,15 +148,8 @@ def main(argv=None) -> int:
                    default="discriminator", help="the ELECTRA network to export (generator: hf)")
     command_line.paths(p, "out", "tokenizer")
     args = command_line.parse(p, argv)
-    try:
-        step_dir = export(args.checkpoint, args.out, args.format, args.electra_network,
-                          args.tokenizer)
-    except ExportError as error:
-        print(f"tupe-export: error: {error}", file=sys.stderr)
-        return 2
-    except reads.Unreadable as error:  # the filesystem, not the checkpoint: nothing was written
-        print(f"tupe-export: {error}", file=sys.stderr)
-        return 3
+    # reads.Unreadable: the filesystem, not the checkpoint; nothing was written (entry.run, exit 3)
+    step_dir = export(args.checkpoint, args.out, args.format, args.electra_network, args.tokenizer)
     print(f"exported {step_dir} -> {args.out} ({', '.join(sorted(os.listdir(args.out)))})")
     end_distributed()
     return 0

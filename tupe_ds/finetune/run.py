@@ -15,8 +15,9 @@ seed, the medians) and results.md / results.json: the best of every task fine-tu
 while it trains, TASK.log.jsonl and tensorboard/TASK/ (monitor.py).
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
-from tupe_ds.tools.errors import BatchSizeError, ExportError, NotRegularFile, TaskBusy, TaskDataError
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
+from tupe_ds.tools.errors import (BatchSizeError, CommandRefused, ExportError, NotRegularFile,
+                                  TaskBusy, TaskDataError)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import os
@@ -39,7 +40,7 @@ from tupe_ds.finetune.progress import Progress, finetune_settings, finished, hol
 from tupe_ds.finetune.report import write_reports
 from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, read_examples
 from tupe_ds.model.layers import embed
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, entry
 from tupe_ds.train.optim import parameter_groups
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]
@@ -211,7 +212,12 @@ def given_by_task(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("tupe-finetune", lambda: finetune(argv))
+
+
+def finetune(argv) -> int:
+    """tupe-finetune's work: the inputs checked (each error there a CommandRefused), then every
+    learning rate and seed of the grid not done before fine-tuned, and the task's reports."""
     args = command_line.parse(parser(), argv, unset=given_by_task)
     launch.discover()
     task = TASKS[args.task]
@@ -246,9 +252,8 @@ def main(argv=None) -> int:
             held = hold(args.out, task.name)  # noqa: F841  (held until the process ends)
             keep_only(args.out, task.name, Progress(args.out, task.name, settings, True).results)
     except (BatchSizeError, TaskDataError, ExportError, FileNotFoundError, TaskBusy,
-            NotRegularFile) as error:
-        print(f"tupe-finetune: error: {error}", file=sys.stderr)
-        return 2
+            NotRegularFile) as error:  # here only: the same raised mid-run stays a traceback
+        raise CommandRefused(str(error)) from None
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = accelerator_device()  # before any process group: see end_distributed

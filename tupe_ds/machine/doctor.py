@@ -16,7 +16,7 @@ ephemeral range (tupe_ds/machine/cluster_check.py). Exit code 1 when a finding w
 run.
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import json
 import os
@@ -29,7 +29,8 @@ from tupe_ds.machine.cluster_check import slurm_report
 from tupe_ds.machine.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, is_stale, lock_text
 from tupe_ds.machine.findings import Finding
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, entry
+from tupe_ds.tools.errors import CommandRefused
 
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
 FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
@@ -203,7 +204,12 @@ def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("tupe-doctor", lambda: check_machine(argv))
+
+
+def check_machine(argv) -> int:
+    """tupe-doctor's work: this machine probed and checked (with --slurm, the job's nodes too),
+    the report said; 1 where a finding is fatal."""
     p = command_line.Parser(prog="tupe-doctor", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     command_line.add_config_flags(p)
@@ -220,9 +226,8 @@ def main(argv=None) -> int:
     machine = probe()
     try:
         findings = all_findings(machine, args.ds_config, args.nproc)
-    except (OSError, json.JSONDecodeError) as error:
-        print(f"tupe-doctor: error: --ds-config {args.ds_config}: {error}", file=sys.stderr)
-        return 2
+    except (OSError, json.JSONDecodeError) as error:  # here only: --ds-config's read
+        raise CommandRefused(f"--ds-config {args.ds_config}: {error}") from None
     if args.slurm:
         backend = "nccl" if machine.accelerator == "cuda" and machine.gpus else "gloo"
         lines, slurm_findings = slurm_report(os.environ, backend, args.data, args.out)

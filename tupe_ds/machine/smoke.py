@@ -7,7 +7,7 @@ Every model sees the same fixed masked-LM batch, so the loss must fall as it mem
 that does not fall, or is not finite, makes the command exit non-zero.
 """
 
-from tupe_ds.tools import startup  # first: the collector paused while libraries import
+from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import logging
@@ -23,7 +23,7 @@ from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.model import ENCODINGS, PRESETS, build_model
 from tupe_ds.model.config import COMPILE
-from tupe_ds.tools import command_line, log_lines
+from tupe_ds.tools import command_line, entry, log_lines
 
 MASK_PROBABILITY = 0.15
 
@@ -68,7 +68,11 @@ def train(encoding: str, args) -> dict:
 
 
 def main(argv=None) -> int:
-    startup.resume_collector()
+    return entry.run("tupe-smoke", lambda: smoke(argv))
+
+
+def smoke(argv) -> int:
+    """tupe-smoke's work: each encoding trained a few steps; 1 where its loss did not fall."""
     parser = command_line.Parser(prog="tupe-smoke", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      allow_abbrev=False)

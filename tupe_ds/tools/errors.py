@@ -4,8 +4,9 @@ module below the commands ends a process.
 
 tupe-pretrain's codes: Refused is exit 2 (the command, or what its folders hold, is refused; the
 message says what to change), TrainingStopped exit 3 (the run stopped itself; the message says
-why, and where a file is at fault the newest intact checkpoint). The other commands end each of
-their own errors with exit code 1 and its message."""
+why, and where a file is at fault the newest intact checkpoint). Every command's main() is
+tools/entry.py's run: its own refusals (CompareError, ExportError, ...; CommandRefused) exit 2
+with `PROG: error: MESSAGE`, Unreadable exit 3 with `PROG: MESSAGE`."""
 
 import os
 from typing import Optional
@@ -98,6 +99,13 @@ class NotALockFile(OSError):
 
 
 # --- the other commands --------------------------------------------------------------------------
+
+class CommandRefused(Exception):
+    """What a person gave a command, refused where the command checks it (the message says what
+    to change): tools/entry.py says it as `PROG: error: MESSAGE`, exit code 2. A command raises
+    it from the broad classes its checks meet (OSError, ValueError), so that the same class
+    raised later, a bug mid-run, stays a traceback."""
+
 
 class CompareError(Exception):
     """tupe-compare: a comparison that cannot be planned or go on, and what to change."""

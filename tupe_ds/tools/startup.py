@@ -9,7 +9,7 @@ launch of every rank pays it, and the test suite launches hundreds. So a command
 
 - pauses the collector from its first import to the first line of its main()
   (`pause_collector`, at the import of this module, which the command imports first;
-  `resume_collector`, in main);
+  `resume_collector`, first in main, by tools/entry.py);
 - then freezes what was imported (gc.freeze: the modules live as long as the process; the
   collections during training no longer walk them) and turns the collector back on;
 - freezes everything at exit, so that the teardown frees objects without walking them.
