@@ -15,7 +15,6 @@ import time
 from typing import List, Sequence
 
 import numpy as np
-import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tupe_ds.tools.progress_bar import Bar
 
@@ -156,8 +155,9 @@ def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
             for doc in np.flatnonzero(kept):
                 first, last = documents[doc], documents[doc + 1]
                 tokens = np.concatenate([dataset[i] for i in range(first, last)])
-                builder.add_document(torch.from_numpy(tokens.astype(np.int64)),
-                                     lengths[first:last].tolist())
+                # the array as it is: megatron-core converts it to the builder's dtype (a
+                # torch tensor there makes numpy warn that its __array__ takes no copy=)
+                builder.add_document(tokens, lengths[first:last].tolist())
                 progress.update()
         starts, ends = documents[:-1][kept], documents[1:][kept]
         counts[-1]["sentences"] = int((ends - starts).sum())
