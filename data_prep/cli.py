@@ -8,6 +8,7 @@
 from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
+import logging
 import sys
 
 # megatron-core's import says, once per process, that it falls back from Apex/TE: not our news.
@@ -16,6 +17,8 @@ from data_prep.pipeline import PrepConfig, prepare
 from data_prep.read import InputError
 from tupe_ds.tools import command_line, entry
 from tupe_ds.tools.errors import CommandRefused
+
+logger = logging.getLogger(__name__)
 
 
 def shard(value: str):
@@ -154,11 +157,11 @@ def prep(argv) -> int:
             output = args["output"]
     except ValueError as error:  # here only: a ValueError of the summary is a bug, no refusal
         raise CommandRefused(str(error)) from None
-    print(summary(manifest))
+    logger.info(summary(manifest))
     if manifest["splits"]["valid"]["documents"] == 0:
-        print("warning: the valid split is empty (raise --valid-fraction for a validation set)",
-              file=sys.stderr)
-    print(f"wrote {output}/{{train,valid}}.{{bin,idx}}, tokenizer.json, manifest.json")
+        logger.warning("warning: the valid split is empty (raise --valid-fraction for a validation "
+                       "set)")
+    logger.info(f"wrote {output}/{{train,valid}}.{{bin,idx}}, tokenizer.json, manifest.json")
     return 0
 
 

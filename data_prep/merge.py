@@ -8,9 +8,9 @@ that loses documents is copied document by document without them. `filter_agains
 same to one run's own output (tupe-prep --dedup-against).
 """
 
+import logging
 import os
 import shutil
-import sys
 import time
 from typing import List, Sequence
 
@@ -24,6 +24,8 @@ from data_prep.near import ShingleFile, lsh_shape, write_shingles
 from data_prep.output import (SPLITS, check_cleaning_versions, cleaning_version, publish,
                               read_manifest, work_folder)
 from tupe_ds.tools.files import file_digest
+
+logger = logging.getLogger(__name__)
 
 SUMMED = ("documents_in", "empty_dropped", "short_dropped", "exact_duplicates_removed",
           "near_duplicates_removed", "invalid_utf8_lines", "bad_lines_skipped", "bytes_in")
@@ -82,8 +84,8 @@ def near_settings(folders: Sequence[str], manifests: List[dict], against: Sequen
                              + ", ".join(f"{folder} has --dedup {configs[folder].get('dedup', '?')}"
                                          for folder in without))
         if len(without) < len(configs):
-            print(f"merge: near duplicates across the folders are not removed, exact ones only: "
-                  f"{', '.join(without)} had no --dedup minhash", file=sys.stderr)
+            logger.warning(f"merge: near duplicates across the folders are not removed, exact ones "
+                           f"only: {', '.join(without)} had no --dedup minhash")
         return None
     settings = {tuple(c.get(name) for name in NEAR_SETTINGS[1:]) for c in configs.values()}
     if len(settings) != 1:

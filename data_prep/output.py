@@ -6,12 +6,15 @@ keys (CLEANING_VERSION), and folders of different versions are not de-duplicated
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 
 from tupe_ds.tools.files import locked, write_atomically
 from tupe_ds.tools.lock import (HOLDER_SUFFIX, describe, gone_because, lock_content,
                                 parse_holder, same_machine, this_holder)
+
+logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid")  # OUTPUT/{train,valid}.{bin,idx,keys.npy} and near-duplicate files
 WORK_DIR = ".tmp-prep"  # a run's work folder is OUTPUT/.tmp-prep.HOST.PID.TOKEN
@@ -126,9 +129,9 @@ def remove_abandoned_work(output: str) -> None:
         if name.endswith(HOLDER_SUFFIX):
             judge_work(folder[:-len(HOLDER_SUFFIX)])
         elif os.path.isdir(folder) and not os.path.exists(folder + HOLDER_SUFFIX):
-            print(f"tupe-prep: left {folder}: no record of the run that wrote it beside it (an "
-                  "earlier version's work folder?); remove it once no tupe-prep run writes it",
-                  flush=True)
+            logger.info(f"tupe-prep: left {folder}: no record of the run that wrote it beside it "
+                        "(an earlier version's work folder?); remove it once no tupe-prep run "
+                        "writes it")
 
 
 def judge_work(folder: str) -> None:
@@ -141,12 +144,12 @@ def judge_work(folder: str) -> None:
     why = gone_because(holder, lease_age=0.0)
     if why:
         remove_work(folder)
-        print(f"tupe-prep: removed {folder}, {run}: {why}", flush=True)
+        logger.info(f"tupe-prep: removed {folder}, {run}: {why}")
     else:
         where = ("a live process of this machine" if same_machine(holder) else
                  "which may still be running on another machine; remove it once that process "
                  "has ended")
-        print(f"tupe-prep: left {folder}, {run}, {where}", flush=True)
+        logger.info(f"tupe-prep: left {folder}, {run}, {where}")
 
 
 def publish(work: str, output: str, manifest: dict) -> None:

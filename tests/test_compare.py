@@ -285,7 +285,7 @@ def test_a_failed_run_is_reported_and_the_others_go_on(data, tmp_path, monkeypat
             "--steps", "4", "--nproc", "1", *TINY]
     assert cli.main(argv) == 1
     printed = capsys.readouterr()
-    assert "bert-a-seed1: FAILED with exit code 3" in printed.out
+    assert "bert-a-seed1: FAILED with exit code 3" in printed.err
     assert "1 run(s) or fine-tune(s) failed: bert-a-seed1;" in printed.err
     made = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert [r["state"] for r in made["runs"]] == ["failed (exit 3)", "complete"]
@@ -322,7 +322,7 @@ def test_a_failed_fine_tune_is_recorded_and_the_others_go_on(data, tmp_path, mon
     printed = capsys.readouterr()
     assert started == [("bert-a-seed1", "sst2"), ("bert-a-seed1", "stsb"),
                        ("rope-seed1", "sst2"), ("rope-seed1", "stsb")]
-    assert "bert-a-seed1/stsb: FAILED with exit code 3" in printed.out
+    assert "bert-a-seed1/stsb: FAILED with exit code 3" in printed.err
     assert "2 run(s) or fine-tune(s) failed: bert-a-seed1/stsb, rope-seed1/stsb" in printed.err
     states = json.loads((out / "report.json").read_text())["finetune"]["states"]
     assert states == {"bert-a-seed1/sst2": "not done", "bert-a-seed1/stsb": "failed (exit 3)",

@@ -272,6 +272,42 @@ def test_print_config_works_without_the_required_settings_and_shows_the_tasks_va
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, argv, line", [
+    ("tupe_ds.export.write", [], '# out = (not set)  # required: give it'),
+    ("data_prep.cli", ["merge"], "quiet = false  # default"),
+])
+def test_print_config_works_without_the_positional_arguments(capsys, command, argv, line):
+    """tupe-export's CHECKPOINT and tupe-prep merge's SHARD_DIRs: not settings, not needed to
+    print them; still required without --print-config."""
+    main = __import__(command, fromlist=["main"]).main
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--print-config"])
+    assert exit_.value.code == 0
+    assert line in capsys.readouterr().out.splitlines()
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "the following arguments are required" in capsys.readouterr().err
+
+
+def test_compare_prints_and_reads_the_flags_it_passes_to_tupe_pretrain(tmp_path, capsys):
+    """tupe-compare's unknown flags go to every run: --print-config lists them as pretrain-flags,
+    a file's come first, the command line's after (so they win)."""
+    from tupe_ds.compare import cli
+
+    argv = ["plan", "--data", "d", "--encodings", "rope", "--steps", "4", "--model", "tiny",
+            "--out", "o"]
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--lr", "1e-3", "--seq-len", "64", "--print-config"])
+    printed = capsys.readouterr().out
+    assert 'pretrain-flags = ["--lr", "1e-3", "--seq-len", "64"]  # command line' in printed
+    config = write(tmp_path / "c.toml", printed)
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--config", config, "--lr", "2e-3", "--print-config"])
+    assert (f'pretrain-flags = ["--lr", "1e-3", "--seq-len", "64", "--lr", "2e-3"]  # {config}, '
+            "then the command line") in capsys.readouterr().out.splitlines()
+
+
 def test_shape_flags_change_the_preset_and_are_checked(data, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     common = ["--data", data, "--ds-config", CPU_CONFIG, "--steps", "2", "--seq-len", "64"]
@@ -326,6 +362,42 @@ def test_recorded_settings_are_absolute_and_one_shot_flags_are_not_recorded(tmp_
                                                    "--ds-config", "c", "--steps", "5"],
                                   recorded=recorded_settings.of_run_folder)
     assert complete.mask_split == (0.7, 0.2) and complete.data == ["d"]
+
+
+def test_a_recorded_value_this_version_refuses_is_overridden_by_the_command(tmp_path, capsys):
+    """A history holding a value no flag takes (written by hand, or by another version) does not
+    lock the run: the command's own value is taken, and without one the refusal says the flag."""
+    os.makedirs(tmp_path / "run")
+    history.append(str(tmp_path / "run"), [], [history.record(
+        "attempt", lineage="L", settings={"lr_schedule": "constant", "steps": 3})])
+    argv = ["--out", str(tmp_path / "run"), "--data", "d", "--ds-config", "c"]
+    args = command_line.parse(flags.parser(), [*argv, "--lr-schedule", "wsd"],
+                              recorded=recorded_settings.of_run_folder)
+    assert args.lr_schedule == "wsd" and args.steps == 3
+    with pytest.raises(SystemExit):
+        command_line.parse(flags.parser(), argv, recorded=recorded_settings.of_run_folder)
+    said = capsys.readouterr().err
+    assert "lr_schedule = 'constant': choose one of" in said
+    assert "; give --lr-schedule to set it anew" in said
+
+
+def test_config_paths_expand_variables_and_print_config_stays_toml(tmp_path, monkeypatch,
+                                                                    capsys):
+    """$VARIABLES expand as ~ does; --print-config of a name TOML cannot hold (bytes that are no
+    UTF-8, DEL) is still a TOML file."""
+    import tomllib
+
+    monkeypatch.setenv("TUPE_TEST_RUNS", str(tmp_path / "runs"))
+    config = write(tmp_path / "c.toml", 'out = "$TUPE_TEST_RUNS/large"\n')
+    assert pretrain_args(["--config", config, "--data", "d", "--ds-config", "c", "--steps",
+                          "3"]).out == str(tmp_path / "runs" / "large")
+    odd = os.fsdecode(b"/tmp/run-\xff") + "\x7f"
+    with pytest.raises(SystemExit):
+        pretrain_args(["--out", odd, "--data", "/tmp/del\x7f", "--print-config"])
+    printed = capsys.readouterr().out
+    settings = tomllib.loads(printed)
+    assert settings["data"] == ["/tmp/del\x7f"] and "out" not in settings
+    assert "# out = (bytes that are not UTF-8 text" in printed
 
 
 @pytest.mark.slow

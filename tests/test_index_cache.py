@@ -52,6 +52,8 @@ def opening_process(prefix, cache, seq_len, before=""):
         "import time, numpy as np",
         "import tupe_ds.data.index_cache as index_cache",
         "import tupe_ds.data.packing as packing",
+        "from tupe_ds.tools import log_lines",
+        "log_lines.show(rank=0)",  # the lines a command shows
         before,
         f"packed = packing.PackedSentences({prefix!r}, {seq_len}, {CLS}, {SEP}, {cache!r})",
         "print('samples:', len(packed), flush=True)"])

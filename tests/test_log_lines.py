@@ -56,3 +56,12 @@ def test_print_config_stays_a_config_file_when_the_run_folder_warns(data, tmp_pa
     printed = capsys.readouterr()
     assert tomllib.loads(printed.out)["steps"] == 6
     assert "holds the settings of a run of a tupe_ds before 2026-11-29" in printed.err
+
+
+def test_a_command_shows_its_lines_as_its_launchers_rank_before_discovery():
+    from tupe_ds.tools.entry import launcher_rank
+
+    assert launcher_rank({}) == 0 and launcher_rank({"RANK": "1", "SLURM_PROCID": "3"}) == 1
+    assert launcher_rank({"SLURM_STEP_ID": "0", "SLURM_PROCID": "3"}) == 3
+    assert launcher_rank({"SLURM_PROCID": "3"}) == 0  # the batch script, not a task of a step
+    assert launcher_rank({"OMPI_COMM_WORLD_RANK": "2"}) == launcher_rank({"PMI_RANK": "2"}) == 2

@@ -19,6 +19,7 @@ One job per --out: a second one is refused before any work (tupe_ds/train/run_fo
 
 from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 import tupe_ds.tools.third_party_warnings  # noqa: F401  (filters what others warn at import)
+import logging
 import os
 import signal
 import sys
@@ -36,12 +37,14 @@ if __name__ == "__main__":  # python -m: from before the imports below (StopSign
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.machine import doctor
-from tupe_ds.tools import entry, log_lines
+from tupe_ds.tools import entry
 from tupe_ds.tools.errors import Refused, TrainingStopped
 from tupe_ds.train.checkpoint import resume, safe_load
 from tupe_ds.train.config import load
 from tupe_ds.train.loop import train
 from tupe_ds.train.progress import processes
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv=None) -> int:
@@ -53,7 +56,6 @@ def pretrain(argv) -> int:
     any process group), then trains it or, with --check-only, says what a start would do."""
     signal.signal(signal.SIGINT, interrupted_while_starting)  # tupe-pretrain's entry point
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
-    log_lines.show(int(os.environ.get("RANK", "0")))  # rank 0 says the start's lines, every rank errors
     safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock
     run = load(argv, take_lock=first_rank())
@@ -73,21 +75,22 @@ def run_or_check(run, launcher: str) -> int:
         machine = doctor.probe()
         findings = doctor.all_findings(machine, run.ds_config_path,
                                        launch.processes_on_this_node(), ds_config=run.ds_config)
-        print(doctor.report(machine, findings))
+        logger.info(doctor.report(machine, findings))
         auto = (" (auto: probed at the start, or kept from OUT/run.json when it resumes a "
                 "checkpoint of the run on the same layout)" if run.batch_split.micro_batch is None
                 else "")
-        print(f"tupe-pretrain: configuration OK for {processes(run.world_size)} ({run.layout}), "
-              f"{run.batch_split}{auto}")
+        logger.info(f"tupe-pretrain: configuration OK for {processes(run.world_size)} "
+                    f"({run.layout}), {run.batch_split}{auto}")
         for line in run.resume_plan.notes if run.resume_plan else ():
-            print(line)  # what a start would say: a consent spent, the history made again
+            logger.info(line)  # what a start would say: a consent spent, the history made again
         for line in resume.what_is_where(run.out, run.resume_plan, run.init_plan):
-            print(f"tupe-pretrain: {line}")
+            logger.info(f"tupe-pretrain: {line}")
         plan = run.resume_plan
         if plan and plan.candidates and plan.candidates[0] >= run.steps:
             where = "at" if plan.candidates[0] == run.steps else "past"
-            print(f"tupe-pretrain: {plan.tag} is {where} --steps {run.steps}: resuming it, a run "
-                  "would train nothing and say the run's summary (a larger --steps trains on)")
+            logger.info(f"tupe-pretrain: {plan.tag} is {where} --steps {run.steps}: resuming it, "
+                        "a run would train nothing and say the run's summary (a larger --steps "
+                        "trains on)")
         return 0
     said, code = None, 0
     try:

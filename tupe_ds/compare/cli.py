@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sys
 
@@ -38,11 +39,14 @@ from tupe_ds.machine.doctor import probe
 from tupe_ds.model.config import ENCODINGS
 from tupe_ds.tools import command_line, entry
 
+logger = logging.getLogger(__name__)
+
 
 def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = command_line.Parser(prog=prog, description=description, allow_abbrev=False,
                                 epilog="Other flags (--ds-config, --seq-len, --global-batch, "
-                                       "--lr, --eval-interval, ...) go to every tupe-pretrain run.")
+                                       "--lr, --eval-interval, ...) go to every tupe-pretrain run, "
+                                       "after --pretrain-flags.")
     add_verbose_flag(p)
     command_line.add_config_flags(p)
     p.add_argument("--data", required=True, nargs="+", metavar="FOLDER | W1 FOLDER1 W2 ...",
@@ -64,6 +68,10 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int,
                    help="processes (GPUs) per run (default: this machine's GPUs, else 1)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
+    p.add_argument("--pretrain-flags", nargs="*", default=[], metavar="FLAG",
+                   help="tupe-pretrain flags and values for every run, as a list in a --config "
+                        "file (pretrain-flags = [\"--seq-len\", \"128\"]); on the command line "
+                        "give them as they are, among tupe-compare's")
     p.add_argument("--recipe", choices=RECIPES, default="paper",
                    help="paper: the runs train as the flags and --ds-config say; modern: adds 30%% "
                         "masking, a warmup-stable-decay schedule, a batch ramp scaled to the run "
@@ -176,8 +184,9 @@ def make_plan(args, pretrain_flags: list) -> Plan:
 
 def planned(prog: str, argv: list) -> tuple:
     """(Plan, launcher), checked by tupe-pretrain's own rules and saved to OUT/compare.json."""
-    args, pretrain_flags = command_line.parse_known(plan_parser(prog, __doc__.split("\n")[0]),
-                                                    argv)
+    args = command_line.parse(plan_parser(prog, __doc__.split("\n")[0]), argv,
+                              rest_into="pretrain_flags")
+    pretrain_flags = args.pretrain_flags
     try:
         users_port()  # before any run starts
     except ValueError as error:
@@ -185,8 +194,8 @@ def planned(prog: str, argv: list) -> tuple:
     plan = make_plan(args, pretrain_flags)
     plan.check()
     plan.save()
-    for note in plan.recipe.notes:  # on stderr: slurm/submit_compare.sh reads stdout
-        print(f"tupe-compare: --recipe {plan.recipe.name}: {note}", file=sys.stderr)
+    for note in plan.recipe.notes:  # a warning, on stderr: slurm/submit_compare.sh reads stdout
+        logger.warning(f"tupe-compare: --recipe {plan.recipe.name}: {note}")
     return plan, args.launcher
 
 
@@ -226,11 +235,11 @@ def compare(argv) -> int:
     command, rest = argv[0], argv[1:]
     if command == "plan":  # what slurm/submit_compare.sh runs before submitting the arrays
         plan, _ = planned("tupe-compare plan", rest)
-        print(f"{len(plan.runs)} runs planned in {plan.out}: "
-              + ", ".join(run.name for run in plan.runs))
+        logger.info(f"{len(plan.runs)} runs planned in {plan.out}: "
+                    + ", ".join(run.name for run in plan.runs))
         if plan.tasks:
-            print(f"{len(plan.finetunes)} fine-tunes planned: each run on "
-                  + ", ".join(plan.tasks))
+            logger.info(f"{len(plan.finetunes)} fine-tunes planned: each run on "
+                        + ", ".join(plan.tasks))
         return 0
     if command == "run-flags":  # OUT INDEX: one Slurm array task's tupe-pretrain flags
         plan, index = plan_and_index(command, rest, lambda plan: len(plan.runs))
@@ -257,13 +266,13 @@ def compare(argv) -> int:
         plan, launcher = planned("tupe-compare run", rest)
         exits = run_all(plan, launcher)
     report = write_report(plan)
-    print(summary(report))
-    print("\n".join(headline(report)))
-    print(f"report: {os.path.join(plan.out, 'report.md')} (and report.json, figures/)")
+    logger.info(summary(report))
+    logger.info("\n".join(headline(report)))
+    logger.info(f"report: {os.path.join(plan.out, 'report.md')} (and report.json, figures/)")
     failed = [name for name, code in exits.items() if code]
     if failed:
-        print(f"tupe-compare: {len(failed)} run(s) or fine-tune(s) failed: {', '.join(failed)}; "
-              "run the same command again to retry them", file=sys.stderr)
+        logger.error(f"tupe-compare: {len(failed)} run(s) or fine-tune(s) failed: "
+                     f"{', '.join(failed)}; run the same command again to retry them")
         return 1
     return 0
 

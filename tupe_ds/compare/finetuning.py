@@ -10,6 +10,7 @@ recorded in OUT/status.json and the next one starts.
 """
 
 import json
+import logging
 import os
 import re
 import sys
@@ -26,6 +27,8 @@ from tupe_ds.finetune.progress import finetune_settings, finished
 from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.tools.errors import CompareError, ExportError
 from tupe_ds.tools.files import locked
+
+logger = logging.getLogger(__name__)
 
 EPOCH_LINE = re.compile(r"^\S+ lr \S+ seed \S+ epoch \d+/\d+ train loss ")
 REUSED_LINE = re.compile(r"^\S+ lr \S+ seed \S+: done before ")
@@ -103,14 +106,14 @@ def finetune_run(plan: Plan, run: Run, launcher: str, position: str) -> dict:
         with open(log, "a") as f:
             f.write(f"tupe-export: error: {error}\n")
         record_status(plan.out, f"{run.name}/export", 1, log)
-        print(f"{position} {run.name}: FAILED to export ({error}); its fine-tunes are not "
-              "started; going on with the others", flush=True)
+        logger.error(f"{position} {run.name}: FAILED to export ({error}); its fine-tunes are not "
+                     "started; going on with the others")
         return {f"{run.name}/export": 1}
     exits = {}
     for task in plan.tasks:
         name = status_name(run, task)
         if is_finished(plan, run, task):
-            print(f"{position} {name}: fine-tuned before, not started again", flush=True)
+            logger.info(f"{position} {name}: fine-tuned before, not started again")
             continue
         log = os.path.join(plan.out, "logs", f"{run.name}.{task}.log")
         argv = plan.finetune_argv(run, task)
@@ -130,8 +133,8 @@ def finetune_run(plan: Plan, run: Run, launcher: str, position: str) -> dict:
         bar.close()
         record_status(plan.out, name, exits[name], log)
         if exits[name]:
-            print(f"{position} {name}: FAILED with exit code {exits[name]}; see {log}; going on "
-                  "with the others", flush=True)
+            logger.error(f"{position} {name}: FAILED with exit code {exits[name]}; see {log}; "
+                         "going on with the others")
     return exits
 
 

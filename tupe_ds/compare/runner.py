@@ -7,6 +7,7 @@ with the same flags, which resumes it from its latest checkpoint. A failed run i
 OUT/status.json and the next one starts. Each run's output goes to OUT/logs/NAME.log (appended).
 """
 
+import logging
 import os
 import re
 import sys
@@ -17,6 +18,8 @@ from tupe_ds.compare.finetuning import finetune_run
 from tupe_ds.compare.launching import follow, record_status
 from tupe_ds.compare.plan import Plan, Run
 from tupe_ds.distributed.launchers import launcher_command, on_a_free_port
+
+logger = logging.getLogger(__name__)
 
 STEP_LINE = re.compile(r"^step +(\d+)/\d+ \| loss ")  # train/progress.py's line
 RESUMED_LINE = re.compile(r"^resumed at step (\d+) of ")
@@ -55,13 +58,13 @@ def run_all(plan: Plan, launcher: str) -> dict:
         position = f"[{index}/{len(runs)}]"
         done = plan.trained_steps(run)
         if done >= plan.steps:
-            print(f"{position} {run.name}: done ({done} steps), not started again", flush=True)
+            logger.info(f"{position} {run.name}: done ({done} steps), not started again")
         else:
             exits[run.name] = train_run(plan, run, launcher, position)
             if exits[run.name]:
-                print(f"{position} {run.name}: FAILED with exit code {exits[run.name]}; see "
-                      f"{os.path.join(plan.out, 'logs', run.name + '.log')}; going on with the "
-                      "others", flush=True)
+                logger.error(f"{position} {run.name}: FAILED with exit code {exits[run.name]}; "
+                             f"see {os.path.join(plan.out, 'logs', run.name + '.log')}; going on "
+                             "with the others")
         if plan.tasks and plan.trained_steps(run) >= plan.steps:
             exits.update(finetune_run(plan, run, launcher, position))
     return exits

@@ -14,6 +14,7 @@ import functools
 import glob
 import hashlib
 import mmap
+import logging
 import os
 import re
 import time
@@ -23,6 +24,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from tupe_ds.data.index_cache import LOCK_FIX, cached_array, content_digest
 from tupe_ds.tools.files import locked, write_atomically
+from tupe_ds.tools.log_lines import EVERY_RANK
+
+logger = logging.getLogger(__name__)
 
 PACKING_RULE = "full-sentences/1"  # change it whenever pack() would return something else
 
@@ -166,9 +170,10 @@ class PackedSentences:
             cache_folder, f"{name}.document-starts", {"dataset": dataset},
             lambda: np.unique(self.dataset.document_indices[1:-1]))
         if built:
-            print(f"tupe_ds: built the sample index of {prefix} ({len(self)} samples of "
-                  f"{len(self.dataset)} sentences at seq-len {seq_len}) in "
-                  f"{time.time() - started:.1f} s: {self.index_path}", flush=True)
+            logger.info(f"tupe_ds: built the sample index of {prefix} ({len(self)} samples of "
+                        f"{len(self.dataset)} sentences at seq-len {seq_len}) in "
+                        f"{time.time() - started:.1f} s: {self.index_path}",
+                        extra=EVERY_RANK)  # whichever rank built it
 
     def _build(self) -> np.ndarray:
         check_contiguous(self.dataset, self.prefix)

@@ -11,6 +11,7 @@ vocabulary of 8,192, 300 steps) it learned word frequencies and nothing else.
 
 from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
+import logging
 import os
 import re
 import subprocess
@@ -21,6 +22,8 @@ from tupe_ds.distributed.launchers import launch
 from tupe_ds.machine import doctor
 from tupe_ds.tools import command_line, entry
 from tupe_ds.tools.errors import Refused
+
+logger = logging.getLogger(__name__)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_GPUS = 8
@@ -80,7 +83,7 @@ def demo(argv) -> int:
     command_line.paths(p, "out", blend=["data"])
     args = command_line.parse(p, argv)
     processes, config, why = demo_launch(doctor.probe())
-    print(f"demo: {why} ({config})", flush=True)
+    logger.info(f"demo: {why} ({config})")
     code = launch("deepspeed", processes, "tupe_ds.pretrain", [
         "--data", args.data, "--model", "tiny", "--pos-encoding", "tupe-r", "--ds-config",
         os.path.join(ROOT, config), "--out", args.out, "--steps", str(args.steps),
@@ -88,7 +91,7 @@ def demo(argv) -> int:
         "--image-interval", "500", "--log-interval", "100",
         "--allow-training-changes"], train)  # DEMO_STEPS trains on: its decay moves, said
     if code == 0:  # report's Refused: its data's index cache, as tupe-pretrain checks it
-        print(report(args.out, args.data), flush=True)
+        logger.info(report(args.out, args.data))
     return code
 
 

@@ -21,6 +21,7 @@ installed).
 from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.errors import ExportError
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
+import logging
 import os
 import sys
 from typing import Optional
@@ -34,6 +35,8 @@ from tupe_ds.train.run_folder import description as folder_description
 from tupe_ds.train.checkpoint import manifest, safe_load
 from tupe_ds.train.checkpoint.folder import latest_step, survey, tag_of
 from tupe_ds.train.checkpoint.reshard import saved_layout
+
+logger = logging.getLogger(__name__)
 
 
 def find_checkpoint(path: str) -> tuple:
@@ -150,7 +153,7 @@ def export_command(argv) -> int:
     args = command_line.parse(p, argv)
     # reads.Unreadable: the filesystem, not the checkpoint; nothing was written (entry.run, exit 3)
     step_dir = export(args.checkpoint, args.out, args.format, args.electra_network, args.tokenizer)
-    print(f"exported {step_dir} -> {args.out} ({', '.join(sorted(os.listdir(args.out)))})")
+    logger.info(f"exported {step_dir} -> {args.out} ({', '.join(sorted(os.listdir(args.out)))})")
     end_distributed()
     return 0
 

@@ -16,6 +16,7 @@ OUT/TASK.log.redone.jsonl and removes their TensorBoard runs.
 """
 
 import json
+import logging
 import math
 import os
 import re
@@ -30,6 +31,8 @@ from tqdm import tqdm
 from tupe_ds.finetune.progress import Progress
 from tupe_ds.train.progress import clock
 from tupe_ds.tools.files import regular_file, write_atomically
+
+logger = logging.getLogger(__name__)
 
 LOG_POINTS_PER_EPOCH = 20
 # A trial's bar on a terminal: the trial and epoch, how far, then the fields that matter most
@@ -158,11 +161,11 @@ class TrialMonitor:
             self.bar.refresh()
         elif self.epoch_step < self.steps_per_epoch:  # the epoch's line says the rest
             left = tqdm.format_interval((self.steps_per_epoch - self.epoch_step) / rate)
-            print(f"{self.name} step {self.step}/{steps} in epoch {self.epoch} "
-                  f"({self.epoch_step / self.steps_per_epoch:.0%}): loss {running:.4f}, learning "
-                  f"rate now {lr:.3g}, {rate:.2f} steps/s, {left} to the epoch's end; trial "
-                  f"{self.number} of {self.trials}, {grid_left} to the grid's end",
-                  file=self.stream, flush=True)
+            logger.info(f"{self.name} step {self.step}/{steps} in epoch {self.epoch} "
+                        f"({self.epoch_step / self.steps_per_epoch:.0%}): loss {running:.4f}, "
+                        f"learning rate now {lr:.3g}, {rate:.2f} steps/s, {left} to the epoch's "
+                        f"end; trial {self.number} of {self.trials}, {grid_left} to the grid's "
+                        "end")
 
     def evaluated(self, results: dict) -> None:
         """The epoch's dev-set metrics ({set: {metric: value}}) and its training loss."""
@@ -177,8 +180,7 @@ class TrialMonitor:
                        for name, values in results.items() for metric in self.task.metrics}})
         scores = " ".join(f"{name} {metric} {values[metric]:.4f}"
                           for name, values in results.items() for metric in self.task.metrics)
-        print(f"{self.name} epoch {self.epoch}/{self.epochs} train loss {loss:.4f} {scores}",
-              file=self.stream, flush=True)
+        logger.info(f"{self.name} epoch {self.epoch}/{self.epochs} train loss {loss:.4f} {scores}")
 
     def write(self, values: dict) -> None:
         """To TensorBoard and one line of OUT/TASK.log.jsonl, written by one append."""

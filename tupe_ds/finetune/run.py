@@ -20,6 +20,7 @@ from tupe_ds.tools.errors import (BatchSizeError, CommandRefused, ExportError, N
                                   TaskBusy, TaskDataError)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -42,6 +43,8 @@ from tupe_ds.finetune.tasks import TASKS, ExampleTokenizer, Task, read_examples
 from tupe_ds.model.layers import embed
 from tupe_ds.tools import command_line, entry
 from tupe_ds.train.optim import parameter_groups
+
+logger = logging.getLogger(__name__)
 
 PAPER_LEARNING_RATES = [2e-5, 3e-5, 4e-5, 5e-5]
 
@@ -164,8 +167,9 @@ def evaluate(model, task: Task, data: dict, device) -> dict:
 def stop_for_requeue(progress: str) -> None:
     """SIGUSR1 (Slurm, before the time limit): stop now with exit code 0, for the job to requeue
     itself; the finished (learning rate, seed) results are in `progress` already."""
-    print(f"SIGUSR1: stopping; the finished runs are kept in {progress}, and the same command "
-          "goes on from there", flush=True)
+    # a signal handler: os.write, not logging, whose lock the interrupted code may hold
+    os.write(1, f"SIGUSR1: stopping; the finished runs are kept in {progress}, and the same "
+                "command goes on from there\n".encode())
     os._exit(0)
 
 
@@ -229,13 +233,13 @@ def finetune(argv) -> int:
         model_config, description = exported_config(args.model)
         settings = finetune_settings(args, task, description.get("source"), valid)
         if finished(args.out, task.name, settings, args.lr, args.seeds):
-            print(f"{task.name}: finished before with these settings ({args.out}/{task.name}.json)"
-                  "; nothing to do", flush=True)
+            logger.info(f"{task.name}: finished before with these settings "
+                        f"({args.out}/{task.name}.json); nothing to do")
             return 0
         max_length = min(args.max_length, model_config.seq_length)
         if max_length < args.max_length:
-            print(f"--max-length {args.max_length} lowered to {max_length}: the model was "
-                  f"pretrained on {max_length}-token sequences", flush=True)
+            logger.info(f"--max-length {args.max_length} lowered to {max_length}: the model was "
+                        f"pretrained on {max_length}-token sequences")
         tokenizer = ExampleTokenizer(os.path.join(args.model, "tokenizer.json"),
                                      model_config.vocab_size, max_length)
         data = {"tokenizer": tokenizer, "valid": {}}
@@ -271,19 +275,19 @@ def finetune(argv) -> int:
             results = progress.record(lr, seed, run_one(args, task, data, lr, seed, device,
                                                         (number, len(grid), after)))
         elif writer:
-            print(f"{task.name} lr {lr:g} seed {seed}: done before ({progress.path}), "
-                  "not redone", flush=True)
+            logger.info(f"{task.name} lr {lr:g} seed {seed}: done before ({progress.path}), "
+                        "not redone")
         runs.setdefault(lr, {})[seed] = results
     if writer:
         summary = write_reports(args.out, task, runs, settings)
         for label, medians in (("best " + summary["best"], summary["best_median"]),
                                ("held-out learning-rate choice", summary["held_out_median"])):
             if medians:
-                print(f"{label}: " + ", ".join(
+                logger.info(f"{label}: " + ", ".join(
                     f"{name} {summary['metric']} {values[summary['metric']]:.4f}"
                     for name, values in medians.items()))
-        print(f"results: {args.out}/{task.name}.md (every seed), {args.out}/results.md (all tasks "
-              f"in {args.out}), and their .json")
+        logger.info(f"results: {args.out}/{task.name}.md (every seed), {args.out}/results.md "
+                    f"(all tasks in {args.out}), and their .json")
     end_distributed()
     return 0
 

@@ -9,6 +9,7 @@ the command line wins, and each value goes through the flag's own type and choic
 import argparse
 import difflib
 import json
+import logging
 import os
 import sys
 import tomllib
@@ -16,6 +17,8 @@ from typing import Callable, Optional
 
 from tupe_ds.tools.errors import NotRegularFile
 from tupe_ds.tools.files import regular_file
+
+logger = logging.getLogger(__name__)
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"
@@ -93,7 +96,7 @@ def relative_to(folder: str, value, kind: str = PATH):
     name, separator, path = value.partition("=")
     if kind != PATH and separator and name and os.sep not in name:
         return f"{name}={relative_to(folder, path)}"
-    path = os.path.expanduser(value)
+    path = os.path.expanduser(os.path.expandvars(value))  # ~ and $HOME, as a shell would
     if os.path.isabs(path):
         return os.path.normpath(path)
     resolved = os.path.normpath(os.path.join(folder, path))
@@ -106,25 +109,20 @@ def relative_to(folder: str, value, kind: str = PATH):
 
 
 def parse(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Recorded] = None,
-          unset: Optional[Callable] = None) -> argparse.Namespace:
+          unset: Optional[Callable] = None, rest_into: Optional[str] = None) -> argparse.Namespace:
     """`parser`'s namespace from `argv` (default: sys.argv[1:]), its --config FILE and the
     `recorded` layer, flags first; with --print-config, prints the settings (`unset`: as
-    resolve's) and exits 0."""
-    return resolve(parser, argv, recorded, unset=unset)[0]
-
-
-def parse_known(parser: argparse.ArgumentParser, argv=None) -> tuple:
-    """`parse`, as parse_known_args: (namespace, the arguments the parser does not know)."""
-    args, sources = resolve(parser, argv, known=True)
-    return args, args.__dict__.pop(UNKNOWN)
+    resolve's) and exits 0. `rest_into`: the list setting that the arguments the parser does not
+    know go into, after its --config file's (tupe-compare's flags for tupe-pretrain)."""
+    return resolve(parser, argv, recorded, unset=unset, rest_into=rest_into)[0]
 
 
 UNKNOWN = "_unknown_arguments"
 
 
 def resolve(parser: argparse.ArgumentParser, argv=None,
-            recorded: Optional[Recorded] = None, known: bool = False,
-            unset: Optional[Callable] = None) -> tuple:
+            recorded: Optional[Recorded] = None, unset: Optional[Callable] = None,
+            rest_into: Optional[str] = None) -> tuple:
     """`parse`, and {dest: where its value came from}. `unset(namespace)`: {dest: (value,
     where)} of the flags left unset whose value comes from elsewhere (tupe-pretrain: the
     DeepSpeed config's), for --print-config."""
@@ -135,14 +133,26 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
     required = [action for action in flags.values() if action.required]
     for action in required:  # checked below, once every layer is in
         action.required = False
+    if "--print-config" in argv:  # the settings, without the positionals a run of it needs
+        for action in parser._actions:
+            if not action.option_strings and action.required:
+                action.nargs, action.required = "*" if action.nargs == "+" else "?", False
     config_path = config_file(parser, argv)
     layers = [(config_path, read_config(parser, flags, config_path))] if config_path else []
+    known = rest_into is not None
     args = parse_over(parser, defaults, layers, argv, known)
     layer = recorded(args) if recorded else None  # fills every setting the command leaves
     if layer:
-        layers.insert(0, (layer[0], checked_layer(parser, flags, layer[0], layer[1])))
+        given = {dest for dest, where in setting_sources(flags, layers, argv).items()
+                 if where != DEFAULT}  # what the command gives is not taken from the layer
+        layers.insert(0, (layer[0], checked_layer(parser, flags, layer[0], {
+            dest: value for dest, value in layer[1].items() if dest not in given})))
         args = parse_over(parser, defaults, layers, argv, known)
     sources = setting_sources(flags, layers, argv)
+    if known and (rest := args.__dict__.pop(UNKNOWN)):
+        setattr(args, rest_into, [*getattr(args, rest_into), *rest])
+        sources[rest_into] = (COMMAND_LINE if sources[rest_into] == DEFAULT else
+                              f"{sources[rest_into]}, then the command line")
     missing = [action for action in required if sources[action.dest] == DEFAULT]
     if args.print_config:  # the settings so far, the required ones not given among them
         if os.environ.get("RANK", "0") == "0":  # once under a launcher: a file to keep
@@ -257,55 +267,59 @@ def checked_layer(parser, flags: dict, where: str, values: dict) -> dict:
     checked = {}
     for dest, value in values.items():
         if dest not in flags:
-            print(f"{parser.prog}: {where} records {dest}, no setting of this version: ignored",
-                  file=sys.stderr)
+            logger.warning(f"{parser.prog}: {where} records {dest}, no setting of this version: "
+                           "ignored")
             continue
         if isinstance(value, list) and flags[dest].nargs is None:  # typed "A,B" (--mask-split)
             value = ",".join(map(str, value))
-        checked[dest] = flag_value(parser, flags[dest], f"{where}: {dest}", value)
+        checked[dest] = flag_value(parser, flags[dest], f"{where}: {dest}", value,
+                                   f"; give {flags[dest].option_strings[0]} to set it anew")
     return checked
 
 
-def flag_value(parser, action: argparse.Action, where: str, value):
-    """`value` from a file, converted and checked as argparse would the flag's strings."""
+def flag_value(parser, action: argparse.Action, where: str, value, way_on: str = ""):
+    """`value` from a file, converted and checked as argparse would the flag's strings; a refusal
+    ends with `way_on`."""
+    def refuse(message: str):
+        parser.error(message + way_on)
+
     if value is None:  # a setting the run recorded unset (TOML has no null)
         return None
     if action.nargs == 0:  # store_true, store_false
         if not isinstance(value, bool) or not isinstance(action.const, bool):
-            parser.error(f"{where} = {value!r}: give true or false")
+            refuse(f"{where} = {value!r}: give true or false")
         return action.const if value else not action.const
     many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
     if isinstance(value, dict) or (isinstance(value, list) and not many):
         typed = (f" (this flag takes several in one: \"{','.join(map(str, value))}\")"
                  if isinstance(value, list) and action.type is not None else "")
-        parser.error(f"{where} = {value!r}: give one value{typed}")
+        refuse(f"{where} = {value!r}: give one value{typed}")
     items = value if isinstance(value, list) else [value]
     if many and not items and action.nargs == "+":
-        parser.error(f"{where}: give at least one value")
+        refuse(f"{where}: give at least one value")
     if isinstance(action.nargs, int) and len(items) != action.nargs:
-        parser.error(f"{where} = {value!r}: give {action.nargs} values")
-    converted = [converted_item(parser, action, where, item) for item in items]
+        refuse(f"{where} = {value!r}: give {action.nargs} values")
+    converted = [converted_item(refuse, action, where, item) for item in items]
     stored = argparse.Namespace()  # what the flag's action keeps of them (a custom one too)
     try:
         action(parser, stored, converted if many else converted[0])
     except argparse.ArgumentError as error:
-        parser.error(f"{where} = {value!r}: {error.message}")
+        refuse(f"{where} = {value!r}: {error.message}")
     return getattr(stored, action.dest)
 
 
-def converted_item(parser, action: argparse.Action, where: str, item):
+def converted_item(refuse, action: argparse.Action, where: str, item):
     if isinstance(item, (bool, dict, list)):
-        parser.error(f"{where}: {item!r} is not a value of this flag")
+        refuse(f"{where}: {item!r} is not a value of this flag")
     text = str(item)
     try:
         value = action.type(text) if action.type else text
     except argparse.ArgumentTypeError as error:
-        parser.error(f"{where} = {item!r}: {error}")
+        refuse(f"{where} = {item!r}: {error}")
     except (ValueError, TypeError):  # as argparse says it
-        parser.error(f"{where} = {item!r}: invalid {getattr(action.type, '__name__', '')} value")
+        refuse(f"{where} = {item!r}: invalid {getattr(action.type, '__name__', '')} value")
     if action.choices is not None and value not in action.choices:
-        parser.error(f"{where} = {item!r}: choose one of "
-                     f"{', '.join(map(str, action.choices))}")
+        refuse(f"{where} = {item!r}: choose one of {', '.join(map(str, action.choices))}")
     return value
 
 
@@ -337,10 +351,14 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
             lines.append(f"# {name} = {toml_value(given)}  # not set: {place}")
         elif value is None:
             lines.append(f"# {name} = (not set)  # {where}")
-        elif isinstance(value, tuple) and action.nargs is None:  # typed "A,B" (--mask-split)
-            lines.append(f"{name} = {toml_value(','.join(map(str, value)))}  # {where}")
         else:
-            lines.append(f"{name} = {toml_value(value)}  # {where}")
+            if isinstance(value, tuple) and action.nargs is None:  # typed "A,B" (--mask-split)
+                value = ",".join(map(str, value))
+            try:
+                lines.append(f"{name} = {toml_value(value)}  # {where}".encode().decode())
+            except UnicodeEncodeError:  # a name of bytes that are no UTF-8 (surrogate escapes)
+                lines.append(f"# {name} = (bytes that are not UTF-8 text, which TOML cannot hold: "
+                             f"give it on the command line)  # {where}")
     return "\n".join(lines) + "\n"
 
 
@@ -351,4 +369,5 @@ def toml_value(value) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    return json.dumps(str(value), ensure_ascii=False)  # its escapes are TOML's too
+    # its escapes are TOML's too; TOML also escapes DEL, which JSON leaves as it is
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")

@@ -6,8 +6,9 @@ tupe-prep and the demo) has its work in a function named for it, and
     def main(argv=None) -> int:
         return entry.run("tupe-export", lambda: export_command(argv), errors=(ExportError,))
 
-`run` resumes the collector the command's imports paused (startup.py), then returns what the
-command's work returns, its exit code; it turns the errors a person can act on into a message
+`run` resumes the collector the command's imports paused (startup.py), shows the loggers' lines
+(log_lines.py: information on stdout, warnings and errors on stderr, as the process's rank shows them),
+then returns what the command's work returns, its exit code; it turns the errors a person can act on into a message
 and an exit code, the same in every command:
 
 - an error of `errors`, or CommandRefused (what the person gave, refused; the message says what to
@@ -19,17 +20,19 @@ Anything else (a bug) stays a traceback. A command whose checks meet broad class
 ValueError, FileNotFoundError) raises CommandRefused from them where it checks its inputs, rather
 than naming them in `errors`: the same class raised later, mid-run, is not taken for a refusal."""
 
+import os
 import sys
-from typing import Callable
+from typing import Callable, MutableMapping
 
-from tupe_ds.tools import startup
+from tupe_ds.tools import log_lines, startup
 from tupe_ds.tools.errors import CommandRefused, Unreadable
 
 
 def run(prog: str, work: Callable[[], int], errors: tuple = ()) -> int:
-    """work()'s exit code, after startup.resume_collector(); its refusals and Unreadable said as
-    above."""
+    """work()'s exit code, after startup.resume_collector() and log_lines.show(); its refusals and
+    Unreadable said as above."""
     startup.resume_collector()
+    log_lines.show(launcher_rank())
     try:
         return work()
     except Unreadable as unreadable:  # every rank reads alike: each says it
@@ -38,3 +41,13 @@ def run(prog: str, work: Callable[[], int], errors: tuple = ()) -> int:
     except (CommandRefused, *errors) as refused:  # its message says what to change
         print(f"{prog}: error: {refused}", file=sys.stderr, flush=True)
         return 2
+
+
+def launcher_rank(environ: MutableMapping[str, str] = os.environ) -> int:
+    """This process's rank as its launcher names it, before distributed/launch.py's `discover`
+    fills RANK (0: one process)."""
+    slurm = ["SLURM_PROCID"] if "SLURM_STEP_ID" in environ else []  # a step's task, not the script
+    for name in ["RANK", *slurm, "OMPI_COMM_WORLD_RANK", "PMI_RANK"]:
+        if name in environ:
+            return int(environ[name])
+    return 0

@@ -59,17 +59,24 @@ class _Stream(logging.StreamHandler):
 LEVELS = {"stdout": range(logging.WARNING), "stderr": range(logging.WARNING, logging.CRITICAL + 1)}
 
 
+# the project's two packages' loggers, and that of a command run as `python -m MODULE`
+ROOTS = ("tupe_ds", "data_prep", "__main__")
+
+
 def show(rank: int) -> None:
-    """Show the `tupe_ds` loggers' lines as this rank should; called again, changes nothing."""
-    root = logging.getLogger("tupe_ds")
-    root.setLevel(logging.INFO)
-    root.propagate = False
+    """Show the ROOTS loggers' lines as this rank should; called again, changes nothing."""
+    roots = [logging.getLogger(name) for name in ROOTS]
+    for root in roots:
+        root.setLevel(logging.INFO)
+        root.propagate = False
     for name, levels in LEVELS.items():
-        handler = next((h for h in root.handlers
+        handler = next((h for h in roots[0].handlers
                         if isinstance(h, _Stream) and h.stream_name == name), None)
         if handler is None:
             handler = _Stream(name, levels)
-            root.addHandler(handler)
+        for root in roots:
+            if handler not in root.handlers:
+                root.addHandler(handler)
         handler.broken = False
         handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else
                                                f"rank {rank}: %(message)s"))

@@ -1,10 +1,12 @@
 """Settings read from the environment (TUPE_DS_*): a value that is no setting is named in one
 line and the default used, so that no command fails for it at import or in the middle of a run."""
 
+import logging
 import math
 import os
-import sys
 import threading
+
+logger = logging.getLogger(__name__)
 
 _named = set()  # (name, value) already said: a setting read at every use is said once
 
@@ -23,6 +25,6 @@ def seconds(name: str, default: float, least: float) -> float:
         return min(number, threading.TIMEOUT_MAX)  # a wait longer is forever
     if (name, value) not in _named:
         _named.add((name, value))
-        print(f"{name}={value!r}: not a number of seconds of {least:g} or more; {default:g} used",
-              file=sys.stderr)
+        logger.warning(f"{name}={value!r}: not a number of seconds of {least:g} or more; "
+                       f"{default:g} used")
     return default
