@@ -104,11 +104,9 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
     def set_aside_in_the_way():
         os.makedirs(directory, exist_ok=True)
         if manifest.exists(folder):
-            try:
+            with contextlib.suppress(ValueError):  # a damaged manifest: no checkpoint it records
                 recorded(history.record("set_aside", step=step, why="in the way of a save",
                                         id=history.checkpoint_id(manifest.read(folder))))
-            except ValueError:  # a damaged manifest: no checkpoint the history has
-                pass
         said = folders.set_aside(directory, [step], "an earlier save of this step, in the way")
         if said:
             logger.info(said)
@@ -135,9 +133,7 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
     with announced(f"every rank to checksum its files of checkpoint {tag}", rank):
         dist.all_gather_object(every_rank, files)
 
-    def still_held():
-        if lock is not None:
-            lock.stop_unless_held()
+    still_held = lock.stop_unless_held if lock is not None else lambda: None
 
     def commit():
         every_file = {name: entry for entries in every_rank for name, entry in entries.items()}
