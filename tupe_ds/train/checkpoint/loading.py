@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 def confirm_loaded(tag: str, step: int) -> None:
     """Collective: every rank loaded the same checkpoint (its tag and the step it holds)."""
-    every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, (tag, step, socket.gethostname()))
+    every_rank = reads.gathered(lambda: (tag, step, socket.gethostname()),
+                                f"every rank to confirm the checkpoint it loaded, {tag}")
     if len({(t, s) for t, s, _ in every_rank}) > 1:
         raise Refused("the ranks loaded different checkpoints: " + "; ".join(
             f"rank {rank} on {host}: {t} (step {s})"
