@@ -10,7 +10,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tupe_ds.tools.errors import Refused
-from tupe_ds.tools.files import regular_file
 from tupe_ds.train.checkpoint import manifest, reads, reshard
 from tupe_ds.train.checkpoint.rng import derive_rng_state, file_name, load_rng_state
 from tupe_ds.train.progress import processes
@@ -21,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 def confirm_loaded(tag: str, step: int) -> None:
     """Collective: every rank loaded the same checkpoint (its tag and the step it holds)."""
-    every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, (tag, step, socket.gethostname()))
+    every_rank = reads.gathered(lambda: (tag, step, socket.gethostname()),
+                                f"every rank to confirm the checkpoint it loaded, {tag}")
     if len({(t, s) for t, s, _ in every_rank}) > 1:
         raise Refused("the ranks loaded different checkpoints: " + "; ".join(
             f"rank {rank} on {host}: {t} (step {s})"
@@ -33,17 +32,18 @@ def load(engine, plan, seed: int) -> dict:
     """Collective: the client state of the chosen checkpoint, loaded into `engine` (through
     DeepSpeed's universal checkpoint on a new layout with ZeRO shards)."""
     rank, tag, step_dir = dist.get_rank(), plan.tag, os.path.join(plan.directory, plan.tag)
-    load_dir, resharding = plan.directory, plan.resharding
-    if resharding is not None and resharding.convert:
+    resharding = plan.resharding
+    converted = resharding is not None and resharding.convert
+    load_dir = reshard.universal_dir(plan.directory) if converted else plan.directory
+    if converted:
         if rank == 0:
             seconds = reshard.convert(plan.directory, tag)
             logger.info(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; "
                         f"converted for {processes(dist.get_world_size())} with DeepSpeed's "
-                        f"universal checkpoint into {reshard.universal_dir(plan.directory)}/{tag} "
+                        f"universal checkpoint into {load_dir}/{tag} "
                         f"({'reused' if seconds == 0 else f'{seconds:.1f} s'})")
         with announced(f"rank 0 to convert checkpoint {tag} for this layout", rank):
             dist.barrier()
-        load_dir = reshard.universal_dir(plan.directory)
     elif resharding is not None and rank == 0:
         logger.info(f"tupe-pretrain: checkpoint {tag} was written by {resharding.saved}; its "
                     "optimizer state is not partitioned and loads as it is")
@@ -57,8 +57,7 @@ def load(engine, plan, seed: int) -> dict:
             raise reads.Unreadable.reading(error.filename or os.path.join(load_dir, tag),
                                            error) from None
         if resharding is None:
-            rng_path = os.path.join(step_dir, file_name(rank))
-            reads.retried(rng_path, lambda: load_rng_state(regular_file(rng_path, step_dir)))
+            load_rng_state(os.path.join(step_dir, file_name(rank)), root=step_dir)
 
     # no rank goes on to a collective before every rank's load is known to have read
     reads.gathered(load_here, f"every rank to load checkpoint {tag}")
@@ -66,7 +65,7 @@ def load(engine, plan, seed: int) -> dict:
         raise RuntimeError(f"{load_dir}/{tag}: DeepSpeed could not load this checkpoint")
     client_state = loaded["state"]
     confirm_loaded(tag, client_state["step"])
-    if resharding is not None and resharding.convert:
+    if converted:
         # a universal load sets Adam's step on the CPU, where fused AdamW keeps it on the device;
         # torch's load_state_dict puts every state where its optimizer wants it
         optimizer = getattr(engine.optimizer, "optimizer", None)  # torch's, under ZeRO's wrapper

@@ -1,6 +1,8 @@
 """Each rank's random generators in a checkpoint (`rng_rankR.pt`), so that a resumed run draws
 the dropout it would have drawn; on a new layout, generators derived from (seed, step, rank)."""
 
+from typing import Optional
+
 import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -23,8 +25,8 @@ def rng_state() -> dict:
             "tensor_parallel": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
-def load_rng_state(path: str) -> None:
-    state = safe_load.load(path)
+def load_rng_state(path: str, root: Optional[str] = None) -> None:
+    state = safe_load.load(path, root=root)
     torch.set_rng_state(state["cpu"])
     if state["accelerator"] is not None:
         get_accelerator().set_rng_state(state["accelerator"])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tupe_ds.tools.errors import FolderTakenOver, NonFiniteWeights, SaveFailed
 from tupe_ds.tools.files import make_durable, sync_folder, write_atomically
 from tupe_ds.train.checkpoint import folder as folders
-from tupe_ds.train.checkpoint import history, manifest, reshard, safe_load
+from tupe_ds.train.checkpoint import history, manifest, reads, reshard, safe_load
 from tupe_ds.train.checkpoint.rng import file_name, rng_state
 from tupe_ds.tools.waits import announced
 
@@ -104,16 +104,14 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
     def set_aside_in_the_way():
         os.makedirs(directory, exist_ok=True)
         if manifest.exists(folder):
-            try:
+            with contextlib.suppress(ValueError):  # a damaged manifest: no checkpoint it records
                 recorded(history.record("set_aside", step=step, why="in the way of a save",
                                         id=history.checkpoint_id(manifest.read(folder))))
-            except ValueError:  # a damaged manifest: no checkpoint the history has
-                pass
         said = folders.set_aside(directory, [step], "an earlier save of this step, in the way")
         if said:
             logger.info(said)
 
-    on_rank_0(set_aside_in_the_way, f"could not write checkpoint {tag}", rank,
+    on_rank_0(set_aside_in_the_way, f"could not write checkpoint {tag}",
               f"rank 0 to set aside what is in the way of checkpoint {tag}")
     written = []
     try:
@@ -131,13 +129,10 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
     except WRITE_ERRORS as error:
         raise SaveFailed(f"could not write checkpoint {tag} (rank {rank}: {first_line(error)})",
                          everywhere=False) from None
-    every_rank = [None] * dist.get_world_size()
-    with announced(f"every rank to checksum its files of checkpoint {tag}", rank):
-        dist.all_gather_object(every_rank, files)
+    every_rank = reads.gathered(lambda: files,
+                                f"every rank to checksum its files of checkpoint {tag}")
 
-    def still_held():
-        if lock is not None:
-            lock.stop_unless_held()
+    still_held = lock.stop_unless_held if lock is not None else lambda: None
 
     def commit():
         every_file = {name: entry for entries in every_rank for name, entry in entries.items()}
@@ -161,25 +156,24 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
             for m in manifests)))
         reshard.remove_conversions_before(directory, step)
 
-    on_rank_0(commit, f"could not commit checkpoint {tag}", rank,
+    on_rank_0(commit, f"could not commit checkpoint {tag}",
               f"rank 0 to commit checkpoint {tag} and remove older ones")
 
 
-def on_rank_0(work, failure: str, rank: int, waiting_for: str) -> None:
+def on_rank_0(work, failure: str, waiting_for: str) -> None:
     """Collective: rank 0 does `work` while the others wait; SaveFailed on every rank when it
     failed, so that all stop alike."""
-    problem = [None]
-    if rank == 0:
-        try:
-            work()
-        except FolderTakenOver:  # rank 0 stops alone, writing nothing more
-            raise
-        except (*WRITE_ERRORS, history.HistoryDamaged) as error:  # a history damaged meanwhile
-            problem = [f"{failure} (rank 0: {first_line(error)})"]
-    with announced(waiting_for, rank):
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise SaveFailed(problem[0], everywhere=True)
+    def attempt():
+        if dist.get_rank() == 0:
+            try:
+                work()
+            except FolderTakenOver:  # rank 0 stops alone, writing nothing more
+                raise
+            except (*WRITE_ERRORS, history.HistoryDamaged) as error:  # a history damaged meanwhile
+                return f"{failure} (rank 0: {first_line(error)})"
+
+    if problem := reads.gathered(attempt, waiting_for)[0]:
+        raise SaveFailed(problem, everywhere=True)
 
 
 def wait_until_visible(folder: str, names: list) -> None:
