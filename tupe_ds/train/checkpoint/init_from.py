@@ -110,9 +110,11 @@ def refuse_another_branch(out: str, origin: str, plan) -> None:
              f"give this branch another --out (--init-from {recorded} goes on with that one)")
 
 
-def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:
-    """Exits unless the branch trains past its checkpoint's step and decays after it."""
-    decay = ds_config.get("scheduler", {}).get("params", {}).get("decay_num_steps")
+def check_branch(plan: InitPlan, ds_config: dict, steps: int, allow: bool) -> InitPlan:
+    """The plan, naming a change of rate at the branch; exits unless the branch trains past its
+    checkpoint's step and decays after it, or on a rise of the rate unless `allow`."""
+    scheduler = ds_config.get("scheduler", {})
+    decay = scheduler.get("params", {}).get("decay_num_steps")
     if steps <= plan.step:
         fail(f"--branch from step {plan.step}: --steps {steps} leaves nothing to train; give "
              f"--steps {plan.step} + the steps of the branch")
@@ -120,12 +122,8 @@ def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:
         fail(f"--branch from step {plan.step}: --steps {steps} with --decay-steps {decay} starts "
              f"the decay at step {steps - decay}, before the checkpoint's; use --steps "
              f"{plan.step + decay} (or fewer --decay-steps)")
-
-
-def branch_rate_change(plan: InitPlan, ds_config: dict, allow: bool) -> InitPlan:
-    """The plan, naming a change of rate at the branch; exits on a rise unless `allow`."""
     last, first = schedule.branch_rates(manifest.read(plan.step_dir).get("lr_schedule"),
-                                        plan.step, ds_config.get("scheduler"))  # None: nan
+                                        plan.step, scheduler)  # none: nan
     if not schedule.rates_differ(first, last):
         return plan
     change = (f"--branch from step {plan.step}: its last step ran at learning rate {last:.4g}, "
