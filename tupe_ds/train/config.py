@@ -185,7 +185,7 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
     init_plan = None
     branch_origin = os.path.abspath(args.init_from) if args.branch else None
     if branch_origin and resume_plan is not None and resume_plan.candidates:
-        refuse_another_branch(args.out, branch_origin, resume_plan)
+        refuse_another_branch(args, resume_plan)
     try:
         if resume_plan is not None and resume_plan.candidates:
             refuse_another_run(resume_plan, identity, training, args.allow_training_changes)

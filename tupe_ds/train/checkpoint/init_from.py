@@ -96,18 +96,19 @@ def load(engine, plan: InitPlan, **options) -> dict:
     return state
 
 
-def refuse_another_branch(out: str, origin: str, plan) -> None:
-    """Exits unless --out's checkpoints are of this branch of `origin` (the same command again),
-    as the run's recorded settings say."""
-    settings = (recorded_settings.recorded(out) or (None, {}))[1]
+def refuse_another_branch(args, plan) -> None:
+    """Exits unless --out's checkpoints are of this branch of --init-from (the same command
+    again), as the run's recorded settings say."""
+    settings = (recorded_settings.of_run_folder(args, quiet=True) or (None, {}))[1]
     recorded = settings.get("init_from") if settings.get("branch") else None
-    held = f"{plan.directory}/{plan.tag}"
+    origin, held = os.path.abspath(args.init_from), f"{plan.directory}/{plan.tag}"
+    holds = f"--branch: --out {args.out} holds"
     if recorded is None:
-        fail(f"--branch: --out {out} holds checkpoints of a run that is not a branch ({held}); "
-             "a decay branch starts in a folder of its own: give another --out")
+        fail(f"{holds} checkpoints of a run that is not a branch ({held}); a decay branch starts "
+             "in a folder of its own: give another --out")
     if recorded != origin:
-        fail(f"--branch: --out {out} holds the branch of {recorded} ({held}), not of {origin}; "
-             f"give this branch another --out (--init-from {recorded} goes on with that one)")
+        fail(f"{holds} the branch of {recorded} ({held}), not of {origin}; give this branch "
+             f"another --out (--init-from {recorded} goes on with that one)")
 
 
 def check_branch(plan: InitPlan, ds_config: dict, steps: int, allow: bool) -> InitPlan:
