@@ -19,7 +19,7 @@ from tupe_ds.train.datasets import datasets
 from tupe_ds.train.flags import parser
 from tupe_ds.train.masking_flags import masking_scheme
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.run_folder.description import write_run_description
+from tupe_ds.train.run_folder.description import describe_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
@@ -105,7 +105,7 @@ def test_a_run_streams_and_records_its_masking_and_a_resume_with_another_is_name
     assert {samples.scheme for samples in [*streams["train"].sources, *streams["valid"]]} == \
         {CHANGED}
     os.makedirs(run.out)  # as train() does before it writes run.json
-    write_run_description(run, lineage="test")
+    describe_run(run, lineage="test")
     written = json.loads((tmp_path / "run" / "run.json").read_text())
     assert written["masking"] == {"probability": 0.3, "mask": 0.7, "random": 0.2}
 

@@ -22,7 +22,7 @@ from tupe_ds.train.ds_config import BatchSplit, micro_batch_candidates
 from tupe_ds.train.engine import build_engine, build_model
 from tupe_ds.train.micro_batch import Probe, largest_fitting
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.run_folder.description import write_run_description
+from tupe_ds.train.run_folder.description import describe_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "ds_configs", "cpu_zero2.json")
@@ -129,7 +129,7 @@ def test_nothing_fits_says_what_to_change(probed):
 def test_a_start_keeps_run_jsons_choice_for_its_layout_and_probes_another(data, probed):
     run, model, chosen, _ = probed
     os.makedirs(run.out, exist_ok=True)
-    write_run_description(chosen, lineage="test")
+    describe_run(chosen, lineage="test")
     with open(os.path.join(run.out, "run.json")) as f:
         recorded = json.load(f)["micro_batch"]
     assert recorded == {"size": 16, "auto": chosen.batch_split.auto}

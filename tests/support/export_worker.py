@@ -20,7 +20,7 @@ from tupe_ds.train.config import load
 from tupe_ds.train.datasets import datasets
 from tupe_ds.train.engine import build_engine
 from tupe_ds.train.objectives import OBJECTIVES
-from tupe_ds.train.run_folder.description import write_run_description
+from tupe_ds.train.run_folder.description import describe_run
 from tupe_ds.tools import startup
 
 
@@ -33,7 +33,7 @@ def main(argv):
                                              pipeline_model_parallel_size=run.layout.pp)
     os.makedirs(run.out, exist_ok=True)
     if dist.get_rank() == 0:
-        write_run_description(run, lineage="test")
+        describe_run(run, lineage="test")
     objective = OBJECTIVES[run.objective]
     device = accelerator_device()
     _, engine, steps = build_engine(run, objective, device)

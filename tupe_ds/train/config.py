@@ -20,8 +20,8 @@ from tupe_ds.tools import command_line
 from tupe_ds.tools.errors import RunFolderBusy
 from tupe_ds.train import nonfinite, optimizer_boundary
 from tupe_ds.train.checkpoint import manifest
-from tupe_ds.train.checkpoint.init_from import (InitPlan, branch_rate_change, check_branch,
-                                                plan_init, refuse_another_branch)
+from tupe_ds.train.checkpoint.init_from import (InitPlan, check_branch, plan_init,
+                                                refuse_another_branch)
 from tupe_ds.train.checkpoint.resume import ResumePlan, plan_resume
 from tupe_ds.train.checkpoint.same_run import refuse_another_run, run_identity
 from tupe_ds.train.data_folders import data_sources
@@ -185,7 +185,7 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
     init_plan = None
     branch_origin = os.path.abspath(args.init_from) if args.branch else None
     if branch_origin and resume_plan is not None and resume_plan.candidates:
-        refuse_another_branch(args.out, branch_origin, resume_plan)
+        refuse_another_branch(args, resume_plan)
     try:
         if resume_plan is not None and resume_plan.candidates:
             refuse_another_run(resume_plan, identity, training, args.allow_training_changes)
@@ -196,8 +196,7 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
         fail(str(error))
     resume_plan = moved_rate(args, resume_plan, ds_config)
     if init_plan is not None and init_plan.branch:
-        check_branch(init_plan, ds_config, args.steps)
-        init_plan = branch_rate_change(init_plan, ds_config, args.allow_training_changes)
+        init_plan = check_branch(init_plan, ds_config, args.steps, args.allow_training_changes)
     return RunConfig(objective=args.objective, model=args.model, sources=sources, out=args.out,
                      steps=args.steps, seq_len=args.seq_len, seed=args.seed,
                      eval_samples=args.eval_samples, keep_checkpoints=args.keep_checkpoints,

@@ -96,23 +96,26 @@ def load(engine, plan: InitPlan, **options) -> dict:
     return state
 
 
-def refuse_another_branch(out: str, origin: str, plan) -> None:
-    """Exits unless --out's checkpoints are of this branch of `origin` (the same command again),
-    as the run's recorded settings say."""
-    settings = (recorded_settings.recorded(out) or (None, {}))[1]
+def refuse_another_branch(args, plan) -> None:
+    """Exits unless --out's checkpoints are of this branch of --init-from (the same command
+    again), as the run's recorded settings say."""
+    settings = (recorded_settings.of_run_folder(args, quiet=True) or (None, {}))[1]
     recorded = settings.get("init_from") if settings.get("branch") else None
-    held = f"{plan.directory}/{plan.tag}"
+    origin, held = os.path.abspath(args.init_from), f"{plan.directory}/{plan.tag}"
+    holds = f"--branch: --out {args.out} holds"
     if recorded is None:
-        fail(f"--branch: --out {out} holds checkpoints of a run that is not a branch ({held}); "
-             "a decay branch starts in a folder of its own: give another --out")
+        fail(f"{holds} checkpoints of a run that is not a branch ({held}); a decay branch starts "
+             "in a folder of its own: give another --out")
     if recorded != origin:
-        fail(f"--branch: --out {out} holds the branch of {recorded} ({held}), not of {origin}; "
-             f"give this branch another --out (--init-from {recorded} goes on with that one)")
+        fail(f"{holds} the branch of {recorded} ({held}), not of {origin}; give this branch "
+             f"another --out (--init-from {recorded} goes on with that one)")
 
 
-def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:
-    """Exits unless the branch trains past its checkpoint's step and decays after it."""
-    decay = ds_config.get("scheduler", {}).get("params", {}).get("decay_num_steps")
+def check_branch(plan: InitPlan, ds_config: dict, steps: int, allow: bool) -> InitPlan:
+    """The plan, naming a change of rate at the branch; exits unless the branch trains past its
+    checkpoint's step and decays after it, or on a rise of the rate unless `allow`."""
+    scheduler = ds_config.get("scheduler", {})
+    decay = scheduler.get("params", {}).get("decay_num_steps")
     if steps <= plan.step:
         fail(f"--branch from step {plan.step}: --steps {steps} leaves nothing to train; give "
              f"--steps {plan.step} + the steps of the branch")
@@ -120,12 +123,8 @@ def check_branch(plan: InitPlan, ds_config: dict, steps: int) -> None:
         fail(f"--branch from step {plan.step}: --steps {steps} with --decay-steps {decay} starts "
              f"the decay at step {steps - decay}, before the checkpoint's; use --steps "
              f"{plan.step + decay} (or fewer --decay-steps)")
-
-
-def branch_rate_change(plan: InitPlan, ds_config: dict, allow: bool) -> InitPlan:
-    """The plan, naming a change of rate at the branch; exits on a rise unless `allow`."""
     last, first = schedule.branch_rates(manifest.read(plan.step_dir).get("lr_schedule"),
-                                        plan.step, ds_config.get("scheduler"))  # None: nan
+                                        plan.step, scheduler)  # none: nan
     if not schedule.rates_differ(first, last):
         return plan
     change = (f"--branch from step {plan.step}: its last step ran at learning rate {last:.4g}, "

@@ -10,9 +10,11 @@ from tupe_ds.train.checkpoint import manifest
 
 HOW_COMPUTED = ("tensor_parallel_size", "attention", "key_padding", "untied_as_columns",
                 "head_multiple", "compile")  # ModelConfig fields: how it is computed or split
+CHANGEABLE_AT_INIT = ("seq_length", "hidden_dropout", "attention_dropout", "dtype")  # --init-from
 # What a resume may change (optim.apply_config sets it again; the rest made the optimizer state)
 CHANGEABLE_AT_RESUME = re.compile(r"^(optimizer\.params\.(lr|betas\[\d\]|eps|weight_decay)"
                                   r"|scheduler\..*|gradient_clipping)$")
+NEW_RUN = "start a new run from its weights: --out NEW --init-from "  # + the checkpoint
 DESCRIPTIONS = {"data": "the data (--data)", "vocabulary": "the vocabulary (tokenizer.json)"}
 FLAGS = {**{key: "--" + key.replace("_", "-") for key in ("objective", "model", "seed",
             "seq_len", "global_batch", "loss_normalization", "rampup_batch_size")},
@@ -65,8 +67,7 @@ def differences(saved, current, which=lambda key: True) -> list:
     lines = []
     for key in sorted(set(leaves[0]) | set(leaves[1])):
         old, new = leaves[0].get(key), leaves[1].get(key)
-        if which(key) and old != new and not (isinstance(old, float) and isinstance(new, float)
-                                              and old != old and new != new):  # both nan
+        if which(key) and old != new and not (old != old and new != new):  # both nan
             top = key.split(".")[0].split("[")[0]
             lines.append(f"{DESCRIPTIONS[top]}: other content than the checkpoint's ({key})"
                          if top in DESCRIPTIONS else f"{key}: {old!r} in the checkpoint, "
@@ -76,14 +77,11 @@ def differences(saved, current, which=lambda key: True) -> list:
 
 def refuse_another_run(plan, current: dict, training: dict, allow_training_changes: bool) -> None:
     """ValueError naming each difference from the resumed checkpoint's identity and training."""
-    if not plan.candidates:
-        return
     step_dir = os.path.join(plan.directory, plan.tag)
     saved = manifest.read(step_dir)
     if lines := differences(saved["identity"], current):
         anew = ("else start a new run in another --out" if init_differences(saved, current) else
-                f"to change them deliberately, start a new run from its weights: --out NEW "
-                f"--init-from {step_dir}")
+                f"to change them deliberately, {NEW_RUN}{step_dir}")
         raise ValueError(f"{step_dir} is another run than this command's: {'; '.join(lines)}. "
                          f"Resume it with its own settings; {anew}")
     training_changes(step_dir, training, allow_training_changes)
@@ -94,15 +92,13 @@ def training_changes(step_dir: str, training: dict, allow: bool, doing="resuming
     saved = manifest.read(step_dir).get("training")
     if saved is None:
         raise ValueError(f"{step_dir} records no training settings: a checkpoint of a tupe_ds "
-                         "before 2026-11-29. Resume it with that version, or start a new run from "
-                         f"its weights: --out NEW --init-from {step_dir}")
+                         f"before 2026-11-29. Resume it with that version, or {NEW_RUN}{step_dir}")
     fixed = differences(saved, training, lambda key: not CHANGEABLE_AT_RESUME.match(key))
     changes = differences(saved, training, CHANGEABLE_AT_RESUME.match)
     if fixed:
         raise ValueError(f"{step_dir} was trained with other settings, which its optimizer state "
                          f"was made with and a resumed run cannot change: {'; '.join(fixed)}. "
-                         "Resume with the checkpoint's settings, or start a new run from its "
-                         f"weights: --out NEW --init-from {step_dir}")
+                         f"Resume with the checkpoint's settings, or {NEW_RUN}{step_dir}")
     if changes and not allow:
         raise ValueError(f"{step_dir} was trained with other optimizer or schedule settings: "
                          f"{'; '.join(changes)}. Resume with the checkpoint's settings, or add "
@@ -118,8 +114,7 @@ def init_differences(saved: dict, current: dict) -> list:
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
         raise ValueError(f"checkpoint {saved['tag']}: its manifest records no model configs")
 
-    def fixed(vocabulary, models) -> dict:  # the sequence length, dropout and precision may change
-        return {"vocabulary": vocabulary, "models": [{k: v for k, v in m.items() if k not in (
-            "seq_length", "hidden_dropout", "attention_dropout", "dtype")} for m in models]}
-    return differences(fixed(saved["identity"].get("vocabulary"), models),
-                       fixed(current["vocabulary"], current["models"]))
+    def fixed(identity: dict) -> dict:
+        return {"vocabulary": identity.get("vocabulary"), "models": [{
+            k: v for k, v in m.items() if k not in CHANGEABLE_AT_INIT} for m in identity["models"]]}
+    return differences(fixed(saved["identity"]), fixed(current))

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 
-from tupe_ds.tools.errors import NotRegularFile
 from tupe_ds.tools.files import write_atomically
 from tupe_ds.train import monitor  # a module: it imports this one (through checkpoint)
 from tupe_ds.train.checkpoint import reads
@@ -25,7 +24,7 @@ def read(out: str) -> dict:
         description = json.loads(reads.read_bytes(path, root=out).decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: missing; tupe-pretrain writes it when a run starts") from None
-    except (NotRegularFile, UnicodeDecodeError, ValueError, RecursionError) as error:
+    except (ValueError, RecursionError) as error:  # NotRegularFile, UnicodeDecodeError too
         raise ValueError(f"{path}: not readable as a run description ({error})") from None
     if not isinstance(description, dict):
         raise ValueError(f"{path}: not a run description (not a JSON object)")
@@ -53,15 +52,18 @@ def lineage(out: str) -> str | None:
     return recorded(out).get("lineage")
 
 
-def branched_from(out: str) -> str | None:
-    """The --init-from a decay branch (--branch) in `out` started from; None for another run."""
-    return recorded(out).get("branched_from")
-
-
-def write_run_description(run, lineage: str) -> None:
-    """OUT/run.json, atomically: the models, layout, data, lineage and schedule of `run`."""
+def describe_run(run, lineage: str) -> None:
+    """Rank 0: OUT/run.json, atomically: the models, layout, data, lineage and schedule of `run`
+    (a branch's origin kept from the one there, said where that was damaged)."""
+    path = os.path.join(run.out, FILE)
+    try:
+        earlier = read(run.out)
+    except ValueError as error:
+        earlier = {}
+        if os.path.exists(path):
+            logger.info(f"tupe-pretrain: {error}: written anew")
     batch = run.ds_config["train_batch_size"]
-    write_atomically(os.path.join(run.out, FILE), json.dumps({
+    write_atomically(path, json.dumps({
         "objective": run.objective, "lineage": lineage, "data": os.path.abspath(run.data),
         "sources": [{"folder": os.path.abspath(source.folder), "weight": source.weight,
                      "name": source.name} for source in run.sources],
@@ -69,17 +71,7 @@ def write_run_description(run, lineage: str) -> None:
         "seq_len": run.seq_len, "masking": dataclasses.asdict(run.masking),
         "rampup_batch_size": str(run.batch_split.ramp) if run.batch_split.ramp else None,
         "lr_schedule": run.ds_config.get("scheduler"),
-        "branched_from": run.branch_origin or branched_from(run.out),
+        "branched_from": run.branch_origin or earlier.get("branched_from"),
         "flops_per_step": monitor.run_flops_per_step(run.models, batch, run.seq_len),
         "micro_batch": {"size": run.batch_split.micro_batch, "auto": run.batch_split.auto},
         "models": [dataclasses.asdict(config) for config in run.models]}, indent=1))
-
-
-def describe_run(run, lineage: str) -> None:
-    """Rank 0: OUT/run.json written, said where the one there was damaged."""
-    if os.path.exists(os.path.join(run.out, FILE)):
-        try:
-            read(run.out)
-        except ValueError as error:
-            logger.info(f"tupe-pretrain: {error}: written anew")
-    write_run_description(run, lineage)

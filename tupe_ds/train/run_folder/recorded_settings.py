@@ -39,28 +39,25 @@ def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> tuple | None
     if not args.out:
         return None
     try:
-        found = recorded(args.out)
+        found = history.recorded_settings(history.read(args.out) or [])
     except history.HistoryDamaged as error:
         if not quiet:
             logger.warning(f"tupe-pretrain: the run's settings cannot be taken from it: {error}")
         return None
-    if found is None and not quiet and "settings" in folder_description.recorded(args.out):
+    if found is not None:
+        where, settings = os.path.join(args.out, history.FILE), found[0]
+    else:
+        directory = os.path.join(args.out, "checkpoints")
+        step, newest = max(folder.survey(directory)[0].items(), default=(0, {}))
+        where = os.path.join(directory, folder.tag_of(step), "manifest.json")
+        settings = newest.get("settings")
+    if isinstance(settings, dict):
+        return where, {k: v for k, v in settings.items() if k not in ONE_SHOT}
+    if not quiet and "settings" in folder_description.recorded(args.out):
         logger.warning(f"tupe-pretrain: {os.path.join(args.out, folder_description.FILE)} holds "
                        "the settings of a run of a tupe_ds before 2026-11-29, which this one does "
                        "not read: give the run's flags, or resume it with that version")
-    return found and (found[0], {k: v for k, v in found[1].items() if k not in ONE_SHOT})
-
-
-def recorded(out: str) -> tuple | None:
-    """(where, the settings) the run recorded: its history's last start, else the settings the
-    manifest of its newest complete checkpoint carries; None when neither has any."""
-    found = history.recorded_settings(history.read(out) or [])
-    if found is not None:
-        return os.path.join(out, history.FILE), found[0]
-    directory = os.path.join(out, "checkpoints")
-    newest = max(folder.survey(directory)[0].items(), default=(None, {}))
-    return (os.path.join(directory, folder.tag_of(newest[0]), "manifest.json"),
-            newest[1]["settings"]) if isinstance(newest[1].get("settings"), dict) else None
+    return None
 
 
 def say_taken(args: argparse.Namespace, sources: dict, defaults: dict) -> None:
