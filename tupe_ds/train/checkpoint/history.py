@@ -90,20 +90,17 @@ def append(out: str, records: List[dict], new: List[dict]) -> None:
     left after the last record is cut off first."""
     if not new:
         return
-    lines = []
     for item in new:
-        numbered = {**{k: v for k, v in item.items() if k not in ("seq", "xxh3_64")},
-                    "seq": len(records) + 1}
-        numbered["xxh3_64"] = checksum(numbered)
-        records.append(numbered)
-        lines.append(json.dumps(numbered, sort_keys=True).encode() + b"\n")
+        numbered = {**item, "seq": len(records) + 1}
+        records.append({**numbered, "xxh3_64": checksum(numbered)})
     path = os.path.join(out, FILE)
     created = not os.path.exists(path)
     with open(path, "ab") as f:
         if f.tell():
             with open(path, "rb") as existing:
                 f.truncate(parsed(existing.read(), path)[1])
-        f.write(b"".join(lines))
+        f.write(b"".join(json.dumps(r, sort_keys=True).encode() + b"\n"
+                         for r in records[-len(new):]))
         f.flush()
         os.fsync(f.fileno())
     if created:
@@ -258,8 +255,7 @@ def rebuilt(records: List[dict], manifests: List[dict], set_aside: Dict[str, dic
         if not any(r["kind"] == "consent" and all(r.get(k) == consent.get(k) for k in
                                                   ("flag", "given_on", "outcome"))
                    for r in [*records, *new]):
-            new.append(record("consent", **{k: v for k, v in consent.items()
-                                             if k not in ("kind", "seq", "xxh3_64")},
+            new.append(record("consent", **{k: v for k, v in consent.items() if k != "kind"},
                               rebuilt=True))
     return new
 
