@@ -169,7 +169,7 @@ def decide(records: List[dict], folders: Tuple[Folder, ...], flags: Flags,
     state = sorted(live([*records, *appends]), key=lambda c: c.step)
     consent, notes, refusal = consent_of(records, flags, state, complete)
     if refusal:
-        return Decision(refusal=refusal, notes=notes)
+        return Decision(refusal=refusal)
     applied = consent is not None and consent["outcome"] == "applied"
     if applied and consent["target"]:  # --resume-from
         return Decision((next(c.step for c in state if c.id == consent["target"]),),
@@ -224,21 +224,19 @@ def consent_of(records: List[dict], flags: Flags, state: List[Checkpoint],
                else "is no live checkpoint of the run")
             + f" ({f'{tag_of(newest.step)}, id {newest.id}' if newest else 'none'}): not "
             f"applied. {again}",), None
-    spend = dict(flag=text, given_on=newest_id, giving_up=flags.giving_up)
-    if flags.fresh_start:
-        return record("consent", **spend, outcome="pending", gives_up=[c.id for c in state],
-                      target=None), (), None
-    target = complete.get(flags.resume_from)
-    ours = next((c for c in state if target and c.id == target.id), None)
-    if ours is None:
-        held = [c.step for c in state if complete.get(c.step) and complete[c.step].id == c.id]
-        why = "is another run's checkpoint" if target else \
-            "is not a complete checkpoint of the run (its manifest.json is missing or damaged)"
-        return None, (), (f"--resume-from {tag_of(flags.resume_from)}: "
-                          f"{tag_of(flags.resume_from)} {why}; complete ones: "
-                          f"{tags(held) or 'none'}")
-    return record("consent", **spend, outcome="applied", target=ours.id,
-                  gives_up=[c.id for c in state if c.step > ours.step]), (), None
+    target, ours = complete.get(flags.resume_from), None  # --fresh-start: pending until chosen
+    if not flags.fresh_start:
+        ours = next((c for c in state if target and c.id == target.id), None)
+        if ours is None:
+            held = [c.step for c in state if complete.get(c.step) and complete[c.step].id == c.id]
+            why = "is another run's checkpoint" if target else \
+                "is not a complete checkpoint of the run (its manifest.json is missing or damaged)"
+            return None, (), (f"--resume-from {tag_of(flags.resume_from)}: "
+                              f"{tag_of(flags.resume_from)} {why}; complete ones: "
+                              f"{tags(held) or 'none'}")
+    return record("consent", flag=text, given_on=newest_id, giving_up=flags.giving_up,
+                  outcome="applied" if ours else "pending", target=ours and ours.id,
+                  gives_up=[c.id for c in state if not ours or c.step > ours.step]), (), None
 
 
 def rebuilt(records: List[dict], manifests: List[dict], set_aside: Dict[str, dict]) -> List[dict]:
