@@ -5,7 +5,7 @@ machine (issue 65, item 6).
 no longer verify) with the real OUT/history.jsonl (history.append and history.read, in a folder of
 its own per example) and the flags a job's script repeats at every requeue. Its rules are what
 happens to a run: a start (the shell around `decide` mirrored from resume.plan_resume and
-resume.choose/record_start, killed in its append or not), training and a save (save.py's order:
+resume.choose, killed in its append or not), training and a save (save.py's order:
 the folder in the way set aside, the manifest, `committed`, `retired` then removal; killed at any
 of these), losing or damaging any file, setting a folder aside by hand, changing the layout, the
 job's script given `--resume-from`/`--fresh-start`, and the user running the exact command a
@@ -93,7 +93,7 @@ class RunFolder(RuleBasedStateMachine):
     lose_history_while_running = True
     kill_first_append = True
     garble_whole_last_line = True
-    # and one of resume.record_start, which the mirror below has mended (False: as it is)
+    # and one of resume.choose, which the mirror below has mended (False: as it is)
     fresh_start_taken_when_live = True
     # bug 2 (consent_of): a command "FLAG --giving-up ID" counts as spent by any earlier FLAG
     # given when ID was the newest, so the command a line suggests can be spent already

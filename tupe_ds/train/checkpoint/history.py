@@ -90,20 +90,17 @@ def append(out: str, records: List[dict], new: List[dict]) -> None:
     left after the last record is cut off first."""
     if not new:
         return
-    lines = []
     for item in new:
-        numbered = {**{k: v for k, v in item.items() if k not in ("seq", "xxh3_64")},
-                    "seq": len(records) + 1}
-        numbered["xxh3_64"] = checksum(numbered)
-        records.append(numbered)
-        lines.append(json.dumps(numbered, sort_keys=True).encode() + b"\n")
+        numbered = {**item, "seq": len(records) + 1}
+        records.append({**numbered, "xxh3_64": checksum(numbered)})
     path = os.path.join(out, FILE)
     created = not os.path.exists(path)
     with open(path, "ab") as f:
         if f.tell():
             with open(path, "rb") as existing:
                 f.truncate(parsed(existing.read(), path)[1])
-        f.write(b"".join(lines))
+        f.write(b"".join(json.dumps(r, sort_keys=True).encode() + b"\n"
+                         for r in records[-len(new):]))
         f.flush()
         os.fsync(f.fileno())
     if created:
@@ -172,7 +169,7 @@ def decide(records: List[dict], folders: Tuple[Folder, ...], flags: Flags,
     state = sorted(live([*records, *appends]), key=lambda c: c.step)
     consent, notes, refusal = consent_of(records, flags, state, complete)
     if refusal:
-        return Decision(refusal=refusal, notes=notes)
+        return Decision(refusal=refusal)
     applied = consent is not None and consent["outcome"] == "applied"
     if applied and consent["target"]:  # --resume-from
         return Decision((next(c.step for c in state if c.id == consent["target"]),),
@@ -227,21 +224,19 @@ def consent_of(records: List[dict], flags: Flags, state: List[Checkpoint],
                else "is no live checkpoint of the run")
             + f" ({f'{tag_of(newest.step)}, id {newest.id}' if newest else 'none'}): not "
             f"applied. {again}",), None
-    spend = dict(flag=text, given_on=newest_id, giving_up=flags.giving_up)
-    if flags.fresh_start:
-        return record("consent", **spend, outcome="pending", gives_up=[c.id for c in state],
-                      target=None), (), None
-    target = complete.get(flags.resume_from)
-    ours = next((c for c in state if target and c.id == target.id), None)
-    if ours is None:
-        held = [c.step for c in state if complete.get(c.step) and complete[c.step].id == c.id]
-        why = "is another run's checkpoint" if target else \
-            "is not a complete checkpoint of the run (its manifest.json is missing or damaged)"
-        return None, (), (f"--resume-from {tag_of(flags.resume_from)}: "
-                          f"{tag_of(flags.resume_from)} {why}; complete ones: "
-                          f"{tags(held) or 'none'}")
-    return record("consent", **spend, outcome="applied", target=ours.id,
-                  gives_up=[c.id for c in state if c.step > ours.step]), (), None
+    target, ours = complete.get(flags.resume_from), None  # --fresh-start: pending until chosen
+    if not flags.fresh_start:
+        ours = next((c for c in state if target and c.id == target.id), None)
+        if ours is None:
+            held = [c.step for c in state if complete.get(c.step) and complete[c.step].id == c.id]
+            why = "is another run's checkpoint" if target else \
+                "is not a complete checkpoint of the run (its manifest.json is missing or damaged)"
+            return None, (), (f"--resume-from {tag_of(flags.resume_from)}: "
+                              f"{tag_of(flags.resume_from)} {why}; complete ones: "
+                              f"{tags(held) or 'none'}")
+    return record("consent", flag=text, given_on=newest_id, giving_up=flags.giving_up,
+                  outcome="applied" if ours else "pending", target=ours and ours.id,
+                  gives_up=[c.id for c in state if not ours or c.step > ours.step]), (), None
 
 
 def rebuilt(records: List[dict], manifests: List[dict], set_aside: Dict[str, dict]) -> List[dict]:
@@ -258,8 +253,7 @@ def rebuilt(records: List[dict], manifests: List[dict], set_aside: Dict[str, dic
         if not any(r["kind"] == "consent" and all(r.get(k) == consent.get(k) for k in
                                                   ("flag", "given_on", "outcome"))
                    for r in [*records, *new]):
-            new.append(record("consent", **{k: v for k, v in consent.items()
-                                             if k not in ("kind", "seq", "xxh3_64")},
+            new.append(record("consent", **{k: v for k, v in consent.items() if k != "kind"},
                               rebuilt=True))
     return new
 

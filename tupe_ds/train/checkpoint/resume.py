@@ -3,6 +3,7 @@ the run's history and folder (`plan_resume`), verified by every rank before the 
 (`choose`), then loaded (`load_or_initialise`); else the checkpoint a new run starts from
 (init_from.py). What a start spent and moved goes into the history before anything moves."""
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -40,6 +41,10 @@ class ResumePlan:
     def tag(self) -> str:
         return tag_of(self.candidates[0])
 
+    @property
+    def live(self) -> List[history.Checkpoint]:
+        return history.live([*self.records, *self.appends])
+
 
 def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: int, tp: int,
                 pp: int, zero_stage: int, fresh_start: bool = False,
@@ -69,8 +74,7 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
               "is made again from its checkpoints' manifests",) if not records else
              (f"tupe-pretrain: {out}/{history.FILE} lacks consents its checkpoints carry (its "
               "end was lost?): taken from their manifests",)) if appends else ()
-    base = [*records, *appends]
-    live = history.live(base)
+    live = history.live([*records, *appends])
     if resume == "never":
         held = sorted(set(complete) | set(damaged))
         if held or live:
@@ -83,11 +87,15 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
                                         else ""))
         return None
     step = resume_from_step(directory, resume_from) if resume_from is not None else None
-    if live and live[-1].step not in complete and appeared(directory, live[-1].step):
-        complete, damaged = survey(directory)  # a stale listing of a shared filesystem
-    decision = history.decide(base, tuple(
+    if live and live[-1].step not in complete:  # the history's newest: a stale listing?
+        path = os.path.join(directory, tag_of(live[-1].step), manifest.MANIFEST)
+        with contextlib.suppress(FileNotFoundError):  # not there within the retry window
+            reads.retried(path, lambda: os.stat(path), expected=True)
+            complete, damaged = survey(directory)  # a shared filesystem's listing was stale
+    folders = step_folders(directory)
+    decision = history.decide([*records, *appends], tuple(
         history.Folder(s, history.checkpoint_id(complete[s]), complete[s]["lineage"])
-        if s in complete else history.Folder(s) for s in step_folders(directory)),
+        if s in complete else history.Folder(s) for s in folders),
         history.Flags(step, fresh_start, giving_up), lineage)
     if decision.refusal:
         raise ValueError(" ".join([*decision.notes, decision.refusal]))
@@ -95,58 +103,57 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
         refuse_lost_newest(out, directory, set(complete), decision.by_hand or (
             decision.fresh_start is not None and not decision.candidates))
     candidates = decision.candidates
-    ours = [s for s in complete if complete[s]["lineage"] == lineage]
-    foreign = [s for s in complete if complete[s]["lineage"] != lineage
-               and s > max(candidates or ours or [-1]) and not decision.by_hand]
-    if foreign and candidates:
+    newest = candidates[0] if candidates else -1
+    foreign = [s for s in complete if complete[s]["lineage"] != lineage and candidates
+               and s > newest and not decision.by_hand]
+    if foreign:
         raise ValueError(
             f"{directory}/{tag_of(foreign[-1])} is another run's checkpoint (lineage "
             f"{complete[foreign[-1]]['lineage']}; this run's is {lineage}), newer than this "
-            f"run's newest, {tag_of(candidates[0])}: move {tags(foreign)} out of {directory}, "
-            f"or resume this run's own with --resume-from {tag_of(candidates[0])} (newer "
+            f"run's newest, {tag_of(newest)}: move {tags(foreign)} out of {directory}, "
+            f"or resume this run's own with --resume-from {tag_of(newest)} (newer "
             "folders are then set aside, not deleted)")
-    if complete and not ours and not candidates:
+    if complete and not candidates and all(m["lineage"] != lineage for m in complete.values()):
         raise ValueError(
             f"{directory} holds no checkpoint of this run (lineage {lineage}), only another "
             f"run's ({tags(complete)}): to continue that run here, --resume-from "
             f"{tag_of(max(complete))}; else move them out of the folder")
     unmarked = {c.step for c in live} - set(complete) - set(damaged)
     problems = {**damaged, **{s: "no manifest.json, though the run's history records it "
-                              "committed" for s in unmarked if s in step_folders(directory)}}
-    plan = ResumePlan(directory, candidates, None, decision.by_hand, tuple(
-        f"{tag_of(s)}: {problem}" for s, problem in sorted(problems.items())
-        if s > (candidates[0] if candidates else -1)), notes + decision.notes,
-        decision.fresh_start, tuple(records), tuple(appends) + decision.appends, lineage)
-    if candidates:
-        return dataclasses.replace(plan, resharding=plan_layout(directory, candidates[0],
-                                                                world_size, tp, pp, zero_stage))
-    if not plan.passed_over and not live and (records or set(step_folders(directory)) <= set(
-            complete)):  # with no history, step folders without a manifest are not passed over
-        return plan if plan.appends or plan.fresh_start or plan.notes else None
-    if decision.fresh_start is None:
-        found = [(tag_of(s), damaged.get(s, "no manifest.json (not complete)" if records else
-                                          "no manifest.json: a save cut short, or a checkpoint "
-                                          "of a tupe_ds before 2026-11-29 (resume it with that "
-                                          "version)")) for s in reversed(step_folders(directory))]
-        raise ValueError(" ".join([*decision.notes, none_resumable(
-            directory, found, live[-1].id if live else "none", "" if found else
-            f", though the run's history records {tags(c.step for c in live)} as committed "
-            "(were they moved?)")]))
-    return plan
+                              "committed" for s in unmarked if s in folders}}
+    plan = ResumePlan(
+        directory, candidates, plan_layout(directory, newest, world_size, tp, pp, zero_stage)
+        if candidates else None, decision.by_hand, tuple(
+            f"{tag_of(s)}: {problem}" for s, problem in sorted(problems.items()) if s > newest),
+        notes + decision.notes, decision.fresh_start, tuple(records),
+        tuple(appends) + decision.appends, lineage)
+    if candidates or decision.fresh_start is not None:
+        return plan
+    if not plan.passed_over and not live and (records or set(folders) <= set(complete)):
+        # with no history, step folders without a manifest are not passed over
+        return plan if plan.appends or plan.notes else None
+    raise ValueError(" ".join([*decision.notes, none_resumable(directory, [
+        (tag_of(s), damaged.get(s, "no manifest.json (not complete)" if records else
+                                "no manifest.json: a save cut short, or a checkpoint of a tupe_ds "
+                                "before 2026-11-29 (resume it with that version)"))
+        for s in reversed(folders)], live)]))
+
+
+def set_aside_folders(directory: str) -> List[str]:
+    """The folders in CHECKPOINTS/set-aside/*/, in order."""
+    kept = os.path.join(directory, SET_ASIDE)
+    return [os.path.join(kept, when, name) for when in sorted(reads.list_folder(kept))
+            for name in sorted(reads.list_folder(os.path.join(kept, when)))]
 
 
 def set_aside_manifests(directory: str) -> Dict[str, dict]:
     """The manifests that read in CHECKPOINTS/set-aside/*/stepN, by checkpoint id."""
-    found, kept = {}, os.path.join(directory, SET_ASIDE)
-    for when in sorted(reads.list_folder(kept)):
-        for name in sorted(reads.list_folder(os.path.join(kept, when))):
-            step_dir = os.path.join(kept, when, name)
-            try:
-                if manifest.exists(step_dir):
-                    record = manifest.read(step_dir)
-                    found[history.checkpoint_id(record)] = record
-            except ValueError:
-                continue
+    found = {}
+    for step_dir in set_aside_folders(directory):
+        with contextlib.suppress(ValueError):
+            if manifest.exists(step_dir):
+                record = manifest.read(step_dir)
+                found[history.checkpoint_id(record)] = record
     return found
 
 
@@ -160,10 +167,9 @@ def refuse_lost_newest(out: str, directory: str, complete: set, consented) -> No
     if not named or consented or step_of(named) <= max(complete, default=-1) or os.path.isdir(
             os.path.join(directory, named)):  # there but incomplete: refused below, named
         return
-    kept, pointed = os.path.join(directory, SET_ASIDE), os.stat(os.path.join(directory, "latest"))
-    if any(named in reads.list_folder(os.path.join(kept, when))
-           and os.stat(os.path.join(kept, when)).st_mtime_ns >= pointed.st_mtime_ns
-           for when in reads.list_folder(kept)):
+    pointed = os.stat(os.path.join(directory, "latest")).st_mtime_ns
+    if any(os.path.basename(kept) == named and os.stat(os.path.dirname(kept)).st_mtime_ns
+           >= pointed for kept in set_aside_folders(directory)):
         return
     older = max(complete, default=None)
     raise ValueError(
@@ -172,16 +178,6 @@ def refuse_lost_newest(out: str, directory: str, complete: set, consented) -> No
         "or deleted. Put them back and run the same command" + (
             f"; or go on from {tag_of(older)} deliberately: --resume-from {tag_of(older)}"
             if older is not None else "; or start over in another --out"))
-
-
-def appeared(directory: str, step: int) -> bool:
-    """Whether the manifest of `step`, the history's newest, shows within the retry window."""
-    path = os.path.join(directory, tag_of(step), manifest.MANIFEST)
-    try:
-        reads.retried(path, lambda: os.stat(path), expected=True)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def resume_from_step(directory: str, resume_from: str) -> int:
@@ -198,15 +194,17 @@ def resume_from_step(directory: str, resume_from: str) -> int:
         raise ValueError(f"--resume-from {resume_from}: {error}") from None
 
 
-def none_resumable(directory: str, found, newest_id: str, recorded: str = "") -> str:
-    """The refusal of a start from step 0 over checkpoints (`found`: (stepN, why not) each)."""
-    fresh = "--fresh-start" + (f" --giving-up {newest_id}" if newest_id != "none" else "")
+def none_resumable(directory: str, found, live: List[history.Checkpoint]) -> str:
+    """The refusal of a start from step 0 over checkpoints (`found`: (stepN, why not) each;
+    `live`: the history's)."""
+    fresh = "--fresh-start" + (f" --giving-up {live[-1].id}" if live else "")
     if not found:
-        return (f"{directory} holds no checkpoint{recorded}. Nothing was moved or deleted. Put "
-                f"them back and run the same command; or, to start this run over from step 0, "
-                f"add {fresh}")
+        return (f"{directory} holds no checkpoint, though the run's history records "
+                f"{tags(c.step for c in live)} as committed (were they moved?). Nothing was moved "
+                "or deleted. Put them back and run the same command; or, to start this run over "
+                f"from step 0, add {fresh}")
     return (f"{directory} holds checkpoints of which none can be resumed: "
-            + "; ".join(f"{tag}: {why}" for tag, why in found) + recorded
+            + "; ".join(f"{tag}: {why}" for tag, why in found)
             + ". Nothing was moved or deleted. Mend them (restore their files) and run the same "
             f"command; or, to start this run over from step 0, add {fresh} (they are then "
             f"set aside in {os.path.join(directory, SET_ASIDE)}, not deleted)")
@@ -231,10 +229,8 @@ def what_is_where(out: str, plan: Optional[ResumePlan], init_plan=None) -> List[
                             else "incomplete (no manifest.json: a save cut short)")
              for s, path in ((s, os.path.join(directory, tag_of(s)))
                              for s in step_folders(directory))]
-    kept = os.path.join(directory, SET_ASIDE)
-    lines += [f"{os.path.join(kept, when, name)}: set aside (never resumed from, never deleted by "
-              "tupe_ds)" for when in sorted(reads.list_folder(kept))
-              for name in sorted(reads.list_folder(os.path.join(kept, when)))]
+    lines += [f"{kept}: set aside (never resumed from, never deleted by tupe_ds)"
+              for kept in set_aside_folders(directory)]
     lines = lines or [f"{directory}: no checkpoint"]
     if plan is not None and plan.candidates:
         lines.append(f"a run would resume {plan.tag} once its files verify; else, in turn: "
@@ -243,8 +239,8 @@ def what_is_where(out: str, plan: Optional[ResumePlan], init_plan=None) -> List[
                                   and not plan.by_hand else "a refusal, with nothing moved"]))
         newer = [s for s in step_folders(directory) if s > plan.candidates[0]]
         if newer:
-            lines.append(f"resuming {plan.tag}, it would set aside {tags(newer)} (into {kept}, "
-                         "not deleted)")
+            lines.append(f"resuming {plan.tag}, it would set aside {tags(newer)} (into "
+                         f"{os.path.join(directory, SET_ASIDE)}, not deleted)")
     elif init_plan is not None:
         lines.append(f"a run would branch from {init_plan.step_dir} at step {init_plan.step}"
                      if init_plan.branch else f"a run would start from step 0 with the weights "
@@ -253,7 +249,7 @@ def what_is_where(out: str, plan: Optional[ResumePlan], init_plan=None) -> List[
     else:
         lines.append("a run would start from step 0" + (
             ", setting the damaged checkpoints aside (--fresh-start)" if plan and plan.fresh_start
-            and (plan.passed_over or history.live([*plan.records, *plan.appends])) else ""))
+            and (plan.passed_over or plan.live) else ""))
     return lines
 
 
@@ -294,13 +290,16 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
     """Collective: the first of rank 0's candidates whose files every rank verifies, as a plan
     of its own (None: from step 0); failures said file by file, the step folders newer than the
     one chosen set aside. None verifies: Refused with nothing moved (--resume-from, or without
-    --fresh-start), else from step 0. Rank 0 first records the start (`attempt`: (OUT,
-    its fields)) and what it spends and moves in the history."""
+    --fresh-start), else from step 0. Rank 0 first records in the history this start
+    (`attempt`: (OUT, its fields)), what the plan rebuilt, adopted and spent, --fresh-start's
+    outcome and the folders it sets aside."""
     plan = agree_with_rank_0(plan)
     if plan is None:
         if attempt is not None:
-            reads.gathered(lambda: record_start(attempt, None, None, []) if dist.get_rank() == 0
-                           else None, "rank 0 to record the start in the run's history")
+            out, fields = attempt
+            reads.gathered(lambda: None if dist.get_rank() else write_history(
+                out, history.read(out) or [], [history.record("attempt", **fields)]),
+                "rank 0 to record the start in the run's history")
         return None
     for line in [f"tupe-pretrain: checkpoint {line}: not complete, not resumed"
                  for line in plan.passed_over] + list(plan.notes):
@@ -322,7 +321,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
         if plan.by_hand:
             raise Refused(f"--resume-from {tag_of(step)}: the checkpoint does not verify "
                           "(above); restore its files or choose another")
-    live = history.live([*plan.records, *plan.appends])
+    live = plan.live
     if chosen is not None and plan.fresh_start:
         logger.info(f"tupe-pretrain: --fresh-start not taken: {chosen.tag} can be resumed (a "
                     "fresh start is only for a folder none of whose checkpoints can; the flag is "
@@ -333,8 +332,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
         raise Refused(none_resumable(plan.directory, [
             (tag_of(step), problems[0] + (f" (and {len(problems) - 1} more, above)"
                                           if len(problems) > 1 else ""))
-            for step, problems in sorted(failed.items(), reverse=True)],
-            live[-1].id if live else "none"))
+            for step, problems in sorted(failed.items(), reverse=True)], live))
     elif chosen is None and (plan.candidates or plan.passed_over):
         logger.info(f"tupe-pretrain: no checkpoint of {plan.directory} can be resumed (above): "
                     "starting anew from step 0 (--fresh-start); they are set aside, not deleted")
@@ -349,7 +347,13 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
         moved = [history.record("set_aside", step=s, id=history.checkpoint_id(complete[s])
                                 if s in complete else committed.get(s), why="newer than the "
                                 "checkpoint resumed" if chosen else "--fresh-start") for s in newer]
-        record_start(attempt or (os.path.dirname(plan.directory), None), plan, chosen, moved)
+        out, fields = attempt or (os.path.dirname(plan.directory), None)
+        new = [*plan.appends, *([history.record("attempt", **fields)] if fields else [])]
+        if plan.fresh_start:
+            taken = chosen is None and bool(plan.candidates or plan.passed_over or moved or live)
+            new.append({**plan.fresh_start, "outcome": "applied" if taken else "not taken",
+                        "gives_up": [c.id for c in live] if taken else []})
+        write_history(out, list(plan.records), [*new, *moved])  # before anything moves
         said = set_aside(plan.directory, newer, (
             f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
             "none could be resumed, --fresh-start") + ": failed, damaged, incomplete or left by "
@@ -362,24 +366,11 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
     return chosen
 
 
-def record_start(attempt: tuple, plan: Optional[ResumePlan], chosen: Optional[ResumePlan],
-                 moved: list) -> None:
-    """Rank 0: appends to the history, before anything moves, what the plan rebuilt, adopted
-    and spent, this start (`attempt`: (OUT, its fields or None)), --fresh-start's outcome and
-    the folders about to be set aside (`moved`)."""
-    out, fields = attempt
-    records = list(plan.records) if plan else history.read(out) or []
-    new = list(plan.appends) if plan else []
-    if fields is not None:
-        new.append(history.record("attempt", **fields))
-    if plan is not None and plan.fresh_start:
-        live = [c.id for c in history.live([*records, *new])]
-        taken = chosen is None and bool(plan.candidates or plan.passed_over or moved or live)
-        new.append({**plan.fresh_start, "outcome": "applied" if taken else "not taken",
-                    "gives_up": live if taken else []})
+def write_history(out: str, records: list, new: list) -> None:
+    """Rank 0: history.append; a full disk stops every rank alike, with nothing moved."""
     try:
-        history.append(out, records, [*new, *moved])
-    except OSError as error:  # a full disk: every rank stops alike, nothing moved
+        history.append(out, records, new)
+    except OSError as error:
         raise reads.Unreadable(f"could not write {os.path.join(out, history.FILE)} "
                                f"({reads.error_text(error)}): nothing was moved or deleted; run "
                                "the same command once the filesystem has space") from None
@@ -419,16 +410,17 @@ def load_or_initialise(run, engine, start: Start) -> tuple:
     """Into the engine: the checkpoint resumed, its training changes said and applied; else
     --branch's checkpoint or --init-from's weights. (The state the checkpoint held, or None;
     whether the run branched.)"""
-    state = loading.load(engine, start.plan, run.seed) if start.plan is not None else None
-    if state is not None:
+    init, state = run.init_plan, None
+    branched = start.plan is None and init is not None and init.branch
+    if start.plan is not None:
+        state = loading.load(engine, start.plan, run.seed)
         rate_from_schedule(engine)
-    branched = state is None and run.init_plan is not None and run.init_plan.branch
-    if branched:
-        state = init_from.branch_from(engine, run.init_plan)
-    elif state is None and run.init_plan is not None:
-        init_from.init_from(engine, run.init_plan)
+    elif branched:
+        state = init_from.branch_from(engine, init)
+    elif init is not None:
+        init_from.init_from(engine, init)
     if start.training_changes or branched:  # a branch's schedule from its first step
         apply_config(engine, run.ds_config)
-    for line in [*start.training_changes, *(run.init_plan.changes if branched else ())]:
+    for line in [*start.training_changes, *(init.changes if branched else ())]:
         logger.info(line)
     return state, branched
