@@ -294,6 +294,8 @@ def test_compare_prints_and_reads_the_flags_it_passes_to_tupe_pretrain(tmp_path,
     """tupe-compare's unknown flags go to every run: --print-config lists them as pretrain-flags,
     a file's come first, the command line's after (so they win)."""
     from tupe_ds.compare import cli
+    from tupe_ds.compare.plan import Plan
+    from tupe_ds.tools.errors import CompareError
 
     argv = ["plan", "--data", "d", "--encodings", "rope", "--steps", "4", "--model", "tiny",
             "--out", "o"]
@@ -304,8 +306,22 @@ def test_compare_prints_and_reads_the_flags_it_passes_to_tupe_pretrain(tmp_path,
     config = write(tmp_path / "c.toml", printed)
     with pytest.raises(SystemExit):
         cli.main(["plan", "--config", config, "--lr", "2e-3", "--print-config"])
-    assert (f'pretrain-flags = ["--lr", "1e-3", "--seq-len", "64", "--lr", "2e-3"]  # {config}, '
-            "then the command line") in capsys.readouterr().out.splitlines()
+    assert (f'pretrain-flags = ["--seq-len", "64", "--lr", "2e-3"]  # {config}, then the '
+            "command line") in capsys.readouterr().out.splitlines()  # the command line's --lr
+    with pytest.raises(SystemExit):  # the printed file with the same command: the same flags
+        cli.main([*argv, "--lr", "1e-3", "--seq-len", "64", "--config", config, "--print-config"])
+    assert 'pretrain-flags = ["--lr", "1e-3", "--seq-len", "64"]' in capsys.readouterr().out
+    (tmp_path / "cfg").mkdir()
+    config = write(tmp_path / "cfg" / "c.toml", 'pretrain-flags = ["--ds-config", "ds.json", '
+                   '"--seq-len", "64", "--init-from=../runs/p1"]\n')
+    with pytest.raises(SystemExit):  # its paths are the file's; a Megatron name is the setting
+        cli.main([*argv, "--config", config, "--seq-length", "128", "--print-config"])
+    assert (f'pretrain-flags = ["--ds-config", "{tmp_path}/cfg/ds.json", "--init-from='
+            f'{tmp_path}/runs/p1", "--seq-length", "128"]') in capsys.readouterr().out
+    for flag in ("--print-config", "--help", "--train-iters=3"):
+        with pytest.raises(CompareError, match=f"^{flag.split('=')[0]}"):
+            Plan(out="o", data=("d",), encodings=("rope",), seeds=(1,), steps=4, baseline="rope",
+                 processes=1, pretrain_flags=("--model", "tiny", flag)).check_flags()
 
 
 def test_shape_flags_change_the_preset_and_are_checked(data, tmp_path, monkeypatch):
@@ -365,39 +381,52 @@ def test_recorded_settings_are_absolute_and_one_shot_flags_are_not_recorded(tmp_
 
 
 def test_a_recorded_value_this_version_refuses_is_overridden_by_the_command(tmp_path, capsys):
-    """A history holding a value no flag takes (written by hand, or by another version) does not
-    lock the run: the command's own value is taken, and without one the refusal says the flag."""
+    """A history holding values no flag takes (written by hand, or by another version) does not
+    lock the run: the command's own value is taken, and without one the refusal names every
+    such value and how to give each anew."""
     os.makedirs(tmp_path / "run")
-    history.append(str(tmp_path / "run"), [], [history.record(
-        "attempt", lineage="L", settings={"lr_schedule": "constant", "steps": 3})])
+    history.append(str(tmp_path / "run"), [], [history.record("attempt", lineage="L", settings={
+        "lr_schedule": "constant", "bf16": "yes", "steps": 3})])
     argv = ["--out", str(tmp_path / "run"), "--data", "d", "--ds-config", "c"]
-    args = command_line.parse(flags.parser(), [*argv, "--lr-schedule", "wsd"],
+    args = command_line.parse(flags.parser(), [*argv, "--lr-decay-style", "wsd", "--bf16"],
                               recorded=recorded_settings.of_run_folder)
-    assert args.lr_schedule == "wsd" and args.steps == 3
+    assert args.lr_schedule == "wsd" and args.bf16 and args.steps == 3
     with pytest.raises(SystemExit):
         command_line.parse(flags.parser(), argv, recorded=recorded_settings.of_run_folder)
     said = capsys.readouterr().err
-    assert "lr_schedule = 'constant': choose one of" in said
-    assert "; give --lr-schedule to set it anew" in said
+    assert "lr_schedule = 'constant': choose one of" in said and "bf16 = 'yes': give true" in said
+    assert "; give bf16 = true or false in a --config file, --lr-schedule to set them anew" in said
 
 
 def test_config_paths_expand_variables_and_print_config_stays_toml(tmp_path, monkeypatch,
-                                                                    capsys):
-    """$VARIABLES expand as ~ does; --print-config of a name TOML cannot hold (bytes that are no
-    UTF-8, DEL) is still a TOML file."""
+                                                                   capsys):
+    """$VARIABLES in a file's paths expand as ~ does (one not set is refused), not a command
+    line's (the shell's); --print-config of a name TOML cannot hold (bytes that are no UTF-8,
+    DEL, in a value or in a comment's file name) is still a TOML file."""
     import tomllib
 
     monkeypatch.setenv("TUPE_TEST_RUNS", str(tmp_path / "runs"))
-    config = write(tmp_path / "c.toml", 'out = "$TUPE_TEST_RUNS/large"\n')
-    assert pretrain_args(["--config", config, "--data", "d", "--ds-config", "c", "--steps",
-                          "3"]).out == str(tmp_path / "runs" / "large")
+    required = ["--data", "d", "--ds-config", "c", "--steps", "3"]
+    config = write(tmp_path / "c.toml", 'out = "${TUPE_TEST_RUNS}/large"\n')
+    assert pretrain_args(["--config", config, *required]).out == str(tmp_path / "runs" / "large")
+    with pytest.raises(SystemExit):
+        pretrain_args(["--config", write(tmp_path / "u.toml", 'out = "$TUPE_UNSET/x"\n'),
+                       *required])
+    assert "$TUPE_UNSET is not set in the environment" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretrain_args(["--out", "runs/$HOME", *required, "--print-config"])
+    assert f'out = "{os.path.abspath("runs/$HOME")}"  # command line' in capsys.readouterr().out
+    odd_folder = tmp_path / os.fsdecode(b"cfg-\xff\x7f")
+    odd_folder.mkdir()
+    config = write(odd_folder / "c.toml", 'steps = 3\n')
     odd = os.fsdecode(b"/tmp/run-\xff") + "\x7f"
     with pytest.raises(SystemExit):
-        pretrain_args(["--out", odd, "--data", "/tmp/del\x7f", "--print-config"])
+        pretrain_args(["--out", odd, "--data", "/tmp/del\x7f", "--config", config,
+                       "--print-config"])
     printed = capsys.readouterr().out
-    settings = tomllib.loads(printed)
-    assert settings["data"] == ["/tmp/del\x7f"] and "out" not in settings
-    assert "# out = (bytes that are not UTF-8 text" in printed
+    settings = tomllib.loads(printed.encode().decode())
+    assert settings["data"] == ["/tmp/del\x7f"] and settings["steps"] == 3
+    assert "out" not in settings and "# out = (bytes that are not UTF-8 text" in printed
 
 
 @pytest.mark.slow

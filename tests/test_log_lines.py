@@ -65,3 +65,30 @@ def test_a_command_shows_its_lines_as_its_launchers_rank_before_discovery():
     assert launcher_rank({"SLURM_STEP_ID": "0", "SLURM_PROCID": "3"}) == 3
     assert launcher_rank({"SLURM_PROCID": "3"}) == 0  # the batch script, not a task of a step
     assert launcher_rank({"OMPI_COMM_WORLD_RANK": "2"}) == launcher_rank({"PMI_RANK": "2"}) == 2
+
+
+@pytest.mark.slow
+def test_a_command_with_stdout_closed_runs_quietly_and_leaves_a_scripts_own_logger(tmp_path):
+    """Information lines with stdout closed (>&-) are dropped, as print drops them; a script
+    that calls a command keeps its own __main__ logger, while `python -m` one of ours shows it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import logging, sys\n"
+        f"logging.basicConfig(filename={str(tmp_path / 'my.log')!r}, level=logging.INFO)\n"
+        "from tupe_ds.tools import entry\n"
+        "work = lambda: logging.getLogger('tupe_ds.t').info('ours') or 0\n"
+        "code = entry.run('x', work)\n"
+        "logging.getLogger(__name__).info('theirs')\n"
+        "sys.exit(code)\n")
+    ran = subprocess.run(["bash", "-c", f"{sys.executable} {script} >&-"], capture_output=True,
+                         text=True, timeout=120)
+    assert (ran.returncode, ran.stderr) == (0, "")
+    assert "theirs" in (tmp_path / "my.log").read_text()
+    (tmp_path / "a.txt").write_text("A sentence of the corpus. Another one follows it.\n" * 40)
+    ran = subprocess.run([sys.executable, "-m", "data_prep.cli", "--input", str(tmp_path / "a.txt"),
+                          "--vocab-size", "300", "--out", str(tmp_path / "prep"), "--quiet"],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and f"wrote {tmp_path / 'prep'}/" in ran.stdout, ran.stderr

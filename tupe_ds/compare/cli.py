@@ -38,6 +38,7 @@ from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.machine.doctor import probe
 from tupe_ds.model.config import ENCODINGS
 from tupe_ds.tools import command_line, entry
+from tupe_ds.train.flags import parser as pretrain_parser
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
                                         f"processes (default: {DEFAULT_GLOBAL_BATCH})")
     glue.add_argument("--finetune-max-length", type=int, help="tokens per example (default 512)")
     command_line.paths(p, "out", "finetune", blend=["data"])
+    command_line.passes_flags(p, "pretrain_flags", pretrain_parser)
     return p
 
 

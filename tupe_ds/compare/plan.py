@@ -12,15 +12,18 @@ from typing import Optional
 from tupe_ds.compare.recipes import Recipe
 from tupe_ds.finetune.tasks import TASKS, check_glue_task, glue_files
 from tupe_ds.machine.doctor import probe
+from tupe_ds.tools import command_line
 from tupe_ds.tools.errors import CompareError, Refused, TaskDataError
 from tupe_ds.tools.files import write_atomically
 from tupe_ds.train.checkpoint.folder import latest_step
 from tupe_ds.train.config import load
+from tupe_ds.train.flags import parser as pretrain_parser
 
 PLAN_FILE = "compare.json"
 # tupe-compare sets these for every run; the other tupe-pretrain flags are shared by all runs.
 RESERVED_FLAGS = ("--data", "--out", "--pos-encoding", "--seed", "--steps", "--resume",
                   "--check-only")
+ONE_COMMANDS = ("--help", "--print-config")  # tupe-compare's own: a run given one trains nothing
 
 
 @dataclass(frozen=True)
@@ -85,10 +88,20 @@ class Plan:
 
     def check_flags(self) -> None:
         """What the comparison itself forbids: flags it sets, a baseline it does not train."""
-        for flag in RESERVED_FLAGS:
-            if any(f == flag or f.startswith(flag + "=") for f in self.pretrain_flags):
-                raise CompareError(f"{flag}: tupe-compare sets it for every run; give the "
-                                   "comparison's --data, --encodings, --seeds and --steps instead")
+        for action, (given, *_) in command_line.flag_groups(self.pretrain_flags,
+                                                            pretrain_parser()):
+            names = action.option_strings if action else ()
+            if " " in given and given.startswith("-"):
+                raise CompareError(f"{given!r} among the flags for tupe-pretrain: give the flag "
+                                   f"and its value as items of their own ({given.split()})")
+            if set(names) & set(RESERVED_FLAGS):
+                raise CompareError(f"{given.split('=')[0]}: tupe-compare sets it for every run; "
+                                   "give the comparison's --data, --encodings, --seeds and "
+                                   "--steps instead")
+            if set(names) & set(ONE_COMMANDS):
+                raise CompareError(f"{given.split('=')[0]} among the flags for tupe-pretrain "
+                                   "would make every run print it and train nothing; give it "
+                                   "to tupe-compare itself")
         if self.baseline not in self.encodings:
             raise CompareError(f"--baseline {self.baseline} is not one of --encodings "
                                f"{','.join(self.encodings)}")

@@ -11,6 +11,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import sys
 import tomllib
 from typing import Callable, Optional
@@ -80,23 +81,26 @@ def paths(parser: argparse.ArgumentParser, *dests: str, named=(), blend=()) -> N
             actions[dest].path_kind = kind  # KeyError: a dest the parser does not have
 
 
-def relative_to(folder: str, value, kind: str = PATH):
+def relative_to(folder: str, value, kind: str = PATH, expand: bool = False):
     """A `kind` path setting's `value`, a relative path in it taken as relative to `folder` (see
-    paths); ValueError where that path does not exist but the same path from the working
-    directory does: a config file written before its paths were the file's."""
+    paths); `expand`: ~ and $VARIABLES expanded first, as a shell would (a file's; a command
+    line's were, by the shell). ValueError where a variable is not set, or where the path does
+    not exist but the same path from the working directory does: a config file written before
+    its paths were the file's."""
     if isinstance(value, list):
         if kind == BLEND and len(value) > 1:  # weight, folder, weight, folder...
-            return [item if i % 2 == 0 else relative_to(folder, item, NAMED)
+            return [item if i % 2 == 0 else relative_to(folder, item, NAMED, expand)
                     for i, item in enumerate(value)]
-        return [relative_to(folder, item, NAMED if kind == BLEND else kind) for item in value]
+        return [relative_to(folder, item, NAMED if kind == BLEND else kind, expand)
+                for item in value]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # out = 2024: a folder
     if not isinstance(value, str) or not value:
         return value
     name, separator, path = value.partition("=")
     if kind != PATH and separator and name and os.sep not in name:
-        return f"{name}={relative_to(folder, path)}"
-    path = os.path.expanduser(os.path.expandvars(value))  # ~ and $HOME, as a shell would
+        return f"{name}={relative_to(folder, path, PATH, expand)}"
+    path = os.path.expanduser(expanded(value)) if expand else value
     if os.path.isabs(path):
         return os.path.normpath(path)
     resolved = os.path.normpath(os.path.join(folder, path))
@@ -106,6 +110,64 @@ def relative_to(folder: str, value, kind: str = PATH):
                          f"{resolved} is not; {os.path.abspath(path)} (from the working "
                          f"directory) is: write that path, or one relative to {folder}")
     return resolved
+
+
+def expanded(value: str) -> str:
+    """`value` with its $VARIABLES and ${VARIABLES} replaced; ValueError naming one not set."""
+    unset = [name for braced, bare in VARIABLE.findall(value)
+             if (name := braced or bare) not in os.environ]
+    if unset:
+        raise ValueError(f"{value!r}: ${unset[0]} is not set in the environment (a path that "
+                         "holds a '$' of its own goes on the command line)")
+    return os.path.expandvars(value)
+
+
+VARIABLE = re.compile(r"\$(?:\{([^}]*)\}|(\w+))")
+
+
+def passes_flags(parser: argparse.ArgumentParser, dest: str,
+                 to: Callable[[], argparse.ArgumentParser]) -> None:
+    """Marks list setting `dest` as flags handed on to another command (`to()`: its parser):
+    paths among them are relative to a --config file as its own settings' are, and where the
+    file and the command line give one of its settings, the command line's is taken."""
+    next(action for action in parser._actions if action.dest == dest).passes_to = to
+
+
+def flag_groups(tokens: list, parser: argparse.ArgumentParser) -> list:
+    """[(the action or None, [its tokens])]: each flag of `tokens` with the values after it, as
+    `parser` reads them (a flag it does not have, or values before any flag: None)."""
+    options = {option: action for action in parser._actions for option in action.option_strings}
+    groups = []
+    for token in tokens:
+        if token.startswith("-") and not token[1:2].isdigit() or not groups:  # -1e-3: a value
+            groups.append((options.get(token.split("=", 1)[0]), [token]))
+        else:
+            groups[-1][1].append(token)
+    return groups
+
+
+def passed_flags(folder: str, tokens: list, parser: argparse.ArgumentParser,
+                 expand: bool = False) -> list:
+    """`tokens` with the values of `parser`'s path flags relative to `folder` (relative_to)."""
+    passed = []
+    for action, group in flag_groups(tokens, parser):
+        kind = getattr(action, "path_kind", None)
+        option, separator, value = group[0].partition("=")
+        if kind is None:
+            passed += group
+        elif separator:
+            passed += [f"{option}={relative_to(folder, value, kind, expand)}", *group[1:]]
+        else:
+            values = group[1:] if action.nargs in ("+", "*") else group[1:2]
+            passed += [option, *relative_to(folder, values, kind, expand), *group[1 + len(values):]]
+    return passed
+
+
+def merged_flags(first: list, then: list, parser: argparse.ArgumentParser) -> list:
+    """The flags of `first` whose settings `then` does not give, then `then`'s."""
+    given = {action.dest for action, _ in flag_groups(then, parser) if action is not None}
+    return [token for action, group in flag_groups(first, parser)
+            if action is None or action.dest not in given for token in group] + list(then)
 
 
 def parse(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Recorded] = None,
@@ -150,8 +212,10 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
         args = parse_over(parser, defaults, layers, argv, known)
     sources = setting_sources(flags, layers, argv)
     if known and (rest := args.__dict__.pop(UNKNOWN)):
-        setattr(args, rest_into, [*getattr(args, rest_into), *rest])
-        sources[rest_into] = (COMMAND_LINE if sources[rest_into] == DEFAULT else
+        to = getattr(flags[rest_into], "passes_to", None)
+        before = getattr(args, rest_into)
+        setattr(args, rest_into, merged_flags(before, rest, to()) if to else [*before, *rest])
+        sources[rest_into] = (COMMAND_LINE if sources[rest_into] in (DEFAULT, COMMAND_LINE) else
                               f"{sources[rest_into]}, then the command line")
     missing = [action for action in required if sources[action.dest] == DEFAULT]
     if args.print_config:  # the settings so far, the required ones not given among them
@@ -251,20 +315,26 @@ def read_config(parser, flags: dict, path: str) -> dict:
         if action.dest in values:
             parser.error(f"--config {path}: {key} sets {action.option_strings[0]} a second time "
                          "(under another of its names)")
-        if hasattr(action, "path_kind"):
-            try:
-                value = relative_to(os.path.dirname(os.path.abspath(path)), value,
-                                    action.path_kind)
-            except ValueError as error:
-                parser.error(f"--config {path}: {key} = {error}")
-        values[action.dest] = flag_value(parser, action, f"--config {path}: {key}", value)
+        try:
+            folder = os.path.dirname(os.path.abspath(path))
+            if hasattr(action, "path_kind"):
+                value = relative_to(folder, value, action.path_kind, expand=True)
+            elif hasattr(action, "passes_to") and isinstance(value, list):
+                value = passed_flags(folder, [str(item) for item in value], action.passes_to(),
+                                     expand=True)
+        except ValueError as error:
+            parser.error(f"--config {path}: {key} = {error}")
+        try:
+            values[action.dest] = flag_value(parser, action, f"--config {path}: {key}", value)
+        except ValueError as error:
+            parser.error(str(error))
     return values
 
 
 def checked_layer(parser, flags: dict, where: str, values: dict) -> dict:
     """A recorded layer's values, each checked as a file's are; a setting the parser no longer
     has is said and left out."""
-    checked = {}
+    checked, problems, fixes = {}, [], []
     for dest, value in values.items():
         if dest not in flags:
             logger.warning(f"{parser.prog}: {where} records {dest}, no setting of this version: "
@@ -272,54 +342,61 @@ def checked_layer(parser, flags: dict, where: str, values: dict) -> dict:
             continue
         if isinstance(value, list) and flags[dest].nargs is None:  # typed "A,B" (--mask-split)
             value = ",".join(map(str, value))
-        checked[dest] = flag_value(parser, flags[dest], f"{where}: {dest}", value,
-                                   f"; give {flags[dest].option_strings[0]} to set it anew")
+        try:
+            checked[dest] = flag_value(parser, flags[dest], f"{where}: {dest}", value)
+        except ValueError as error:  # each said: a run that records several learns all at once
+            action = flags[dest]
+            problems.append(str(error))
+            fixes.append(action.option_strings[0] if action.nargs != 0 else
+                         f"{action.option_strings[0][2:]} = true or false in a --config file")
+    if problems:
+        parser.error(f"{'; '.join(problems)}; give {', '.join(fixes)} to set "
+                     f"{'it' if len(fixes) == 1 else 'them'} anew")
     return checked
 
 
-def flag_value(parser, action: argparse.Action, where: str, value, way_on: str = ""):
-    """`value` from a file, converted and checked as argparse would the flag's strings; a refusal
-    ends with `way_on`."""
-    def refuse(message: str):
-        parser.error(message + way_on)
-
+def flag_value(parser, action: argparse.Action, where: str, value):
+    """`value` from a file, converted and checked as argparse would the flag's strings;
+    ValueError saying why not."""
     if value is None:  # a setting the run recorded unset (TOML has no null)
         return None
     if action.nargs == 0:  # store_true, store_false
         if not isinstance(value, bool) or not isinstance(action.const, bool):
-            refuse(f"{where} = {value!r}: give true or false")
+            raise ValueError(f"{where} = {value!r}: give true or false")
         return action.const if value else not action.const
     many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
     if isinstance(value, dict) or (isinstance(value, list) and not many):
         typed = (f" (this flag takes several in one: \"{','.join(map(str, value))}\")"
                  if isinstance(value, list) and action.type is not None else "")
-        refuse(f"{where} = {value!r}: give one value{typed}")
+        raise ValueError(f"{where} = {value!r}: give one value{typed}")
     items = value if isinstance(value, list) else [value]
     if many and not items and action.nargs == "+":
-        refuse(f"{where}: give at least one value")
+        raise ValueError(f"{where}: give at least one value")
     if isinstance(action.nargs, int) and len(items) != action.nargs:
-        refuse(f"{where} = {value!r}: give {action.nargs} values")
-    converted = [converted_item(refuse, action, where, item) for item in items]
+        raise ValueError(f"{where} = {value!r}: give {action.nargs} values")
+    converted = [converted_item(action, where, item) for item in items]
     stored = argparse.Namespace()  # what the flag's action keeps of them (a custom one too)
     try:
         action(parser, stored, converted if many else converted[0])
     except argparse.ArgumentError as error:
-        refuse(f"{where} = {value!r}: {error.message}")
+        raise ValueError(f"{where} = {value!r}: {error.message}")
     return getattr(stored, action.dest)
 
 
-def converted_item(refuse, action: argparse.Action, where: str, item):
+def converted_item(action: argparse.Action, where: str, item):
     if isinstance(item, (bool, dict, list)):
-        refuse(f"{where}: {item!r} is not a value of this flag")
+        raise ValueError(f"{where}: {item!r} is not a value of this flag")
     text = str(item)
     try:
         value = action.type(text) if action.type else text
     except argparse.ArgumentTypeError as error:
-        refuse(f"{where} = {item!r}: {error}")
+        raise ValueError(f"{where} = {item!r}: {error}") from None
     except (ValueError, TypeError):  # as argparse says it
-        refuse(f"{where} = {item!r}: invalid {getattr(action.type, '__name__', '')} value")
+        raise ValueError(f"{where} = {item!r}: invalid "
+                         f"{getattr(action.type, '__name__', '')} value") from None
     if action.choices is not None and value not in action.choices:
-        refuse(f"{where} = {item!r}: choose one of {', '.join(map(str, action.choices))}")
+        raise ValueError(f"{where} = {item!r}: choose one of "
+                         f"{', '.join(map(str, action.choices))}")
     return value
 
 
@@ -343,12 +420,14 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
     for dest, action in flags.items():
         name = action.option_strings[0].lstrip("-")
         value = getattr(args, dest)
-        where = sources[dest]
+        where = comment_text(sources[dest])
         if hasattr(action, "path_kind"):  # the file read from any folder
             value = relative_to(os.getcwd(), value, action.path_kind)
+        elif hasattr(action, "passes_to") and value:
+            value = passed_flags(os.getcwd(), value, action.passes_to())
         if value is None and dest in elsewhere:
             given, place = elsewhere[dest]
-            lines.append(f"# {name} = {toml_value(given)}  # not set: {place}")
+            lines.append(f"# {name} = {toml_value(given)}  # not set: {comment_text(place)}")
         elif value is None:
             lines.append(f"# {name} = (not set)  # {where}")
         else:
@@ -360,6 +439,12 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
                 lines.append(f"# {name} = (bytes that are not UTF-8 text, which TOML cannot hold: "
                              f"give it on the command line)  # {where}")
     return "\n".join(lines) + "\n"
+
+
+def comment_text(text: str) -> str:
+    """`text` as a TOML comment holds it: a control character or a byte that is no UTF-8 (a
+    surrogate escape) written as its escape."""
+    return re.sub(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]", lambda m: ascii(m.group())[1:-1], text)
 
 
 def toml_value(value) -> str:

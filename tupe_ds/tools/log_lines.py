@@ -44,7 +44,7 @@ class _Stream(logging.StreamHandler):
         return super().format(record)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not self.broken:
+        if not self.broken and self.stream is not None:  # None: closed at the start (>&-)
             super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
@@ -59,13 +59,16 @@ class _Stream(logging.StreamHandler):
 LEVELS = {"stdout": range(logging.WARNING), "stderr": range(logging.WARNING, logging.CRITICAL + 1)}
 
 
-# the project's two packages' loggers, and that of a command run as `python -m MODULE`
-ROOTS = ("tupe_ds", "data_prep", "__main__")
+PACKAGES = ("tupe_ds", "data_prep")  # the project's: their modules' loggers
 
 
 def show(rank: int) -> None:
-    """Show the ROOTS loggers' lines as this rank should; called again, changes nothing."""
-    roots = [logging.getLogger(name) for name in ROOTS]
+    """Show the PACKAGES' loggers' lines as this rank should, and those of __main__ when it is
+    one of their modules (`python -m tupe_ds.finetune.run`: not a script that imports them);
+    called again, changes nothing."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    ours = main is not None and main.name.split(".")[0] in PACKAGES
+    roots = [logging.getLogger(name) for name in [*PACKAGES, *(["__main__"] if ours else [])]]
     for root in roots:
         root.setLevel(logging.INFO)
         root.propagate = False
