@@ -230,6 +230,8 @@ BUILDER = textwrap.dedent("""
     import json, os, socket, sys, time, types
     import tupe_ds.data.packing as packing
     import tupe_ds.tools.files as files
+    from tupe_ds.tools import log_lines
+    log_lines.show(rank=0)  # the lines a command shows
     prefix, cache, ready = sys.argv[1:]
     files.fcntl = types.SimpleNamespace(  # a lock that holds on this node only
         flock=lambda handle, operation: None, LOCK_EX=0, LOCK_UN=0)
