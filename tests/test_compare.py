@@ -330,7 +330,7 @@ def test_a_failed_fine_tune_is_recorded_and_the_others_go_on(data, tmp_path, mon
     assert "bert-a-seed1/stsb failed (exit 3)" in (out / "report.md").read_text()
 
 
-def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys):
+def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys, monkeypatch):
     def error(*flags):
         argv = ["plan", "--data", data, "--out", str(tmp_path / "cmp"), "--steps", "4", *TINY,
                 *flags]
@@ -355,6 +355,12 @@ def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys):
     assert flags[flags.index("--pos-encoding") + 1] == "bert-a"
     assert flags[flags.index("--seed") + 1] == "2"
     assert flags[flags.index("--out") + 1] == str(tmp_path / "cmp" / "runs" / "bert-a-seed2")
+    monkeypatch.chdir(tmp_path)  # a relative path among the runs' flags: absolute in the plan
+    assert cli.main(["plan", "--data", data, "--out", str(tmp_path / "cmp2"), "--steps", "4",
+                     "--encodings", "tupe-r", *TINY, "--index-cache", "cache"]) == 0
+    assert cli.main(["run-flags", str(tmp_path / "cmp2"), "0"]) == 0
+    flags = capsys.readouterr().out.split("\n")
+    assert flags[flags.index("--index-cache") + 1] == str(tmp_path / "cache")
 
     glue = write_glue(tmp_path / "glue")
     other = ["--encodings", "tupe-r,bert-a", "--seeds", "1,2"]

@@ -312,13 +312,22 @@ def test_compare_prints_and_reads_the_flags_it_passes_to_tupe_pretrain(tmp_path,
         cli.main([*argv, "--lr", "1e-3", "--seq-len", "64", "--config", config, "--print-config"])
     assert 'pretrain-flags = ["--lr", "1e-3", "--seq-len", "64"]' in capsys.readouterr().out
     (tmp_path / "cfg").mkdir()
+    config = write(tmp_path / "cfg" / "lr.toml", 'pretrain-flags = ["--lr", "-.001", "--bf16"]\n')
+    with pytest.raises(SystemExit):  # a negative value is the flag's, not a flag
+        cli.main([*argv, "--config", config, "--lr", "1e-3", "--print-config"])
+    assert 'pretrain-flags = ["--bf16", "--lr", "1e-3"]' in capsys.readouterr().out
+    config = write(tmp_path / "cfg" / "odd.toml", 'pretrain-flags = ["--bf16", true]\n')
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--config", config, "--print-config"])
+    assert "pretrain-flags = True: give each flag and each value as a string" in \
+        capsys.readouterr().err
     config = write(tmp_path / "cfg" / "c.toml", 'pretrain-flags = ["--ds-config", "ds.json", '
                    '"--seq-len", "64", "--init-from=../runs/p1"]\n')
     with pytest.raises(SystemExit):  # its paths are the file's; a Megatron name is the setting
         cli.main([*argv, "--config", config, "--seq-length", "128", "--print-config"])
     assert (f'pretrain-flags = ["--ds-config", "{tmp_path}/cfg/ds.json", "--init-from='
             f'{tmp_path}/runs/p1", "--seq-length", "128"]') in capsys.readouterr().out
-    for flag in ("--print-config", "--help", "--train-iters=3"):
+    for flag in ("--print-config", "--help", "--train-iters=3", "--config", "--model"):
         with pytest.raises(CompareError, match=f"^{flag.split('=')[0]}"):
             Plan(out="o", data=("d",), encodings=("rope",), seeds=(1,), steps=4, baseline="rope",
                  processes=1, pretrain_flags=("--model", "tiny", flag)).check_flags()

@@ -69,8 +69,10 @@ def test_a_command_shows_its_lines_as_its_launchers_rank_before_discovery():
 
 @pytest.mark.slow
 def test_a_command_with_stdout_closed_runs_quietly_and_leaves_a_scripts_own_logger(tmp_path):
-    """Information lines with stdout closed (>&-) are dropped, as print drops them; a script
-    that calls a command keeps its own __main__ logger, while `python -m` one of ours shows it."""
+    """Information lines with stdout closed (>&-) are dropped, as print drops them; a reader of
+    stdout that ends (| head -1) ends the command quietly; with stderr closed, an error line is
+    not said on stdout; a script that calls a command keeps its own __main__ logger, while
+    `python -m` one of ours shows it."""
     import subprocess
     import sys
 
@@ -87,6 +89,15 @@ def test_a_command_with_stdout_closed_runs_quietly_and_leaves_a_scripts_own_logg
                          text=True, timeout=120)
     assert (ran.returncode, ran.stderr) == (0, "")
     assert "theirs" in (tmp_path / "my.log").read_text()
+    code = ("import sys\nfrom tupe_ds.tools import entry\nfrom tupe_ds.tools.errors import "
+            "CommandRefused\ndef work():\n    print('flag\\n' * 100000)\n    raise "
+            "CommandRefused('late')\nsys.exit(entry.run('x', work))\n")
+    ran = subprocess.run(["bash", "-c", f"{sys.executable} -c \"{code}\" | head -1; exit "
+                          "${PIPESTATUS[0]}"], capture_output=True, text=True, timeout=120)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (1, "flag\n", "")  # no traceback
+    ran = subprocess.run(["bash", "-c", f"{sys.executable} -c \"{code}\" >/dev/null 2>&-"],
+                         capture_output=True, text=True, timeout=120)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (2, "", "")  # not said on stdout
     (tmp_path / "a.txt").write_text("A sentence of the corpus. Another one follows it.\n" * 40)
     ran = subprocess.run([sys.executable, "-m", "data_prep.cli", "--input", str(tmp_path / "a.txt"),
                           "--vocab-size", "300", "--out", str(tmp_path / "prep"), "--quiet"],

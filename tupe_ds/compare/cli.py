@@ -188,7 +188,9 @@ def planned(prog: str, argv: list) -> tuple:
     """(Plan, launcher), checked by tupe-pretrain's own rules and saved to OUT/compare.json."""
     args = command_line.parse(plan_parser(prog, __doc__.split("\n")[0]), argv,
                               rest_into="pretrain_flags")
-    pretrain_flags = args.pretrain_flags
+    # their paths absolute, as --data's: the plan's flags work from any folder (a Slurm task's)
+    pretrain_flags = command_line.passed_flags(os.getcwd(), args.pretrain_flags,
+                                               pretrain_parser())
     try:
         users_port()  # before any run starts
     except ValueError as error:

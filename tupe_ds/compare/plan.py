@@ -23,7 +23,8 @@ PLAN_FILE = "compare.json"
 # tupe-compare sets these for every run; the other tupe-pretrain flags are shared by all runs.
 RESERVED_FLAGS = ("--data", "--out", "--pos-encoding", "--seed", "--steps", "--resume",
                   "--check-only")
-ONE_COMMANDS = ("--help", "--print-config")  # tupe-compare's own: a run given one trains nothing
+# tupe-compare's own: a run given one would train nothing, or take settings past these checks
+ONE_COMMANDS = ("--help", "--print-config", "--config")
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,15 @@ class Plan:
 
     def check_flags(self) -> None:
         """What the comparison itself forbids: flags it sets, a baseline it does not train."""
+        seen = set()
         for action, (given, *_) in command_line.flag_groups(self.pretrain_flags,
                                                             pretrain_parser()):
             names = action.option_strings if action else ()
+            if action is not None and action.dest in ("model", "objective") and \
+                    action.dest in seen:  # after tupe-compare's own, which come first
+                raise CompareError(f"{given.split('=')[0]} among the flags for tupe-pretrain: "
+                                   f"give it as tupe-compare's own --{action.dest}")
+            seen.add(action.dest if action else None)
             if " " in given and given.startswith("-"):
                 raise CompareError(f"{given!r} among the flags for tupe-pretrain: give the flag "
                                    f"and its value as items of their own ({given.split()})")
@@ -99,9 +106,9 @@ class Plan:
                                    "give the comparison's --data, --encodings, --seeds and "
                                    "--steps instead")
             if set(names) & set(ONE_COMMANDS):
-                raise CompareError(f"{given.split('=')[0]} among the flags for tupe-pretrain "
-                                   "would make every run print it and train nothing; give it "
-                                   "to tupe-compare itself")
+                raise CompareError(f"{given.split('=')[0]} among the flags for tupe-pretrain: "
+                                   "give it to tupe-compare itself (a --config file of "
+                                   "tupe-compare holds the runs' flags as pretrain-flags)")
         if self.baseline not in self.encodings:
             raise CompareError(f"--baseline {self.baseline} is not one of --encodings "
                                f"{','.join(self.encodings)}")

@@ -139,11 +139,19 @@ def flag_groups(tokens: list, parser: argparse.ArgumentParser) -> list:
     options = {option: action for action in parser._actions for option in action.option_strings}
     groups = []
     for token in tokens:
-        if token.startswith("-") and not token[1:2].isdigit() or not groups:  # -1e-3: a value
+        if token.startswith("-") and not number(token) or not groups:  # -1e-3, -inf: values
             groups.append((options.get(token.split("=", 1)[0]), [token]))
         else:
             groups[-1][1].append(token)
     return groups
+
+
+def number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def passed_flags(folder: str, tokens: list, parser: argparse.ArgumentParser,
@@ -320,6 +328,10 @@ def read_config(parser, flags: dict, path: str) -> dict:
             if hasattr(action, "path_kind"):
                 value = relative_to(folder, value, action.path_kind, expand=True)
             elif hasattr(action, "passes_to") and isinstance(value, list):
+                if odd := [item for item in value if not isinstance(item, (str, int, float))
+                           or isinstance(item, bool)]:
+                    raise ValueError(f"{odd[0]!r}: give each flag and each value as a string "
+                                     '(["--bf16", "--seq-len", "128"])')
                 value = passed_flags(folder, [str(item) for item in value], action.passes_to(),
                                      expand=True)
         except ValueError as error:

@@ -21,6 +21,7 @@ ValueError, FileNotFoundError) raises CommandRefused from them where it checks i
 than naming them in `errors`: the same class raised later, mid-run, is not taken for a refusal."""
 
 import os
+import select
 import sys
 from typing import Callable, MutableMapping
 
@@ -36,11 +37,35 @@ def run(prog: str, work: Callable[[], int], errors: tuple = ()) -> int:
     try:
         return work()
     except Unreadable as unreadable:  # every rank reads alike: each says it
-        print(f"{prog}: {unreadable}", file=sys.stderr, flush=True)
+        said(f"{prog}: {unreadable}")
         return 3
     except (CommandRefused, *errors) as refused:  # its message says what to change
-        print(f"{prog}: error: {refused}", file=sys.stderr, flush=True)
+        said(f"{prog}: error: {refused}")
         return 2
+    except BrokenPipeError:
+        if not stdout_broken():
+            raise
+        return 1  # the reader of stdout ended (`| head -1`): the rest is not wanted
+
+
+def said(line: str) -> None:
+    if sys.stderr is not None:  # None: closed at the start (2>&-)
+        print(line, file=sys.stderr, flush=True)
+
+
+def stdout_broken() -> bool:
+    """Whether stdout's reader has gone; then stdout is pointed at /dev/null, so that the
+    interpreter's last flush does not fail again."""
+    try:
+        stdout = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # None, or no file (pytest's capture)
+        return False
+    poll = select.poll()
+    poll.register(stdout, select.POLLOUT)
+    if not any(events & select.POLLERR for _, events in poll.poll(0)):  # a pipe's, readerless
+        return False
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stdout)
+    return True
 
 
 def launcher_rank(environ: MutableMapping[str, str] = os.environ) -> int:
