@@ -21,15 +21,6 @@ from tupe_ds.tools import log_lines, third_party_warnings  # noqa: E402
 # so that a file's module fixtures (a reference run, a Slurm cluster) are made once; the files
 # that start Slurm clusters in one, one after the other (FileScheduling below).
 ONE_AT_A_TIME = {"test_slurm.py": "slurm", "test_multinode.py": "slurm"}
-# The longest first (seconds in one of the 2 processes, `pytest -n 2 --durations=0`, 2026-11-26;
-# test_stop_cleanly, test_stop_signal and test_resume_settings as their runs took, 2026-11-29),
-# so that neither process is left alone with a long one at the end; the others after them, as
-# collected.
-LONGEST = {"test_run_integrity.py": 383, "slurm": 344, "test_chaos.py": 233,
-           "test_compare.py": 210, "test_loss_normalization.py": 210, "test_hf_export.py": 198,
-           "test_stop_cleanly.py": 200, "test_pretrain.py": 119, "test_resume_layout.py": 105,
-           "test_pipeline.py": 103, "test_export.py": 101, "test_stop_signal.py": 63,
-           "test_resume_settings.py": 60}
 
 
 def pytest_configure(config):
@@ -74,15 +65,18 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: -LONGEST.get(work_unit(item.nodeid), 0))
+    # the Slurm files first, the one unit made of two files; the rest as collected, each to
+    # whichever process is free (no durations kept: docs/development.md, "Tiers")
+    items.sort(key=lambda item: work_unit(item.nodeid) not in ONE_AT_A_TIME.values())
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """For `-n N` (xdist's default `--dist load`): its loadscope scheduling by work_unit, in the
-    order above; another --dist is xdist's own. (Not `--dist loadgroup`: with pytest 9 its
-    groups are lost, xdist 3.8 writes them to a nodeid pytest no longer reads, and every test
-    became a unit of its own, its module fixtures made in both processes.)"""
+    order of pytest_collection_modifyitems; another --dist is xdist's own. (Not `--dist
+    loadgroup`: with pytest 9 its groups are lost, xdist 3.8 writes them to a nodeid pytest no
+    longer reads, and every test became a unit of its own, its module fixtures made in both
+    processes.)"""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -91,7 +85,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
-    config.option.loadscopereorder = False  # keep the longest first, not the most tests
+    config.option.loadscopereorder = False  # keep the order above, not the most tests first
     return FileScheduling(config, log)
 
 
@@ -148,5 +142,6 @@ def data(tmp_path_factory):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path_factory.mktemp("prep")
     prepare(PrepConfig(inputs=[os.path.join(root, "data", "sample", "persuasion.txt.gz")],
-                       output=str(out), vocab_size=1000, workers=1, valid_fraction=0.05, quiet=True))
+                       output=str(out), vocab_size=1000, workers=1, valid_fraction=0.05,
+                       quiet=True))
     return str(out)
