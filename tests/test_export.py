@@ -25,7 +25,8 @@ LAYOUTS = {"zero2": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--zero-stage
 def train_and_record_logits(data, out, *flags):
     """export_worker.py under the deepspeed launcher, 2 processes: 3 steps, a checkpoint, logits."""
     command = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
-               "--master_port", free_port(), os.path.join(HERE, "support", "export_worker.py"), "--data", data,
+               "--master_port", free_port(), os.path.join(HERE, "support", "export_worker.py"),
+               "--data", data,
                "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
                "--steps", "3", "--lr", "5e-3", "--warmup-steps", "1", *flags]
     env = {**environment(), "PYTHONPATH": os.pathsep.join([HERE, ROOT])}
@@ -34,25 +35,48 @@ def train_and_record_logits(data, out, *flags):
     return torch.load(out / "live_logits.pt")
 
 
+@pytest.fixture(scope="module")
+def layouts(data, tmp_path_factory):
+    """{layout: (its folder, the live engine's logits, transformers' result)}: each layout
+    trained under the launcher and exported, then every export in one transformers process
+    (one process start, not three); a layout whose training or export failed holds the error,
+    raised by its own test, the others' tests unharmed."""
+    root = tmp_path_factory.mktemp("layouts")
+    made, jobs = {}, []
+    for layout, flags in LAYOUTS.items():
+        try:
+            live = train_and_record_logits(data, root / layout / "run", *flags)
+            export(str(root / layout / "run" / "checkpoints"), str(root / layout / "exported"))
+        except Exception as error:  # noqa: BLE001  (raised again by the layout's test)
+            made[layout] = error
+            continue
+        ids, mask, _ = inputs(batch=3, n=40, vocab=1000)
+        torch.save({"ids": ids, "mask": mask, "logits": live}, root / layout / "live.pt")
+        jobs.append({"job": "logits", "folder": str(root / layout / "exported"),
+                     "inputs": str(root / layout / "live.pt")})
+        made[layout] = (root / layout, live)
+    results = iter(run_transformers(jobs, root) if jobs else [])
+    return {layout: value if isinstance(value, Exception) else (*value, next(results))
+            for layout, value in made.items()}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.slow
-def test_exported_model_gives_the_live_engines_logits(data, tmp_path, layout):
-    live = train_and_record_logits(data, tmp_path / "run", *LAYOUTS[layout])
-    export(str(tmp_path / "run" / "checkpoints"), str(tmp_path / "exported"))
-    model, config, kind = load_exported(str(tmp_path / "exported"))
+def test_exported_model_gives_the_live_engines_logits(layouts, layout):
+    if isinstance(layouts[layout], Exception):
+        raise layouts[layout]
+    folder, live, result = layouts[layout]
+    model, config, kind = load_exported(str(folder / "exported"))
     assert (kind, config.tensor_parallel_size, config.dtype) == ("bert-mlm", 1, "fp32")
     model.eval()
     ids, mask, _ = inputs(batch=3, n=40, vocab=1000)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, mask), live, rtol=1e-5, atol=1e-5)
-    torch.save({"ids": ids, "mask": mask, "logits": live}, tmp_path / "live.pt")
-    [result] = run_transformers([{"job": "logits", "folder": str(tmp_path / "exported"),
-                                  "inputs": str(tmp_path / "live.pt")}], tmp_path)
     assert_transformers_match(result)  # transformers' model gives the live engine's logits
     if layout == "zero2":  # the same folder loads where DeepSpeed cannot be imported
         code = ("import sys; sys.modules['deepspeed'] = None\n"
                 "from tupe_ds.export.read import load_exported\n"
-                f"model, config, kind = load_exported({str(tmp_path / 'exported')!r})\n"
+                f"model, config, kind = load_exported({str(folder / 'exported')!r})\n"
                 "import torch; print(tuple(model(torch.ones(1, 8, dtype=torch.long)).shape))")
         result = subprocess.run([sys.executable, "-c", code], env=environment(),
                                 capture_output=True, text=True, timeout=120)

@@ -102,15 +102,20 @@ def sentiment(data, tmp_path):
             "valid": write_sentiment(tmp_path / "dev.tsv", 100, 2)}
 
 
-def finetune_flags(files, out, *extra):
+def finetune_flags(files, out, *extra, epochs=4):
     return ["--model", files["model"], "--task", "sst2", "--train", files["train"], "--valid",
             f"dev={files['valid']}", "--out", str(out), "--lr", "1e-3", "3e-3", "--seeds", "1", "2",
-            "--epochs", "4", "--batch-size", "16", "--max-length", "32", *extra]
+            "--epochs", str(epochs), "--batch-size", "16", "--max-length", "32", *extra]
+
+
+# 2 epochs learn the task: dev accuracy 0.94-0.96 for each learning rate and seed 1-3 (1 epoch:
+# 0.68-0.90, a median of 0.78; 4 epochs: 0.97; 2026-12-02), well past the 0.8 checked
+EPOCHS = 2
 
 
 @pytest.mark.slow
 def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_path, capsys):
-    assert finetune(finetune_flags(sentiment, tmp_path / "out")) == 0
+    assert finetune(finetune_flags(sentiment, tmp_path / "out", epochs=EPOCHS)) == 0
     summary = json.loads((tmp_path / "out" / "sst2.json").read_text())
     assert summary["task"] == "sst2" and summary["metric"] == "accuracy"
     assert set(summary["configurations"]) == {"lr=0.001", "lr=0.003"}
@@ -121,16 +126,16 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
     assert summary["best_median"]["dev"]["accuracy"] > 0.8  # chance is 0.5
     table = (tmp_path / "out" / "sst2.md").read_text()
     assert "| seed 1 | seed 2 | median |" in table and "**(best)**" in table
-    assert "epoch 4/4" in capsys.readouterr().out
+    assert f"epoch {EPOCHS}/{EPOCHS}" in capsys.readouterr().out
     written = (tmp_path / "out" / "sst2.json").stat().st_mtime_ns
-    assert finetune(finetune_flags(sentiment, tmp_path / "out")) == 0  # the same command again
+    assert finetune(finetune_flags(sentiment, tmp_path / "out", epochs=EPOCHS)) == 0  # again
     assert "sst2: finished before with these settings" in capsys.readouterr().out
     assert (tmp_path / "out" / "sst2.json").stat().st_mtime_ns == written
-    grid = finetune_flags(sentiment, tmp_path / "out")
+    grid = finetune_flags(sentiment, tmp_path / "out", epochs=EPOCHS)
     grid[grid.index("--seeds") + 3:grid.index("--seeds") + 3] = ["3"]  # a seed more
     assert finetune(grid) == 0
     printed = capsys.readouterr().out
-    assert printed.count("done before") == 4 and printed.count("epoch 4/4") == 2
+    assert printed.count("done before") == 4 and printed.count(f"epoch {EPOCHS}/{EPOCHS}") == 2
     grown = json.loads((tmp_path / "out" / "sst2.json").read_text())
     assert grown["configurations"]["lr=0.001"]["seeds"]["1"] == \
         summary["configurations"]["lr=0.001"]["seeds"]["1"]
@@ -143,7 +148,8 @@ def test_tiny_finetuning_learns_the_task_and_writes_the_table(sentiment, tmp_pat
                      "--seeds", "1", "--epochs", "1", "--batch-size", "16"]) == 0
     combined = json.loads((tmp_path / "out" / "results.json").read_text())["tasks"]
     assert set(combined) == {"sst2", "rte"}
-    assert combined["sst2"]["dev"]["accuracy"] == summary["best_median"]["dev"]["accuracy"]
+    # the sst2 of the folder now: the grid grown by seed 3 (its median may differ from seeds 1-2's)
+    assert combined["sst2"]["dev"]["accuracy"] == grown["best_median"]["dev"]["accuracy"]
     results = (tmp_path / "out" / "results.md").read_text()
     assert "sst2 dev (accuracy) | rte rte_dev (accuracy)" in results
     runs = [run["dev"] for c in grown["configurations"].values() for run in c["seeds"].values()]
@@ -198,7 +204,7 @@ def test_sigusr1_stops_keeping_the_finished_runs_and_the_same_command_goes_on(se
     """What Slurm's --signal=B:USR1 does to a fine-tune of slurm/compare_finetune.sbatch."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "tupe_ds.finetune.run",
-               *finetune_flags(sentiment, out, "--seeds", "1", "2", "3", "4")]
+               *finetune_flags(sentiment, out, "--seeds", "1", "2", "3", "4", epochs=EPOCHS)]
     started = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     progress = out / "sst2.progress.json"

@@ -110,7 +110,12 @@ def test_every_encoding_loads_in_transformers_with_the_same_logits(data, tmp_pat
 
 @pytest.mark.slow
 def test_fill_mask_and_trainer_after_a_short_pretraining(data, tmp_path):
-    model = pretrained(data, "tupe-r", steps=1000, batch=32)  # past predicting "," everywhere
+    # past predicting "," everywhere: at the masked word of the text below the top token is
+    # punctuation up to step 600, a word from step 650 on (a logit ahead of the best punctuation
+    # by 0.6 at 650, 2.2 at 750, 3.1 at 800, 2.7-4.9 from 850 to 1000); after 800 steps the
+    # pipeline's top 3 are "the", "be", "her" and Trainer takes the loss from 0.69 to 0.12
+    # (one torch thread, 2026-12-02): 800 steps, not 1000
+    model = pretrained(data, "tupe-r", steps=800, batch=32)
     export_with_logits(model, data, tmp_path / "model")
     rng = random.Random(0)
     texts, labels = [], []
