@@ -41,11 +41,12 @@ def log_lines_as_a_command_shows_them():
     log_lines.show(rank=0)
 
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the other processes' tests run beside this one's: one torch thread each for in-process work.
-    # With two, 60 AdamW steps of the tiny model took 26-49 s where one core was busy, 4.6 s with
-    # one (test_hf_export.py's pretraining, 2-core CPU, 2026-11-26).
-    torch.set_num_threads(1)
+# One torch thread for in-process work, under xdist (the other processes' tests run beside this
+# one's) and without it (the processes the tests start share the cores). With two, 60 AdamW steps
+# of the tiny model took 26-49 s where one core was busy, 4.6 s with one (test_hf_export.py's
+# pretraining, 2-core CPU, 2026-11-26); a 60-step fine-tune trial 45 s of CPU with two threads on
+# a loaded machine, 2.3 s with one (2026-12-02).
+torch.set_num_threads(1)
 
 
 def work_unit(nodeid: str) -> str:
