@@ -174,12 +174,23 @@ def test_losses_and_metrics_as_before_the_speed_work():
             optimizer.step()
 
 
+# The run that learns: 100 steps on 2 ranks, a checkpoint at step 80 too, which a copy resumes
+# from (test_electra_checkpoints_hold_both_networks[cpu-config]).
+LEARNS = ["--objective", "electra", "--steps", "100", "--lr", "5e-4", "--warmup-steps", "20",
+          "--eval-interval", "100", "--eval-samples", "128", "--image-interval", "100",
+          "--save-interval", "80"]
+
+
+@pytest.fixture(scope="module")
+def electra_run(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("electra") / "electra"
+    train("deepspeed", 2, data, out, *LEARNS)
+    return out
+
+
 @pytest.mark.slow
-def test_tiny_electra_run_learns(data, tmp_path):
-    out = tmp_path / "electra"
-    train("deepspeed", 2, data, out, "--objective", "electra", "--steps", "100", "--lr", "5e-4",
-          "--warmup-steps", "20", "--eval-interval", "100", "--eval-samples", "128",
-          "--image-interval", "100")
+def test_tiny_electra_run_learns(electra_run):
+    out = electra_run
     entries = log(out)
 
     def mean(name, steps):
@@ -190,35 +201,43 @@ def test_tiny_electra_run_learns(data, tmp_path):
     assert mean("train/discriminator_loss", last) < mean("train/discriminator_loss", first)
     valid = entries[100]
     assert valid["valid/discriminator_accuracy"] > 1 - valid["valid/replaced_fraction"] + 0.005
-    events = EventAccumulator(str(out / "tensorboard" / "tupe"), size_guidance={"images": 0}).Reload()
+    events = EventAccumulator(str(out / "tensorboard" / "tupe"),
+                              size_guidance={"images": 0}).Reload()
     for network in ("discriminator", "generator"):
         assert f"positional_logits/{network}/head0" in events.Tags()["images"]
     for name in ("generator_loss", "discriminator_loss", "generator_accuracy", "replaced_fraction",
                  "discriminator_accuracy", "discriminator_precision", "discriminator_recall"):
-        assert f"train/{name}" in events.Tags()["scalars"] and f"valid/{name}" in events.Tags()["scalars"]
+        assert f"train/{name}" in events.Tags()["scalars"]
+        assert f"valid/{name}" in events.Tags()["scalars"]
 
 
 @pytest.mark.parametrize("config", [None, "electra_base_fp16.json"],
                          ids=["cpu-config", "shipped-config"])
 @pytest.mark.slow
-def test_electra_checkpoints_hold_both_networks(data, tmp_path, config):
-    """Resume a copy of a finished run from its step-4 checkpoint: steps 5 and 6 come out the same
-    only if both networks, the optimizer and the data position were restored. Also with the
-    shipped config's step (ZeRO-1 without gradient hooks, micro-batch from the config)."""
-    flags = ["--objective", "electra", "--steps", "6", "--save-interval", "2", "--eval-interval", "100"]
-    if config is not None:
-        flags += ["--ds-config", shipped_config_in_fp32(config, tmp_path), "--global-batch", "8",
-                  "--warmup-steps", "2"]
-    train("deepspeed", 2, data, tmp_path / "whole", *flags)
+def test_electra_checkpoints_hold_both_networks(data, tmp_path, config, request):
+    """Resume a copy of a finished run from a checkpoint before its end: the steps after it come
+    out the same only if both networks, the optimizer and the data position were restored. With
+    the CPU config, the run that learns above, from step 80 (steps 81-100, the rate still at a
+    quarter of its peak down to 0); with the shipped config's step (ZeRO-1 without gradient
+    hooks, micro-batch from the config), a run of 6 steps from step 4 (steps 5 and 6)."""
+    if config is None:
+        flags, whole, checkpoint, last = LEARNS, request.getfixturevalue("electra_run"), 80, 100
+    else:
+        flags = ["--objective", "electra", "--steps", "6", "--save-interval", "2",
+                 "--eval-interval", "100", "--ds-config", shipped_config_in_fp32(config, tmp_path),
+                 "--global-batch", "8", "--warmup-steps", "2"]
+        whole, checkpoint, last = tmp_path / "whole", 4, 6
+        train("deepspeed", 2, data, whole, *flags)
     copy = tmp_path / "copy"
-    shutil.copytree(tmp_path / "whole" / "checkpoints", copy / "checkpoints")
-    shutil.rmtree(copy / "checkpoints" / "step6")
-    (copy / "checkpoints" / "latest").write_text("step4")
+    shutil.copytree(whole / "checkpoints", copy / "checkpoints")
+    shutil.rmtree(copy / "checkpoints" / f"step{last}")
+    (copy / "checkpoints" / "latest").write_text(f"step{checkpoint}")
     stdout = train("deepspeed", 2, data, copy, *flags)
-    assert "resumed at step 4 of 6" in stdout
-    whole, resumed = log(tmp_path / "whole"), log(copy)
-    assert set(resumed) == {5, 6}
-    for step in (5, 6):
+    assert f"resumed at step {checkpoint} of {last}" in stdout
+    after = range(checkpoint + 1, last + 1)
+    whole, resumed = log(whole), log(copy)
+    assert set(resumed) == set(after)
+    for step in after:
         for name in ("train/generator_loss", "train/discriminator_loss"):
             assert resumed[step][name] == pytest.approx(whole[step][name], rel=1e-5, abs=1e-6)
 

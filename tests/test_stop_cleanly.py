@@ -5,6 +5,7 @@ ranks), the fault injected by tests/support/file_fault_worker.py."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -42,13 +43,20 @@ def newest_checkpoint(out):
                key=lambda name: int(name[len("step"):]))
 
 
+@pytest.fixture(scope="module")
+def stopped_on_a_full_log(data, tmp_path_factory):
+    """A run stopped by the full disk of the test below, left as it stopped: (its folder, what it
+    said). Its checkpoints (steps 2 and 4) are also the ones a later test's resume reads."""
+    out = tmp_path_factory.mktemp("full_log") / "run"
+    return out, run(data, out, fault=f"enospc:{out}/train_log.jsonl:7")
+
+
 @pytest.mark.slow
 def test_a_full_disk_on_the_log_between_saves_stops_every_rank_naming_the_newest_checkpoint(
-        data, tmp_path):
+        stopped_on_a_full_log):
     """The 7th append to train_log.jsonl (step 5's line: steps 1-4 and the saves of steps 2
     and 4 wrote the others) fails with ENOSPC."""
-    out = tmp_path / "run"
-    said = run(data, out, fault=f"enospc:{out}/train_log.jsonl:7")
+    out, said = stopped_on_a_full_log
     line = (f"tupe-pretrain: could not write {out}/train_log.jsonl ([Errno 28] No space left on "
             "device); the newest intact checkpoint is step4 (run the same command once the "
             "filesystem has space and answers: it resumes from there)")
@@ -68,18 +76,15 @@ def test_a_full_disk_under_deepspeeds_tensorboard_stops_every_rank(data, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_read_error_while_one_rank_loads_the_checkpoint_stops_every_rank(data, tmp_path):
+def test_a_read_error_while_one_rank_loads_the_checkpoint_stops_every_rank(
+        stopped_on_a_full_log, data, tmp_path):
     """After verification, DeepSpeed's load fails with EIO on rank 1 alone: every rank stops
-    (exit code 3) before any goes on into a collective, nothing moved."""
+    (exit code 3) before any goes on into a collective, nothing moved. The run resumed is a copy
+    of the one the full log stopped (newest checkpoint step4), run with the same command."""
     out = tmp_path / "run"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", free_port(), os.path.join(ROOT, "tests", "support", "exit_worker.py"),
-         "pretrain", "--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out",
-         str(out), "--seq-len", "64", "--log-interval", "1", "--eval-samples", "32", *FLAGS,
-         "--steps", "2"], env=environment(), check=True, capture_output=True, timeout=300)
+    shutil.copytree(stopped_on_a_full_log[0], out)
     before = sorted(os.listdir(out / "checkpoints"))
-    said = run(data, out, "--steps", "4", "--allow-training-changes", fault="eio-load:1")
+    said = run(data, out, fault="eio-load:1")
     assert said.count("tupe-pretrain: could not read ") == 1, said[-4000:]
     assert "([Errno 5] Input/output error): nothing was moved or deleted" in said
     assert sorted(os.listdir(out / "checkpoints")) == before
