@@ -4,6 +4,7 @@ elementwise kernels (torch.compile'd bias-dropout-add and bias-GELU)."""
 import contextlib
 import math
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -37,6 +38,18 @@ def compile_afresh():
 
         yield start
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, as a rank (OMP_NUM_THREADS=1) and the suite's xdist
+    processes have: inductor's CPU kernels, and its cache's keys, depend on the thread count, so
+    that a rank finds in the node's cache the graph compiled here (as compile_failure_worker.py's
+    rank 0 does, ~30 CPU seconds where `pytest` ran with 2 threads, 2026-12-02)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
@@ -221,7 +234,7 @@ def test_a_compile_that_fails_runs_eager_and_says_so(graph, tiny_model, compile_
 
 @pytest.mark.slow
 def test_a_run_compiles_one_graph_for_training_and_one_for_evaluation(tiny_model, compile_afresh,
-                                                                      caplog):
+                                                                      one_thread, caplog):
     """Padded batches and batches without padding (mask None), training and evaluation: two
     graphs, each said in one line; a batch without padding runs the padded graph with eager's
     result. A graph beyond the plan (here another batch size) is one warning naming the guard
@@ -278,14 +291,20 @@ def test_inductor_cache_in_the_run_folder_unless_one_is_named(tmp_path, monkeypa
 @pytest.mark.slow
 def test_a_requeue_reuses_the_compile_kept_in_the_run_folder(data, tmp_path):
     """Two starts of a run with --compile block on two pipeline stages of two layers each, each
-    start on a "node" whose own cache (its TMPDIR, where inductor's default lives) is empty: the
-    second finds every graph the first compiled in RUN/compile-cache; each start compiles two
-    graphs (the stage's layers share them; DeepSpeed's received activations need no gradient in
+    start on a "node" whose own cache (its TMPDIR, where inductor's default lives) holds no graph
+    (the first's is empty; the second's holds the C++ headers inductor precompiled on the first,
+    which inductor keeps there whatever the cache: 7 CPU seconds not spent again): the second
+    finds every graph the first compiled in RUN/compile-cache; each start compiles two graphs
+    (the stage's layers share them; DeepSpeed's received activations need no gradient in
     evaluation), says each once (rank 0) and what the cache held."""
     run = tmp_path / "run"
     outputs = []
     for steps, node in ((2, "node-a"), (4, "node-b")):
         (tmp_path / node).mkdir()
+        if node == "node-b":  # the headers node-a precompiled: no graph
+            for headers in (tmp_path / "node-a").glob("torchinductor*/precompiled_headers"):
+                shutil.copytree(headers, tmp_path / node / headers.parent.name / headers.name,
+                                ignore=shutil.ignore_patterns("locks"))
         env = {**environment(), "TMPDIR": str(tmp_path / node)}
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)
         result = subprocess.run(

@@ -44,8 +44,10 @@ LAYOUTS = {
 ELECTRA_LAYOUTS = [name for name, layout in LAYOUTS.items() if layout[4] == 1]  # no pipeline
 # Layouts that also compile (--compile block; on a CPU the default is eager): the encoder as one
 # region, both of ELECTRA's; a pipeline stage's layers one by one. The same parameters as the
-# eager reference is the compiled training step's parity test, evaluation included.
-COMPILED = {"4x2", "4x2-pp2"}
+# eager reference is the compiled training step's parity test, evaluation included; each says
+# its graphs (rank 0's: the planned training and evaluation graph of each compiled part), so
+# that a compile that fell back to eager could not pass for one.
+COMPILED = {"4x2": {"mlm": 2, "electra": 4}, "4x2-pp2": {"mlm": 2}}
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # measured: at most 2e-6 apart; the control 1e-2
 
 
@@ -60,18 +62,20 @@ def constant_lr_config(tmp_path) -> str:
 
 
 def run_layout(data, out, objective, layout, config, *flags):
+    """The run's consolidated parameters and its stdout."""
     micro, _, dp, tp, pp, zero_stage = layout
     global_batch, ramp, _, seed = BATCHES[objective]
-    train("torchrun", dp * tp * pp, data, out, "--objective", objective, "--steps", str(STEPS),
-          "--ds-config", config, "--global-batch", str(global_batch), *ramp,
-          "--micro-batch", str(micro),
-          "--tp", str(tp), "--pp", str(pp), "--zero-stage", str(zero_stage),
-          "--dropout", "0", "--lr", "2e-3", "--seq-len", str(SEQ_LEN), "--seed", str(seed),
-          "--eval-interval",
-          str(STEPS), "--save-interval", str(STEPS), *flags)
+    output = train(
+        "torchrun", dp * tp * pp, data, out, "--objective", objective, "--steps", str(STEPS),
+        "--ds-config", config, "--global-batch", str(global_batch), *ramp,
+        "--micro-batch", str(micro),
+        "--tp", str(tp), "--pp", str(pp), "--zero-stage", str(zero_stage),
+        "--dropout", "0", "--lr", "2e-3", "--seq-len", str(SEQ_LEN), "--seed", str(seed),
+        "--eval-interval",
+        str(STEPS), "--save-interval", str(STEPS), *flags)
     with open(out / "run.json") as f:
         run = json.load(f)
-    return consolidated_state(run, str(out / "checkpoints" / f"step{STEPS}"))[1]
+    return consolidated_state(run, str(out / "checkpoints" / f"step{STEPS}"))[1], output
 
 
 def largest_difference(state, reference) -> float:
@@ -103,21 +107,41 @@ def constant_lr(tmp_path_factory):
     return constant_lr_config(tmp_path_factory.mktemp("config"))
 
 
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One inductor cache (TORCHINDUCTOR_CACHE_DIR) for the module's compiled runs, where each
+    would keep its own in its run folder (model/compiled.py; test_compile.py tests that one): a
+    graph one run compiled another finds, as a requeued run does. ELECTRA's discriminator is
+    BERT's tiny encoder at the same micro-batch: the graphs of mlm's compiled 4x2 (55 of 120 CPU
+    seconds of ELECTRA's compiled run, 2-core CPU, 2026-12-02); the pipeline stage's layer finds
+    its kernels among the encoder's. The parity is the same: a graph from the cache is the one
+    the run would compile."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
 @pytest.mark.parametrize("objective,layouts", [("mlm", list(LAYOUTS)),
                                                ("electra", ELECTRA_LAYOUTS)])
 @pytest.mark.slow
-def test_every_layout_trains_the_same_parameters(data, tmp_path, constant_lr, objective, layouts):
+def test_every_layout_trains_the_same_parameters(data, tmp_path, constant_lr, compile_cache,
+                                                 monkeypatch, objective, layouts):
     assert_micro_batches_differ(data, objective, layouts)
-    reference = run_layout(data, tmp_path / layouts[0], objective, LAYOUTS[layouts[0]],
-                           constant_lr, "--micro-batch", "auto")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(compile_cache))
+    reference, output = run_layout(data, tmp_path / layouts[0], objective, LAYOUTS[layouts[0]],
+                                   constant_lr, "--micro-batch", "auto")
+    assert "torch.compile" not in output  # eager, the CPU's default
     chosen = json.loads((tmp_path / layouts[0] / "run.json").read_text())["micro_batch"]
     assert chosen["size"] == chosen["auto"]["micro_batch"] == LAYOUTS[layouts[0]][0]
     logged = log(tmp_path / layouts[0])
     for name in layouts[1:]:
         compiled = ("--compile", "block") if name in COMPILED else ()
-        state = run_layout(data, tmp_path / name, objective, LAYOUTS[name], constant_lr,
-                           *compiled)
-        print(objective, name, largest_difference(state, reference))
+        state, output = run_layout(data, tmp_path / name, objective, LAYOUTS[name], constant_lr,
+                                   *compiled)
+        said = [line for line in output.splitlines() if "torch.compile" in line]
+        print(objective, name, largest_difference(state, reference), *said)
+        # the planned graphs compiled (no compile failed, running eager), or eager
+        planned = [f"tupe-pretrain: torch.compile: {COMPILED[name][objective]} graphs"] \
+            if compiled else []
+        assert [line.split(" in ")[0] for line in said] == planned, said
         for parameter, expected in reference.items():
             torch.testing.assert_close(state[parameter], expected, **TOLERANCE,
                                        msg=f"{name}: {parameter}")
@@ -130,8 +154,8 @@ def test_every_layout_trains_the_same_parameters(data, tmp_path, constant_lr, ob
                         name, step, metric)
     # The negative control: the mean of micro-batch means, at the layout furthest from one
     # micro-batch per step, moves the parameters by far more than the tolerance.
-    control = run_layout(data, tmp_path / "control", objective, LAYOUTS["1x4-dp2"], constant_lr,
-                         "--loss-normalization", "micro-batch")
+    control, _ = run_layout(data, tmp_path / "control", objective, LAYOUTS["1x4-dp2"],
+                            constant_lr, "--loss-normalization", "micro-batch")
     print(objective, "control", largest_difference(control, reference))
     with pytest.raises(AssertionError):
         for parameter, expected in reference.items():
