@@ -179,7 +179,6 @@ def test_welch_t_where_the_encodings_ran_other_seeds_matches_scipy():
         assert found[name]["method"] == f"Welch t over 3 to 4 {ONE_PRETRAINING_SEED}"
 
 
-
 def test_welch_interval_is_the_welch_satterthwaite_formula_and_values_alike_give_width_0():
     encoding, baseline = [0.71, 0.74, 0.69], [0.70, 0.62, 0.66, 0.73]
     variances = [np.var(x, ddof=1) / len(x) for x in (encoding, baseline)]
@@ -197,6 +196,7 @@ def test_welch_interval_is_the_welch_satterthwaite_formula_and_values_alike_give
         alike = glue_intervals.paired([0.1, 0.1, 0.1], "seeds")
         assert [alike["low"], alike["high"]] == pytest.approx([0.1, 0.1], abs=1e-12)
 
+
 def test_pairs_are_the_same_fine_tuning_seed_and_other_seeds_are_not_paired():
     rng = np.random.default_rng(10)
     values = rng.uniform(0.6, 0.9, (2, 3)).tolist()
@@ -210,6 +210,29 @@ def test_pairs_are_the_same_fine_tuning_seed_and_other_seeds_are_not_paired():
     other_seeds = {"rte": summary("rte", {1e-5: [[v] for v in values[1]]}, seeds=(4, 5, 6))}
     found = one_seed_each(other_seeds, baseline, ["rte"])["differences"]["tupe"]["rte"]
     assert found["method"] == f"Welch t over 3 {ONE_PRETRAINING_SEED}"
+
+
+def test_the_table_is_the_same_whatever_order_the_seeds_were_recorded_in():
+    """Bit for bit: a fine-tune killed and redone records its seeds in another order, and a
+    set of seeds iterates in another order in each process (Python's hash seed), where the
+    t intervals and means change in their last digits with the order of their values (seen
+    in two `tupe-compare report`s of the same files, 2026-12-02)."""
+    rng = np.random.default_rng(11)
+    tasks = ["mnli", "rte", "stsb"]
+
+    def recorded(values, order):  # values[task][seed - 1], recorded in `order`
+        return {task: summary(task, {1e-5: [values[task][s - 1] for s in order]}, seeds=order)
+                for task in tasks}
+
+    for _ in range(20):  # about one case in five differed
+        encoding, baseline = ({task: rng.uniform(0.6, 0.9, (3, len(dev_sets(task)))).tolist()
+                               for task in tasks} for _ in range(2))
+        expected = one_seed_each(recorded(encoding, (1, 2, 3)), recorded(baseline, (1, 2, 3)),
+                                 tasks)
+        for orders in (((3, 1, 2), (2, 3, 1)), ((2, 1, 3), (3, 2, 1))):
+            found = one_seed_each(recorded(encoding, orders[0]), recorded(baseline, orders[1]),
+                                  tasks)
+            assert found == expected
 
 
 def test_a_large_shift_excludes_zero_and_no_difference_contains_it():

@@ -67,7 +67,9 @@ def with_average(summaries: dict, tasks) -> dict:
         common = set.intersection(*(set(per_seed[c]) for c in wanted))
         per_seed["average"] = {seed: glue_average({c: per_seed[c][seed] for c in wanted}, tasks)
                                for seed in common}
-    return per_seed
+    # by seed: the order a t interval and a mean take their values in moves their last digits,
+    # and a killed fine-tune, or a set, gives its seeds in another order in another process
+    return {name: dict(sorted(values.items())) for name, values in per_seed.items()}
 
 
 def over_fine_tuning_seeds(encoding: dict, baseline: dict, tasks) -> dict:
@@ -76,7 +78,7 @@ def over_fine_tuning_seeds(encoding: dict, baseline: dict, tasks) -> dict:
     fine-tuning seeds on either side."""
     mine, theirs = with_average(encoding, tasks), with_average(baseline, tasks)
     result = {}
-    for name in mine.keys() & theirs.keys():
+    for name in (name for name in mine if name in theirs):
         if min(len(mine[name]), len(theirs[name])) < 2:
             result[name] = None
         elif mine[name].keys() == theirs[name].keys():
