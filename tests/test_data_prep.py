@@ -79,7 +79,8 @@ def test_round_trip_and_manifest_counts(tmp_path):
     tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
     decoded = documents_of(tmp_path / "out" / "train", tokenizer)
     cleaner = Cleaner()
-    assert [" ".join(sentences) for sentences in decoded] == [cleaner.normalize(d) for d in documents]
+    assert [" ".join(sentences) for sentences in decoded] == [cleaner.normalize(d)
+                                                              for d in documents]
     assert "[EMAIL]" in decoded[1][0] and "[URL]" in decoded[1][0]
     assert all(len(s.split()) >= 4 for doc in decoded for s in doc)  # short ones were joined
     dataset = IndexedDataset(str(tmp_path / "out" / "train"))
@@ -205,12 +206,14 @@ def test_invalid_utf8_nul_and_empty_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_ten_megabyte_single_line(tmp_path):
+def test_ten_megabyte_single_line(data, tmp_path):
     rng = random.Random(2)
     line = " ".join(unique_document(rng, words=30) for _ in range(8000))
     line = (line * (10_000_000 // len(line) + 1))[:10_000_000]
     (tmp_path / "long.jsonl").write_text(json.dumps({"text": line}) + "\n")
-    manifest = run([tmp_path / "long.jsonl"], tmp_path / "out", dedup="exact")
+    # the novel's tokenizer: the line read, cleaned, split and encoded, no BPE trained on it
+    manifest = run([tmp_path / "long.jsonl"], tmp_path / "out", dedup="exact",
+                   tokenizer=os.path.join(data, "tokenizer.json"))
     assert manifest["documents_out"] == 1 and manifest["sentences"] > 100_000
     assert manifest["bytes_in"] > 10_000_000
 
@@ -349,7 +352,8 @@ def test_shards_merged_equal_one_run_with_the_same_tokenizer(tmp_path):
     parts[2].append(documents[3])  # a document of part0 again: removed only by the merge
     files = [write_txt(tmp_path / f"part{i}.txt", part) for i, part in enumerate(parts)]
     tokenizer = run(files, tmp_path / "tok", dedup="exact")  # a tokenizer for every run
-    options = dict(dedup="exact", valid_fraction=0.2, tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
+    options = dict(dedup="exact", valid_fraction=0.2,
+                   tokenizer=str(tmp_path / "tok" / "tokenizer.json"))
     single = run(files, tmp_path / "single", **options)
     for index in range(2):
         run(files, tmp_path / f"shard{index}", shard=(index, 2), **options)
@@ -596,8 +600,6 @@ def test_a_templated_pages_copy_is_found_through_its_templates_full_buckets(tmp_
     assert verdicts == [KEPT] * 21 + [NEAR]
 
 
-
-
 def hand_made_part(prefix, sets):
     """A prepared split of documents given as sets of shingle hashes (keys, signatures,
     shingles, LSH index, as tupe-prep writes them)."""
@@ -645,14 +647,11 @@ def test_removed_documents_take_no_place_among_a_buckets_candidates(tmp_path):
          for i in range(30)]
     x = (y - set(range(390, 400))) | set(range(2000, 2010))
     first = hand_made_part(tmp_path / "a", a)
-    crowd = list(range(30))
-    while True:  # only the W that A's near-copies remove
-        parts = [hand_made_part(tmp_path / f"w{i}", [w[i]]) for i in crowd]
-        left = [i for i, r in zip(crowd, across.duplicates([first, *parts], 0.8, 128)[1:])
-                if r.near[0]]
-        if left == crowd:
-            break
-        crowd = left
+    # only the W that A's near-copies remove, each tried after A alone: after A and the other W,
+    # all removed (no bucket heads), its candidates are the same A's heads
+    alone = [hand_made_part(tmp_path / f"w{i}", [w[i]]) for i in range(30)]
+    crowd = [i for i in range(30) if across.duplicates([first, alone[i]], 0.8, 128)[1].near[0]]
+    parts = [alone[i] for i in crowd]
     assert len(crowd) > near.CANDIDATES_PER_BUCKET
     parts = [first, *parts, hand_made_part(tmp_path / "y", [y]),
              hand_made_part(tmp_path / "x", [x])]
@@ -683,7 +682,7 @@ def test_dedup_against_at_other_settings_and_wordless_documents(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_path):
+def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_path, capfd):
     """Two merge commands into one folder, one --quiet, take turns; the other shows its
     progress on stderr. Then a damaged shard's file is named."""
     rng = random.Random(9)
@@ -695,12 +694,16 @@ def test_two_merges_into_one_folder_take_turns_and_a_damaged_file_is_named(tmp_p
             str(tmp_path / "shard0" / "tokenizer.json"))
         shards.append(str(tmp_path / f"shard{i}"))
     merged = str(tmp_path / "merged")
-    both = [subprocess.Popen([sys.executable, "-m", "data_prep", "merge", *flags, *order],
-                             stderr=subprocess.PIPE, text=True)
-            for flags, order in ((["--out", merged], shards),
-                                 (["--quiet", "--output", merged], shards[::-1]))]
-    said = [p.communicate(timeout=120)[1] for p in both]
-    assert [p.returncode for p in both] == [0, 0], said
+    # the one with progress in a process of its own, its stderr a pipe; the --quiet one in this
+    # process (one start fewer), begun at the other's first line, its near duplicates' progress,
+    # written while it merges and holds the folder's lock
+    shown = subprocess.Popen([sys.executable, "-m", "data_prep", "merge", "--out", merged,
+                              *shards], stderr=subprocess.PIPE, text=True)
+    first_line = shown.stderr.readline()
+    capfd.readouterr()
+    quiet = main(["merge", "--quiet", "--output", merged, *shards[::-1]])
+    said = [first_line + shown.communicate(timeout=120)[1], capfd.readouterr().err]
+    assert [shown.returncode, quiet] == [0, 0], said
     assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["documents_out"] == 12
     # the de-duplication's and the copy's progress, with totals and rates; none with --quiet
     for stage in ("near duplicates", "merge train"):
