@@ -1,9 +1,11 @@
-"""tupe-compare: a real tiny comparison under the deepspeed launcher (killed midway, resumed,
-re-run), its report against the runs' own logs, one with fine-tunes on two GLUE-layout tasks made
-here (a fine-tune killed and redone, Table 1 against the fine-tunes' own results), a failing run
-among others, the plan's checks, and the report's arithmetic (Table 1's intervals:
-test_glue_table.py). The Slurm arrays are in test_slurm.py."""
+"""tupe-compare: a real tiny comparison with fine-tunes on two GLUE-layout tasks made here
+(killed while pretraining and again while fine-tuning, resumed, re-run), its report against the
+runs' own logs and Table 1 against the fine-tunes' own results, a failing run among others, the
+plan's checks, and the report's arithmetic (Table 1's intervals: test_glue_table.py). The Slurm
+arrays are in test_slurm.py."""
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -22,6 +24,7 @@ from test_finetune import FILLER, write_sentiment
 from tupe_ds.compare import cli, finetuning, results, runner
 from tupe_ds.compare.plan import Plan, Run, read_plan
 from tupe_ds.finetune.monitor import trial_of
+from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.config import load
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "2",
@@ -77,29 +80,85 @@ def first_validated_at_or_below(logged: dict, loss: float):
                  if entry.get("valid/loss", float("inf")) <= loss), None)
 
 
-@pytest.mark.slow
-def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing(data, tmp_path):
-    out = tmp_path / "cmp"
-    command = compare_command(data, out, "--encodings", "bert-a,tupe-r", "--steps", "40",
-                              "--nproc", "2", "--eval-interval", "10", "--save-interval", "5")
-    first = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+def killed_when(command, reached):
+    """Starts tupe-compare and kills it (the runner, its launcher and its ranks) once reached()."""
+    started = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
-    while latest_step(out / "runs" / "bert-a-seed1") < 5:
-        assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
-        time.sleep(0.1)
-    os.killpg(first.pid, signal.SIGKILL)  # the runner, its launcher and both ranks
-    first.wait()
-    killed_at = latest_step(out / "runs" / "bert-a-seed1")
-    assert killed_at < 40
+    while not reached():
+        assert started.poll() is None and time.time() < deadline, started.stdout.read()[-3000:]
+        time.sleep(0.02)
+    os.killpg(started.pid, signal.SIGKILL)
+    started.wait()
 
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
+
+def compared(command) -> subprocess.CompletedProcess:
+    """tupe-compare's command run in this process, as in its own (the processes it starts given
+    the same environment): a process start fewer where the test needs no process of its own."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), \
+            contextlib.redirect_stderr(stderr):
+        for name, value in environment().items():
+            patch.setenv(name, value)
+        code = cli.main(command[3:])
+    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
+
+
+@pytest.fixture(scope="module")
+def killed_comparison(data, tmp_path_factory):
+    """A real tiny comparison of bert-a and tupe-r with fine-tunes on two GLUE-layout tasks made
+    here, as a user runs it: killed while bert-a pretrains, the same command killed again mid-way
+    through bert-a's first fine-tune (both under the deepspeed launcher), the same command under
+    torchrun (the launcher is the command's, not the comparison's) to the end, and once more;
+    what the tests read of each. One process per run and fine-tune: nothing here depends on the
+    ranks (tupe-pretrain's kills and resumes over two ranks: test_run_integrity.py;
+    tupe-finetune's over two: test_finetune.py), and each rank is a process start of its own."""
+    root = tmp_path_factory.mktemp("compare")
+    out = root / "cmp"
+    # 240 examples in batches of 8: 30 steps a trial, enough for a kill to land within the grid
+    glue = write_glue(root / "glue", sentiment=240)
+    flags = ["--encodings", "bert-a,tupe-r", "--steps", "40", "--nproc", "1", "--eval-interval",
+             "10", "--save-interval", "5", "--finetune", glue, "--finetune-lr", "1e-3", "3e-4",
+             "--finetune-seeds", "1", "2", "3", "--finetune-epochs", "1",
+             "--finetune-global-batch-size", "8", "--finetune-max-length", "32"]
+    deepspeed = compare_command(data, out, *flags)
+    torchrun = compare_command(data, out, *flags, "--launcher", "torchrun")
+    found = {"out": out}
+
+    killed_when(deepspeed, lambda: latest_step(out / "runs" / "bert-a-seed1") >= 5)
+    found["killed_at"] = latest_step(out / "runs" / "bert-a-seed1")
+    progress = out / "finetune" / "bert-a-seed1" / "sst2.progress.json"
+    killed_when(deepspeed, progress.exists)
+    found["kept"] = json.loads(progress.read_text())["results"]
+    found["finished_at_the_kill"] = (progress.parent / "sst2.json").exists()
+
+    found["finished"] = compared(torchrun)
+    found["made"] = json.loads((out / "report.json").read_text())
+    found["logs"] = {name: (out / "runs" / name / "train_log.jsonl").read_bytes()
+                     for name in ("bert-a-seed1", "tupe-r-seed1")}
+    found["exported"] = (out / "exports" / "tupe-r-seed1" / "model.safetensors").stat(
+    ).st_mtime_ns
+    found["written"] = {path: path.stat().st_mtime_ns
+                        for path in (out / "finetune").glob("*/*.json")}
+    # a process of its own, as the finishing one is not: a report that differs with what
+    # differs between processes (the order of a set of strings) differs here
+    found["again"] = subprocess.run(torchrun, env=environment(), capture_output=True, text=True,
+                                    timeout=300)
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing(
+        killed_comparison):
+    out, killed_at = killed_comparison["out"], killed_comparison["killed_at"]
+    assert killed_at < 40
+    result = killed_comparison["finished"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_log = (out / "logs" / "bert-a-seed1.log").read_text()
     assert f"resumed at step {killed_at} of 40" in run_log
     assert_quiet(run_log)  # the deepspeed launcher's and DeepSpeed's lines left out
 
-    made = json.loads((out / "report.json").read_text())
+    made = killed_comparison["made"]
     assert [r["state"] for r in made["runs"]] == ["complete", "complete"]
     race = made["race"]
     baseline_log = log(out / "runs" / "bert-a-seed1")
@@ -136,48 +195,30 @@ def test_a_killed_comparison_resumes_reports_the_logs_numbers_and_reruns_nothing
     markdown = (out / "report.md").read_text()
     assert "| bert-a-seed1 | complete | 40 |" in markdown and "![tupe-r]" in markdown
 
-    logs = {name: (out / "runs" / name / "train_log.jsonl").read_bytes()
-            for name in ("bert-a-seed1", "tupe-r-seed1")}
-    exported = (out / "exports" / "tupe-r-seed1" / "model.safetensors").stat().st_mtime_ns
-    again = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=300)
+    logs = killed_comparison["logs"]
+    again = killed_comparison["again"]
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("not started again") == 2
+    assert again.stdout.count("steps), not started again") == 2
     assert {name: (out / "runs" / name / "train_log.jsonl").read_bytes() for name in logs} == logs
-    assert (out / "exports" / "tupe-r-seed1" / "model.safetensors").stat().st_mtime_ns == exported
+    assert (out / "exports" / "tupe-r-seed1" / "model.safetensors").stat().st_mtime_ns == \
+        killed_comparison["exported"]
     assert json.loads((out / "report.json").read_text()) == made
 
 
 @pytest.mark.slow
-def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp_path):
-    out = tmp_path / "cmp"
-    command = compare_command(data, out, "--encodings", "bert-a,tupe-r", "--steps", "6",
-                              "--nproc", "2", "--eval-interval", "6", "--launcher", "torchrun",
-                              "--finetune", write_glue(tmp_path / "glue", sentiment=800),
-                              "--finetune-lr", "1e-3", "3e-4", "--finetune-seeds", "1", "2", "3",
-                              "--finetune-epochs", "1", "--finetune-global-batch-size", "8",
-                              "--finetune-max-length", "32")
-    first = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-    progress = out / "finetune" / "bert-a-seed1" / "sst2.progress.json"
-    deadline = time.time() + 300
-    while not progress.exists():
-        assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
-        time.sleep(0.02)
-    os.killpg(first.pid, signal.SIGKILL)  # mid-way through bert-a's first fine-tune
-    first.wait()
-    kept = json.loads(progress.read_text())["results"]
-    assert 1 <= len(kept) < 6 and not (progress.parent / "sst2.json").exists()
+def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(killed_comparison):
+    out, kept = killed_comparison["out"], killed_comparison["kept"]
+    assert 1 <= len(kept) < 6 and not killed_comparison["finished_at_the_kill"]
 
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True,
-                            timeout=600)
+    result = killed_comparison["finished"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "bert-a-seed1: done (6 steps), not started again" in result.stdout
+    assert "bert-a-seed1: done (40 steps), not started again" in result.stdout
     redone = (out / "logs" / "bert-a-seed1.sst2.log").read_text().split("tupe_ds.finetune.run")
     assert len(redone) == 3  # two attempts, each starting with its command line
     assert redone[2].count("done before") == len(kept)
     assert redone[2].count("train loss") == 6 - len(kept)
     # its curves: every trial once in its log and TensorBoard, the killed attempt's unfinished
-    # trial's entries moved aside (800 examples in batches of 8: 100 steps, a point every 5)
+    # trial's entries moved aside (240 examples in batches of 8: 30 steps, a point every 2)
     killed = out / "finetune" / "bert-a-seed1"
     logged = [json.loads(line) for line in open(killed / "sst2.log.jsonl")]
     summary = json.loads((killed / "sst2.json").read_text())
@@ -185,7 +226,7 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
         for seed in ("1", "2", "3"):
             trial = [e for e in logged if (f"{e['lr']:g}", str(e["seed"])) == (lr, seed)]
             steps = [entry["step"] for entry in trial if "train/loss" in entry]
-            assert steps == list(range(5, 101, 5)) and trial[-1]["step"] == 100
+            assert steps == list(range(2, 31, 2)) and trial[-1]["step"] == 30
             assert trial[-1]["valid/dev/accuracy"] == summary["configurations"][f"lr={lr}"][
                 "seeds"][seed]["dev"]["accuracy"]
             events = killed / "tensorboard" / "sst2" / f"lr={lr},seed={seed}"
@@ -195,7 +236,7 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
     moved = killed / "sst2.log.redone.jsonl"
     for line in moved.read_bytes().splitlines() if moved.exists() else []:
         assert trial_of(line) not in kept  # a trial the kill left unfinished, or a torn line
-    made = json.loads((out / "report.json").read_text())
+    made = killed_comparison["made"]
     finetune = made["finetune"]
     assert finetune["tasks"] == ["sst2", "stsb"] and set(finetune["states"].values()) == {
         "complete"}
@@ -229,9 +270,8 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(data, tmp
     assert "| tupe-r, lr held out | " in markdown and "The rule: paired t" in markdown
     assert "Pretraining: bert-a's final validation loss" in markdown
 
-    written = {path: path.stat().st_mtime_ns for path in (out / "finetune").glob("*/*.json")}
-    again = subprocess.run(command, env=environment(), capture_output=True, text=True,
-                           timeout=300)
+    written = killed_comparison["written"]
+    again = killed_comparison["again"]
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("fine-tuned before, not started again") == 4
     assert {path: path.stat().st_mtime_ns for path in written} == written
@@ -249,13 +289,17 @@ def fake_launch(failing: str):
         with tempfile.TemporaryDirectory() as scratch:  # the run as its command makes it
             argv[argv.index("--out") + 1] = scratch
             made = load(argv, world_size=1)
-        record = {"tag": f"step{plan.steps}", "step": plan.steps, "lineage": run.name,
-                  "identity": made.identity, "training": made.training, "files": {},
-                  "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1,
-                             "zero_stage": made.ds_config["zero_optimization"]["stage"],
-                             "micro_batch": made.batch_split.micro_batch or 1,
-                             "gradient_accumulation": made.batch_split.accumulation or 1,
-                             "vocab_size": made.models[0].vocab_size}}
+            record = {"tag": f"step{plan.steps}", "step": plan.steps, "lineage": run.name,
+                      "identity": made.identity, "training": made.training, "files": {},
+                      "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1,
+                                 "zero_stage": made.ds_config["zero_optimization"]["stage"],
+                                 "micro_batch": made.batch_split.micro_batch or 1,
+                                 "gradient_accumulation": made.batch_split.accumulation or 1,
+                                 "vocab_size": made.models[0].vocab_size}}
+            # by the checkpoints' own writer, here: the run's process then imports no torch
+            manifest.write(scratch, record)
+            with open(os.path.join(scratch, manifest.MANIFEST)) as f:
+                written = f.read()
         script = f"""
 import json, os
 d = {plan.run_dir(run)!r}
@@ -270,8 +314,7 @@ with open(os.path.join(d, "train_log.jsonl"), "w") as f:
     f.write(json.dumps({{"step": {plan.steps}, "valid/loss": 2.5}}) + "\\n")
 step_dir = os.path.join(d, "checkpoints", "step{plan.steps}")
 os.makedirs(step_dir, exist_ok=True)
-from tupe_ds.train.checkpoint import manifest
-manifest.write(step_dir, json.loads({json.dumps(record)!r}))
+open(os.path.join(step_dir, {manifest.MANIFEST!r}), "w").write({written!r})
 open(os.path.join(d, "checkpoints", "latest"), "w").write("step{plan.steps}")
 """
         return [sys.executable, "-c", script]
@@ -369,8 +412,8 @@ def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys, monkey
         *other, "--finetune", str(tmp_path / "none"))
     assert "--tasks: wnli; choose from cola, sst2" in error(*other, "--finetune", glue,
                                                             "--tasks", "wnli")
-    assert f"task rte: {glue}/RTE/train.tsv: no such file" in error(*other, "--finetune", glue,
-                                                                      "--tasks", "sst2,rte")
+    assert f"task rte: {glue}/RTE/train.tsv: no such file" in error(
+        *other, "--finetune", glue, "--tasks", "sst2,rte")
     (tmp_path / "glue" / "STS-B" / "dev.tsv").write_text("sentence1\tsentence2\tscore\n"
                                                          "a\tb\thigh\n")
     assert f"task stsb: {glue}/STS-B/dev.tsv:2: score 'high' is not a number" in error(
@@ -460,5 +503,5 @@ def test_each_run_is_one_launcher_command_with_the_runs_flags(launcher, module_f
     start = command.index("tupe_ds.pretrain")
     assert command[start - 1] == module_flag
     assert command[start:] == ["tupe_ds.pretrain", "--data", *data, "--out", "/c/runs/rope-seed7",
-                                   "--pos-encoding", "rope", "--seed", "7", "--steps", "9",
-                                   "--model", "tiny", "--lr", "1e-3"]
+                               "--pos-encoding", "rope", "--seed", "7", "--steps", "9",
+                               "--model", "tiny", "--lr", "1e-3"]
