@@ -1,6 +1,7 @@
 """Pipeline parallelism (--pp): stage balance, every encoding against one process, tied copies of
 the positional module and the word embedding, tp x pp x dp layouts and resume, under the real
-deepspeed launcher (2-4 CPU processes, tiny models, fp32)."""
+deepspeed launcher (2-4 CPU processes, tiny models, fp32; the one-process references without a
+launcher)."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import tupe_ds
-from runs import environment, free_port, log, train
+from runs import EXIT_WORKER, command, environment, free_port, log, train
 from tp_inputs import micro_batches
 from tupe_ds.model.config import ENCODINGS, ModelConfig
 from tupe_ds.model.pipeline import stage_layer_counts
@@ -20,6 +21,16 @@ from tupe_ds.model.pipeline_names import bert_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.dirname(sys.executable)
+
+
+def one_process(data, out, *flags):
+    """tupe-pretrain as one process without a launcher (as typed; test_pretrain.py): a reference
+    spared the launcher's process start."""
+    argv = command("deepspeed", 1, data, out, *flags)
+    result = subprocess.run([sys.executable, *argv[argv.index(EXIT_WORKER):]], env=environment(),
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout
 
 
 def test_stages_balance_the_head_against_the_layers():
@@ -41,8 +52,9 @@ def test_stages_balance_the_head_against_the_layers():
 def two_stage_steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_worker")
     env = {**environment(), "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
-    run = subprocess.run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", free_port(),
-                          os.path.join(HERE, "support", "pp_worker.py"), str(out), *ENCODINGS],
+    run = subprocess.run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port",
+                          free_port(), os.path.join(HERE, "support", "pp_worker.py"), str(out),
+                          *ENCODINGS],
                          env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {(encoding, stage): torch.load(out / f"{encoding}.stage{stage}.pt")
@@ -87,7 +99,10 @@ LAYOUTS = {"pp1": (1, []), "pp2": (2, ["--pp", "2"]), "tp2pp2": (4, ["--tp", "2"
 def runs(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_runs")
     for name, (processes, flags) in LAYOUTS.items():
-        train("deepspeed", processes, data, root / name, *FLAGS, *flags)
+        if processes == 1:
+            one_process(data, root / name, *FLAGS, *flags)
+        else:
+            train("deepspeed", processes, data, root / name, *FLAGS, *flags)
     return root
 
 
@@ -98,8 +113,8 @@ def test_pipeline_layouts_equal_one_process(runs):
         other = log(runs / name)
         for step in range(1, 6):
             for metric in ("train/loss", "train/grad_norm"):
-                assert other[step][metric] == pytest.approx(one[step][metric], rel=1e-5, abs=1e-5), (
-                    name, step, metric)
+                assert other[step][metric] == pytest.approx(one[step][metric], rel=1e-5,
+                                                            abs=1e-5), (name, step, metric)
         assert other[5]["valid/loss"] == pytest.approx(one[5]["valid/loss"], rel=1e-5, abs=1e-5)
     assert one[5]["train/loss"] < one[1]["train/loss"] - 0.05  # the steps did train
 
@@ -111,7 +126,8 @@ def load(path):
 @pytest.mark.parametrize("layout", ["pp2", "tp2pp2"])
 def test_tied_copies_are_identical_on_every_stage_after_training(runs, layout):
     """Stage 0 holds layers 0-3 of the pipeline (embedding, positional, layer, end), stage 1
-    layers 4-7 (positional, layer, end, head): its checkpoint has one file per layer (and tp rank)."""
+    layers 4-7 (positional, layer, end, head): its checkpoint has one file per layer (and tp
+    rank)."""
     step = runs / layout / "checkpoints" / "step5"
     whole = load(runs / "pp1" / "checkpoints" / "step5" / "mp_rank_00_model_states.pt")["module"]
     for tp_rank in range(2 if layout == "tp2pp2" else 1):
@@ -122,7 +138,8 @@ def test_tied_copies_are_identical_on_every_stage_after_training(runs, layout):
         assert len(names) == 7  # p, its LayerNorm (2), U^Q, U^K, theta's vectors, relative table
         for name in names:
             assert torch.equal(first[name], second[name]), name
-        embedding = load(step / f"layer_00{suffix}-model_states.pt")["embedding.word_embeddings.weight"]
+        embedding = load(step / f"layer_00{suffix}-model_states.pt")[
+            "embedding.word_embeddings.weight"]
         decoder = load(step / f"layer_07{suffix}-model_states.pt")["word_embeddings.weight"]
         assert torch.equal(embedding, decoder)
         if layout == "pp2":  # the trained copies are the one-process run's parameters
@@ -157,7 +174,7 @@ def test_bf16_pipeline_follows_one_process(data, tmp_path):
     path = tmp_path / "bf16.json"
     path.write_text(json.dumps(config))
     flags = [*FLAGS, "--steps", "3", "--ds-config", str(path)]  # the last value of a flag counts
-    train("deepspeed", 1, data, tmp_path / "pp1", *flags)
+    one_process(data, tmp_path / "pp1", *flags)
     train("deepspeed", 2, data, tmp_path / "pp2", *flags, "--pp", "2")
     one, two = log(tmp_path / "pp1"), log(tmp_path / "pp2")
     for step in (1, 2, 3):
