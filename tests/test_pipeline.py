@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tupe_ds
-from runs import EXIT_WORKER, command, environment, free_port, log, train
+from runs import environment, free_port, log, train
 from tp_inputs import micro_batches
 from tupe_ds.model.config import ENCODINGS, ModelConfig
 from tupe_ds.model.pipeline import stage_layer_counts
@@ -21,16 +21,6 @@ from tupe_ds.model.pipeline_names import bert_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.dirname(sys.executable)
-
-
-def one_process(data, out, *flags):
-    """tupe-pretrain as one process without a launcher (as typed; test_pretrain.py): a reference
-    spared the launcher's process start."""
-    argv = command("deepspeed", 1, data, out, *flags)
-    result = subprocess.run([sys.executable, *argv[argv.index(EXIT_WORKER):]], env=environment(),
-                            capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
 
 
 def test_stages_balance_the_head_against_the_layers():
@@ -99,10 +89,9 @@ LAYOUTS = {"pp1": (1, []), "pp2": (2, ["--pp", "2"]), "tp2pp2": (4, ["--tp", "2"
 def runs(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_runs")
     for name, (processes, flags) in LAYOUTS.items():
-        if processes == 1:
-            one_process(data, root / name, *FLAGS, *flags)
-        else:
-            train("deepspeed", processes, data, root / name, *FLAGS, *flags)
+        # the one-process reference without a launcher, as typed (test_pretrain.py)
+        train("deepspeed" if processes > 1 else None, processes, data, root / name, *FLAGS,
+              *flags)
     return root
 
 
@@ -174,7 +163,7 @@ def test_bf16_pipeline_follows_one_process(data, tmp_path):
     path = tmp_path / "bf16.json"
     path.write_text(json.dumps(config))
     flags = [*FLAGS, "--steps", "3", "--ds-config", str(path)]  # the last value of a flag counts
-    one_process(data, tmp_path / "pp1", *flags)
+    train(None, 1, data, tmp_path / "pp1", *flags)
     train("deepspeed", 2, data, tmp_path / "pp2", *flags, "--pp", "2")
     one, two = log(tmp_path / "pp1"), log(tmp_path / "pp2")
     for step in (1, 2, 3):

@@ -8,30 +8,15 @@ schedule to carry over. (Layouts that cannot be reshaped: test_run_config.py.)""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from runs import EXIT_WORKER, command, environment, log, train
+from runs import log, train
 from tupe_ds.train.checkpoint import history
 
 STEPS = ["--steps", "6", "--save-interval", "3", "--eval-interval", "6", "--keep-checkpoints",
          "5", "--dropout", "0", "--global-batch", "32", "--lr", "2e-3", "--warmup-steps", "2"]
 METRICS = ("train/loss", "train/lr", "train/grad_norm")
-
-
-def train_on(processes, data, out, *flags):
-    """tupe-pretrain on `processes` ranks under torchrun, or one rank as one process without a
-    launcher (as typed; test_pretrain.py): no test here is about launchers, and each launcher is a
-    process start of its own."""
-    if processes > 1:
-        return train("torchrun", processes, data, out, *flags)
-    argv = command("torchrun", 1, data, out, *flags)
-    result = subprocess.run([sys.executable, *argv[argv.index(EXIT_WORKER):]], env=environment(),
-                            capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
 
 
 def cut_back_to(run, copy, step):
@@ -68,14 +53,17 @@ def conversion_lines(stdout):
 def dp2_run(request, data, tmp_path_factory):
     """6 steps at dp=2 (micro-batch 8 x 2 accumulation), checkpoints at steps 3 and 6."""
     out = tmp_path_factory.mktemp(f"dp2-zero{request.param}") / "run"
-    train_on(2, data, out, *STEPS, "--zero-stage", str(request.param))
+    train("torchrun", 2, data, out, *STEPS, "--zero-stage", str(request.param))
     return request.param, out
 
 
 def resume(dp2_run, data, copy, processes, *flags):
     stage, whole = dp2_run
     resumed = cut_back_to(whole, copy, 3)
-    stdout = train_on(processes, data, resumed, *STEPS, "--zero-stage", str(stage), *flags)
+    # one rank as one process without a launcher (as typed; test_pretrain.py): no test here is
+    # about launchers, and each is a process start of its own
+    stdout = train("torchrun" if processes > 1 else None, processes, data, resumed, *STEPS,
+                   "--zero-stage", str(stage), *flags)
     assert "resumed at step 3 of 6" in stdout
     return resumed, stdout
 
@@ -113,10 +101,10 @@ def test_a_dp2_checkpoint_resumes_on_four_ranks_and_another_micro_batch_split(dp
 @pytest.mark.slow
 def test_a_tp2_checkpoint_resumes_at_tp1(data, tmp_path):
     whole = tmp_path / "tp2"
-    train_on(2, data, whole, *STEPS, "--tp", "2", "--micro-batch", "8")
+    train("torchrun", 2, data, whole, *STEPS, "--tp", "2", "--micro-batch", "8")
     resumed = cut_back_to(whole, tmp_path / "tp1", 3)
     # 4 x 8, was 8 x 4; --tp given anew, as the run's recorded --tp 2 would be taken
-    stdout = train_on(1, data, resumed, *STEPS, "--tp", "1", "--micro-batch", "4")
+    stdout = train(None, 1, data, resumed, *STEPS, "--tp", "1", "--micro-batch", "4")
     assert "written by 2 processes (tp 2, pp 1, dp 1" in stdout
     assert "resumed at step 3 of 6" in stdout and "(tp 1, pp 1, dp 1)" in stdout
     assert_same_steps(resumed, whole)

@@ -21,10 +21,14 @@ def free_port() -> str:
 
 
 def command(launcher, processes, data, out, *flags):
-    """tupe-pretrain under a launcher, through tests/support/exit_worker.py: every rank must also leave
-    no process group behind (else its exit code is 3)."""
+    """tupe-pretrain under a launcher (None: one process without one, as typed), through
+    tests/support/exit_worker.py: every rank must also leave no process group behind (else its
+    exit code is 3)."""
     flags = ["--data", data, "--model", "tiny", "--ds-config", CPU_CONFIG, "--out", str(out),
              "--seq-len", "64", "--log-interval", "1", "--eval-samples", "32", *flags]
+    if launcher is None:
+        assert processes == 1, "without a launcher, one process"
+        return [sys.executable, EXIT_WORKER, "pretrain", *flags]
     if launcher == "deepspeed":
         return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(processes), "--master_port",
                 free_port(), EXIT_WORKER, "pretrain", *flags]
