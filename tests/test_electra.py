@@ -184,7 +184,7 @@ LEARNS = ["--objective", "electra", "--steps", "100", "--lr", "5e-4", "--warmup-
 @pytest.fixture(scope="module")
 def electra_run(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("electra") / "electra"
-    train("deepspeed", 2, data, out, *LEARNS)
+    train("torchrun", 2, data, out, *LEARNS)
     return out
 
 
@@ -227,12 +227,12 @@ def test_electra_checkpoints_hold_both_networks(data, tmp_path, config, request)
                  "--eval-interval", "100", "--ds-config", shipped_config_in_fp32(config, tmp_path),
                  "--global-batch", "8", "--warmup-steps", "2"]
         whole, checkpoint, last = tmp_path / "whole", 4, 6
-        train("deepspeed", 2, data, whole, *flags)
+        train("torchrun", 2, data, whole, *flags)
     copy = tmp_path / "copy"
     shutil.copytree(whole / "checkpoints", copy / "checkpoints")
     shutil.rmtree(copy / "checkpoints" / f"step{last}")
     (copy / "checkpoints" / "latest").write_text(f"step{checkpoint}")
-    stdout = train("deepspeed", 2, data, copy, *flags)
+    stdout = train("torchrun", 2, data, copy, *flags)
     assert f"resumed at step {checkpoint} of {last}" in stdout
     after = range(checkpoint + 1, last + 1)
     whole, resumed = log(whole), log(copy)

@@ -153,7 +153,7 @@ def test_electra_exports_its_discriminator(data, tmp_path):
     transformers, with the replaced-token head); the generator too for transformers."""
     from test_pretrain import train
 
-    train("deepspeed", 2, data, tmp_path / "run", "--objective", "electra", "--steps", "2",
+    train("torchrun", 2, data, tmp_path / "run", "--objective", "electra", "--steps", "2",
           "--eval-interval", "2")
     export(str(tmp_path / "run"), str(tmp_path / "exported"))
     export(str(tmp_path / "run"), str(tmp_path / "generator"), network="generator")

@@ -1,7 +1,8 @@
 """Pipeline parallelism (--pp): stage balance, every encoding against one process, tied copies of
-the positional module and the word embedding, tp x pp x dp layouts and resume, under the real
-deepspeed launcher (2-4 CPU processes, tiny models, fp32; the one-process references without a
-launcher)."""
+the positional module and the word embedding, tp x pp x dp layouts and resume, under torchrun
+(2-4 CPU processes, tiny models, fp32; the one-process references without a launcher; the stage
+balance under the deepspeed launcher). No test here is about a launcher (test_pretrain.py's and
+test_launchers_obey.py's are), and torchrun's start costs half the deepspeed launcher's two."""
 
 import json
 import os
@@ -90,7 +91,7 @@ def runs(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_runs")
     for name, (processes, flags) in LAYOUTS.items():
         # the one-process reference without a launcher, as typed (test_pretrain.py)
-        train("deepspeed" if processes > 1 else None, processes, data, root / name, *FLAGS,
+        train("torchrun" if processes > 1 else None, processes, data, root / name, *FLAGS,
               *flags)
     return root
 
@@ -145,7 +146,7 @@ def test_pipeline_run_resumes_from_its_checkpoint(runs, data, tmp_path):
     for later in ("step4", "step5"):
         shutil.rmtree(copy / "checkpoints" / later)
     (copy / "checkpoints" / "latest").write_text("step2")
-    stdout = train("deepspeed", 2, data, copy, *FLAGS, "--pp", "2")
+    stdout = train("torchrun", 2, data, copy, *FLAGS, "--pp", "2")
     assert "resumed at step 2 of 5" in stdout
     whole, resumed = log(runs / "pp2"), log(copy)
     assert set(resumed) == {3, 4, 5}
@@ -164,7 +165,7 @@ def test_bf16_pipeline_follows_one_process(data, tmp_path):
     path.write_text(json.dumps(config))
     flags = [*FLAGS, "--steps", "3", "--ds-config", str(path)]  # the last value of a flag counts
     train(None, 1, data, tmp_path / "pp1", *flags)
-    train("deepspeed", 2, data, tmp_path / "pp2", *flags, "--pp", "2")
+    train("torchrun", 2, data, tmp_path / "pp2", *flags, "--pp", "2")
     one, two = log(tmp_path / "pp1"), log(tmp_path / "pp2")
     for step in (1, 2, 3):
         assert two[step]["train/loss"] == pytest.approx(one[step]["train/loss"], rel=1e-3), step
