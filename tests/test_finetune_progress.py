@@ -14,7 +14,7 @@ import termios
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from test_finetune import finetune_flags, sentiment  # noqa: F401 (a fixture)
+from test_finetune import finetune_flags, sentiment, write_sentiment  # noqa: F401 (a fixture)
 from tupe_ds.finetune.monitor import TrialMonitor
 from tupe_ds.finetune.progress import hold
 from tupe_ds.finetune.run import main as finetune
@@ -39,32 +39,33 @@ def scalars(folder, tag) -> list:
 @pytest.mark.slow
 def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_once(
         sentiment, tmp_path, capsys):
-    """240 examples in batches of 4: 60 steps an epoch, a log point every 3 (5%)."""
+    """160 examples in batches of 4: 40 steps an epoch, a log point every 2 (5%)."""
     out = tmp_path / "out"
-    assert finetune(flags(sentiment, out, "--seeds", "1,2", "--per-device-train-batch-size",
+    files = {**sentiment, "train": write_sentiment(tmp_path / "train160.tsv", 160, 1)}
+    assert finetune(flags(files, out, "--seeds", "1,2", "--per-device-train-batch-size",
                           "4")) == 0
     printed = capsys.readouterr().out
-    assert "sst2 lr 0.001 seed 1 step 3/120 in epoch 1 (5%): loss " in printed
-    assert "sst2 lr 0.001 seed 2 step 117/120 in epoch 2 (95%): loss " in printed
+    assert "sst2 lr 0.001 seed 1 step 2/80 in epoch 1 (5%): loss " in printed
+    assert "sst2 lr 0.001 seed 2 step 78/80 in epoch 2 (95%): loss " in printed
     # 19 of the 20 points of each epoch: the epoch's own line follows the last
     assert printed.count(" to the epoch's end; trial ") == 2 * 2 * 19
     assert printed.count(" to the grid's end\n") == 2 * 2 * 19
-    assert re.search(r"seed 1 step 3/120 .*; trial 1 of 2, [0-9:]+ to the grid's end", printed)
-    assert re.search(r"seed 2 step 3/120 .*; trial 2 of 2, [0-9:]+ to the grid's end", printed)
+    assert re.search(r"seed 1 step 2/80 .*; trial 1 of 2, [0-9:]+ to the grid's end", printed)
+    assert re.search(r"seed 2 step 2/80 .*; trial 2 of 2, [0-9:]+ to the grid's end", printed)
     logged = entries(out / "sst2.log.jsonl")
     summary = json.loads((out / "sst2.json").read_text())
     assert summary["settings"]["batch_size"] == 4
-    warmup = round(0.06 * 120)
+    warmup = round(0.06 * 80)
     for seed in (1, 2):
         trial = [entry for entry in logged if entry["seed"] == seed]
         assert all(entry["lr"] == 1e-3 for entry in trial)
         train = [entry for entry in trial if "train/loss" in entry]
-        assert [entry["step"] for entry in train] == list(range(3, 121, 3))
-        assert train[0]["train/lr"] == pytest.approx(1e-3 * 2 / warmup)  # the step's own rate
-        assert train[-1]["train/lr"] == pytest.approx(1e-3 / (120 - warmup))
+        assert [entry["step"] for entry in train] == list(range(2, 81, 2))
+        assert train[0]["train/lr"] == pytest.approx(1e-3 * 1 / warmup)  # the step's own rate
+        assert train[-1]["train/lr"] == pytest.approx(1e-3 / (80 - warmup))
         ends = [entry for entry in trial if "valid/dev/accuracy" in entry]
-        assert [(entry["epoch"], entry["step"]) for entry in ends] == [(1, 60), (2, 120)]
-        for end in ends:  # 20 points of 12 examples each
+        assert [(entry["epoch"], entry["step"]) for entry in ends] == [(1, 40), (2, 80)]
+        for end in ends:  # 20 points of 8 examples each
             points = [entry["train/loss"] for entry in train if entry["epoch"] == end["epoch"]]
             assert end["train/epoch_loss"] == pytest.approx(statistics.mean(points))
             assert (f"sst2 lr 0.001 seed {seed} epoch {end['epoch']}/2 train loss "
@@ -75,7 +76,7 @@ def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_
         runs = out / "tensorboard" / "sst2" / f"lr=0.001,seed={seed}"
         assert scalars(runs, "train/loss") == [(e["step"], pytest.approx(e["train/loss"]))
                                                for e in train]
-        assert [step for step, _ in scalars(runs, "valid/dev/accuracy")] == [60, 120]
+        assert [step for step, _ in scalars(runs, "valid/dev/accuracy")] == [40, 80]
 
     # as if killed during seed 2: its result not kept yet, its entries and a line cut short
     # written, the same command given as --batch-size, in spaces
@@ -89,7 +90,7 @@ def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_
     (out / "tensorboard" / "sst2" / "notes.txt").write_text("mine")
     with open(out / "sst2.log.jsonl", "ab") as f:
         f.write(b'{"lr": 0.001, "seed": 2, "ep')
-    assert finetune(flags(sentiment, out, "--seeds", "1", "2", "--batch-size", "4")) == 0
+    assert finetune(flags(files, out, "--seeds", "1", "2", "--batch-size", "4")) == 0
     printed = capsys.readouterr().out
     assert printed.count("done before") == 1 and "seed 1 step" not in printed
     again = entries(out / "sst2.log.jsonl")
@@ -106,7 +107,7 @@ def test_curves_go_to_lines_tensorboard_and_the_log_and_a_redone_trial_is_there_
     assert len(os.listdir(run)) == 1  # the killed attempt's events moved aside, not deleted
     assert len(os.listdir(out / "tensorboard" / "sst2.redone" / "lr=0.001,seed=2.1")) == 1
     assert mine.is_dir() and (out / "tensorboard" / "sst2" / "notes.txt").read_text() == "mine"
-    assert [step for step, _ in scalars(run, "train/loss")] == list(range(3, 121, 3))
+    assert [step for step, _ in scalars(run, "train/loss")] == list(range(2, 81, 2))
 
 
 def test_a_terminal_of_80_columns_gets_a_bar_with_the_trial_the_loss_and_the_grid_s_eta(

@@ -20,15 +20,15 @@ from tupe_ds.tools.startup import COMMANDS
 
 PROBE = """
 import gc, json, runpy, sys
-how, module = sys.argv[1:3]
+how, module, script, *given = sys.argv[1:]
 seen = {}
 if how == "console script":  # as the script pip writes: import, then main()
-    sys.argv = ["/venv/bin/" + sys.argv[3], "--help"]
+    sys.argv = ["/venv/bin/" + script, *given]
     command = __import__(module, fromlist=["main"])
     seen["import"] = [gc.isenabled(), gc.get_freeze_count()]
     run = command.main
-else:  # python -m MODULE --help
-    sys.argv = [module, "--help"]
+else:  # python -m MODULE ...
+    sys.argv = [module, *given]
     run = lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)
 try:
     run()
@@ -39,11 +39,13 @@ print(json.dumps(seen))
 """
 
 
-def probe(*args, gc_setting=""):
-    result = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True,
-                            text=True, timeout=120,
+def probe(how, module, script, *given, gc_setting=""):
+    """The collector's state (enabled, frozen count) after the import ("console script" only)
+    and after main, in a process that runs `module` as `how` with the arguments `given`."""
+    result = subprocess.run([sys.executable, "-c", PROBE, how, module, script, *given],
+                            capture_output=True, text=True, timeout=300,
                             env={**environment(), "TUPE_DS_GC": gc_setting})
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 
 
@@ -66,47 +68,57 @@ def test_every_console_script_is_a_command_whose_main_resumes_the_collector():
     assert ast.unparse(first[1]) == "startup.resume_collector()"  # after its docstring
 
 
+@pytest.fixture(scope="module")
+def trained_runs(data, tmp_path_factory):
+    """`python -m tupe_ds.pretrain` training 3 steps with the collector paused ("") and on
+    ("on"), each process a probe as well: {setting: (the probe's states, the run's losses)}.
+    A process's start costs more than its training: one run serves both tests."""
+    runs = {}
+    for gc_setting in ("", "on"):
+        out = tmp_path_factory.mktemp(gc_setting or "paused")
+        seen = probe("python -m", "tupe_ds.pretrain", "tupe-pretrain", "--data", data, "--model",
+                     "tiny", "--ds-config", os.path.join(ROOT, "ds_configs", "cpu_zero2.json"),
+                     "--out", str(out), "--seq-len", "64", "--steps", "3", "--global-batch",
+                     "8", "--log-interval", "1", "--eval-samples", "16", "--dropout", "0",
+                     gc_setting=gc_setting)
+        runs[gc_setting] = seen, losses(out)
+    return runs
+
+
 @pytest.mark.parametrize("how", ["console script", "python -m"])
 @pytest.mark.slow
-def test_a_command_pauses_the_collector_while_it_imports_and_resumes_it_in_main(how):
-    seen = probe(how, "tupe_ds.pretrain", "tupe-pretrain")
+def test_a_command_pauses_the_collector_while_it_imports_and_resumes_it_in_main(how, request):
     if how == "console script":
+        seen = probe(how, "tupe_ds.pretrain", "tupe-pretrain", "--help")
         assert seen["import"] == [False, 0]  # paused, nothing frozen yet
+        reference = probe(how, "tupe_ds.pretrain", "tupe-pretrain", "--help",
+                          gc_setting="True")
+    else:  # a training run's process: its main() as --help's, then training
+        runs = request.getfixturevalue("trained_runs")
+        seen, reference = runs[""][0], runs["on"][0]
     enabled, frozen = seen["main"]
     assert enabled and frozen > 100_000  # torch, DeepSpeed and megatron-core's objects
-    reference = probe(how, "tupe_ds.pretrain", "tupe-pretrain", gc_setting="True")
     assert reference["main"] == [True, 0] and reference.get("import", [True, 0]) == [True, 0]
 
 
 @pytest.mark.slow
-def test_a_program_that_imports_tupe_ds_keeps_its_collector():
-    code = "import gc, tupe_ds.pretrain; print(gc.isenabled(), gc.get_freeze_count())"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=environment())
-    assert result.stdout.split() == ["True", "0"], result.stderr[-2000:]
+def test_a_program_that_imports_tupe_ds_keeps_its_collector(imported_first):
+    """FIRST_IMPORTS's first line: a program whose first import is tupe_ds.pretrain."""
+    first = imported_first.stdout.split("\n")[0]
+    assert first.split() == ["True", "0"], imported_first.stderr[-2000:]
 
 
 @pytest.mark.slow
-def test_a_run_trains_the_same_with_the_collector_on(data, tmp_path):
-    runs = {}
-    for gc_setting in ("", "on"):
-        out = tmp_path / (gc_setting or "paused")
-        result = subprocess.run(
-            [sys.executable, "-m", "tupe_ds.pretrain", "--data", data, "--model", "tiny",
-             "--ds-config", os.path.join(ROOT, "ds_configs", "cpu_zero2.json"), "--out",
-             str(out), "--seq-len", "64", "--steps", "3", "--global-batch", "8",
-             "--log-interval", "1", "--eval-samples", "16", "--dropout", "0"],
-            capture_output=True, text=True, timeout=300,
-            env={**environment(), "TUPE_DS_GC": gc_setting})
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        runs[gc_setting] = losses(out)
+def test_a_run_trains_the_same_with_the_collector_on(trained_runs):
+    runs = {gc_setting: run_losses for gc_setting, (_, run_losses) in trained_runs.items()}
     assert len(runs[""]) == 3 and runs[""] == runs["on"]
 
 
 def test_a_process_spawned_from_a_command_keeps_its_collector(tmp_path):
     """A worker that multiprocessing spawns (macOS's default) imports the command's script again
     but never runs its main(): its collector must not stay paused."""
-    script = tmp_path / "tupe-prep"  # named as the console script, doing what tupe-prep's pool would
+    # named as the console script, doing what tupe-prep's pool would
+    script = tmp_path / "tupe-prep"
     script.write_text(
         "import gc, multiprocessing, sys\n"
         "from tupe_ds.tools import startup\n"
@@ -123,6 +135,8 @@ def test_a_process_spawned_from_a_command_keeps_its_collector(tmp_path):
 
 
 FIRST_IMPORTS = """
+import gc, tupe_ds.pretrain
+print(gc.isenabled(), gc.get_freeze_count())  # a program's own, not a command's
 import importlib, pkgutil, sys, traceback
 import tupe_ds
 names = sorted(m.name for m in pkgutil.walk_packages(tupe_ds.__path__, "tupe_ds."))
@@ -139,12 +153,19 @@ print("\\n".join(failed))
 """
 
 
+@pytest.fixture(scope="module")
+def imported_first():
+    """FIRST_IMPORTS run: one process start for a program importing tupe_ds and for the imports
+    of each module first (the libraries' import is most of either's cost)."""
+    return subprocess.run([sys.executable, "-c", FIRST_IMPORTS], cwd=ROOT, env=environment(),
+                          capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
-def test_every_module_imports_first():
+def test_every_module_imports_first(imported_first):
     """A circular import shows only for some orders: each module of tupe_ds imported before any
     other of tupe_ds's (the run lock once failed so, through the checkpoint package)."""
-    done = subprocess.run([sys.executable, "-c", FIRST_IMPORTS], cwd=ROOT, env=environment(),
-                          capture_output=True, text=True, timeout=600)
+    done = imported_first
     assert done.returncode == 0, done.stderr[-3000:]
-    counted, *failed = done.stdout.strip().splitlines()
+    _, counted, *failed = done.stdout.strip().splitlines()
     assert int(counted.split()[0]) > 100 and failed == [], failed
