@@ -60,7 +60,8 @@ def work_unit(nodeid: str) -> str:
 SLOW_FIXTURES = {"cluster", "prep_arrays", "two_nodes", "references", "reference", "constant_lr",
                  "two_stage_steps", "runs", "dp2_run", "finished", "tp2_results", "suite_run",
                  "topic_data", "demo_out", "getting_started_output", "stopped_on_a_full_log",
-                 "electra_run", "one_rank", "layouts", "killed_comparison", "failing_runs"}
+                 "electra_run", "one_rank", "layouts", "killed_comparison", "failing_runs",
+                 "trained_runs", "imported_first"}
 
 
 def pytest_collection_modifyitems(items):

@@ -253,9 +253,9 @@ def leftovers(cache):
 
 
 def building_code(cache, ready, before=""):
-    """Code for a python process whose flock fails, light (numpy and the cache only), that runs
-    `before` (code), waits until every process of `ready` is there, then takes the array 'thing'
-    from the cache, building it slowly (1 s), and prints its sum."""
+    """Code for a python process whose flock fails, light (numpy and the cache only), that runs `before`
+    (code), waits until every process of `ready` is there, then takes the array 'thing' from
+    the cache, building it slowly (1 s), and prints its sum."""
     code = "\n".join([
         "import os, sys, time, numpy as np",
         "import tupe_ds.data.index_cache as index_cache",
@@ -361,30 +361,13 @@ def test_a_builder_removes_only_its_hosts_dead_builders_remains(tmp_path):
 
 @pytest.mark.slow
 def test_one_index_per_run_where_file_locks_hold_per_node_only(data, tmp_path):
-    """Two ranks with the cache's lock made a no-op (as two nodes see a node-local lock): rank 0
-    builds each index once while the other waits, and both map the same file. The ranks start as
-    a launcher starts them (RANK, WORLD_SIZE): a torchrun's process would add nothing checked."""
-    from runs import environment, free_port
-    from test_run_integrity import FAULT_WORKER, command
+    """Two ranks under torchrun with the cache's lock made a no-op (as two nodes see a node-local
+    lock): rank 0 builds each index once while the other waits, and both map the same file."""
+    from test_run_integrity import run
 
     cache = tmp_path / "cache"
-    given = command(data, tmp_path / "run", "--steps", "1", "--index-cache", str(cache),
-                    "--eval-interval", "1")
-    rank_command = [sys.executable, *given[given.index(FAULT_WORKER):]]
-    launched = {**environment(), "TUPE_DS_FAULT": "node-local-locks", "WORLD_SIZE": "2",
-                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
-    ranks = [subprocess.Popen(rank_command, env={**launched, "RANK": str(rank),
-                                                 "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
-    try:
-        outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
-    assert [rank.returncode for rank in ranks] == [0, 0], [out[-4000:] for out in outputs]
-    output = "".join(outputs)
+    output = run(data, tmp_path / "run", "--steps", "1", "--index-cache", str(cache),
+                 "--eval-interval", "1", fault="node-local-locks")
     built = [line for line in output.splitlines() if "built the sample index of" in line]
     assert len(built) == 2 and {line.split(" of ")[1].split()[0] for line in built} == {
         os.path.join(data, "train"), os.path.join(data, "valid")}, built
