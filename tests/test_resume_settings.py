@@ -7,12 +7,10 @@ decay's end, a warmup cut to --steps) is refused with both rates, or taken with
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from runs import CPU_CONFIG, EXIT_WORKER, command, environment, log
+from runs import CPU_CONFIG, log, train
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train.config import load
 from tupe_ds.train.schedule import WSD_TYPE, resume_rate_change
@@ -25,23 +23,12 @@ def decay_rate(step: int, steps: int) -> float:
     return PEAK * (steps - (step - 2)) / (steps - WARMUP)
 
 
-def train(data, out, *flags):
-    """runs.train's one process, without a launcher (a 1-process run): these tests check
-    nothing of torchrun's, which would cost a process more."""
-    argv = command("torchrun", 1, data, out, *flags)
-    env = {name: value for name, value in environment().items()
-           if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, *argv[argv.index(EXIT_WORKER):]], env=env,
-                            capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
-
-
 @pytest.fixture(scope="module")
 def finished(data, tmp_path_factory):
-    """A run of 30 steps under a linear decay, saved every 15: run.json records its settings."""
+    """A run of 30 steps under a linear decay, saved every 15: run.json records its settings.
+    (This file's runs are one process without a launcher: no test here is about one.)"""
     out = tmp_path_factory.mktemp("decay") / "run"
-    train(data, out, "--steps", "30", "--save-interval", "15",
+    train(None, 1, data, out, "--steps", "30", "--save-interval", "15",
           "--warmup-steps", str(WARMUP), "--eval-interval", "30")
     return out
 
@@ -97,7 +84,7 @@ def test_check_only_on_a_finished_run_says_a_run_would_train_nothing(run, capsys
 
 @pytest.mark.slow
 def test_a_moved_rate_allowed_is_said_and_trained(run, data):
-    said = train(data, run, "--steps", "32", "--allow-training-changes")
+    said = train(None, 1, data, run, "--steps", "32", "--allow-training-changes")
     assert (f"tupe-pretrain: resuming step30 with --steps 32 (--allow-training-changes): step 31 "
             f"would run at learning rate {decay_rate(31, 32):.4g}, not the "
             f"{decay_rate(31, 30):.4g}") in said
@@ -111,7 +98,7 @@ def test_a_longer_steps_at_a_constant_rate_proceeds_unsaid(data, tmp_path, monke
     constant = tmp_path / "constant.json"
     constant.write_text(json.dumps(config))
     out = str(tmp_path / "run")
-    train(data, out, "--steps", "2", "--ds-config", str(constant))
+    train(None, 1, data, out, "--steps", "2", "--ds-config", str(constant))
     monkeypatch.setenv("WORLD_SIZE", "1")
     resumed = load(["--out", out, "--steps", "6", "--check-only"])
     assert resumed.resume_plan.tag == "step2" and resumed.resume_plan.notes == ()
@@ -145,7 +132,7 @@ def test_a_finished_run_run_again_says_its_summary_without_building_an_engine(ru
     opens one at every start)."""
     log_dir = os.path.join(run, "tensorboard", "tupe")
     events = sorted(os.listdir(log_dir))
-    said = train(data, run, "--steps", "30")
+    said = train(None, 1, data, run, "--steps", "30")
     assert "resumed at step 30 of 30: nothing to train" in said, said[-3000:]
     assert f"final valid loss {log(run)[30]['valid/loss']:.4f} at step 30\n" in said
     assert "this start trained no step of 30" in said

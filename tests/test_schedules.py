@@ -9,13 +9,12 @@ import math
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from deepspeed.runtime import lr_schedules
 
-from runs import CPU_CONFIG, EXIT_WORKER, command, environment, free_port, log
+from runs import CPU_CONFIG, EXIT_WORKER, environment, free_port, log, train
 from tupe_ds.data.loader import TrainBatches, Vocabulary
 from tupe_ds.data.masking import BERT_MASKING, MaskedSamples
 from tupe_ds.data.packing import PackedSentences
@@ -133,7 +132,7 @@ def test_another_shape_keeps_the_configs_peak_minimum_and_warmup(data, tmp_path,
 
 
 def test_schedule_and_ramp_flags_are_checked_before_any_process_starts(data, tmp_path,
-                                                                       monkeypatch, capsys):
+                                                                      monkeypatch, capsys):
     def refusal(*extra, world=2):
         monkeypatch.setenv("WORLD_SIZE", str(world))
         with pytest.raises((SystemExit, Refused)) as error:  # argparse's, or a check's
@@ -199,29 +198,6 @@ def test_a_ramp_reads_each_sample_once_in_order_on_every_layout_and_resumes_mid_
     assert all(torch.equal(a, b) for a, b in zip(resumed, single[3:]))
 
 
-def ranks(world, *argv):
-    """tupe-pretrain's `world` ranks (through exit_worker.py), each started with the variables a
-    launcher gives them and no launcher: the test checks nothing of torchrun's, a process more.
-    Every rank's exit code, and their stdout and stderr, each joined as torchrun joins them."""
-    port = free_port()
-    processes = [subprocess.Popen(
-        [sys.executable, EXIT_WORKER, "pretrain", *argv],
-        env={**environment(), "RANK": str(rank), "WORLD_SIZE": str(world),
-             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": port},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
-    try:
-        with ThreadPoolExecutor(world) as pool:  # one rank's full pipe must not stall the others
-            said = list(pool.map(lambda process: process.communicate(timeout=400), processes))
-    finally:
-        for process in processes:  # past the timeout, as subprocess.run would
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return ([process.returncode for process in processes], "".join(out for out, _ in said),
-            "".join(err for _, err in said))
-
-
 @pytest.mark.slow
 def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_branches(
         data, tmp_path, monkeypatch):
@@ -236,9 +212,7 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
               "--global-batch", "8", "--micro-batch", "2", "--rampup-batch-size", "4", "4", "8",
               "--save-interval", "2", "--eval-interval", "6", "--dropout", "0"]
     stable = tmp_path / "stable"
-    argv = command("torchrun", 2, data, stable, "--steps", "6", *common)
-    codes, output, errors = ranks(2, *argv[argv.index(EXIT_WORKER) + 2:])
-    assert codes == [0, 0], output[-4000:] + errors[-4000:]
+    train("torchrun", 2, data, stable, "--steps", "6", *common)
     batches = [4, 4, 8, 8, 8, 8]
 
     def check_log(out, first, steps, decay, sizes):
@@ -259,10 +233,14 @@ def test_a_ramped_wsd_run_resumes_mid_ramp_on_another_layout_and_refuses_false_b
         weights = consolidated_state(json.load(f), str(stable / "checkpoints" / "step6"))[1]
 
     # --out alone (and the new layout): the schedule, ramp and data are the run's, from run.json
-    codes, output, errors = ranks(2, "--out", str(stable), "--tp", "2", "--resume-from", "step2")
-    assert codes == [0, 0], output[-4000:] + errors[-4000:]
-    assert (f"settings the command does not give are the run's, from {stable}/history.jsonl"
-            in output)
+    resume = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+         free_port(), EXIT_WORKER, "pretrain", "--out", str(stable), "--tp", "2",
+         "--resume-from", "step2"], env=environment(), capture_output=True, text=True,
+        timeout=400)
+    output = resume.stdout
+    assert resume.returncode == 0, output[-4000:] + resume.stderr[-4000:]
+    assert f"settings the command does not give are the run's, from {stable}/history.jsonl" in output
     assert "ramped up from 4 by 4 over the first 8 samples" in output
     resumed = check_log(stable, 3, 6, 2, batches)
     for step in range(3, 7):

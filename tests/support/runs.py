@@ -42,8 +42,14 @@ def environment():
                                                    os.path.join(ROOT, "build", "torch_extensions"))}
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def train(launcher, processes, data, out, *flags, timeout=400):
-    result = subprocess.run(command(launcher, processes, data, out, *flags), env=environment(),
+    env = environment()
+    if launcher is None:  # not the variables of a launcher the test process was started by
+        env = {name: value for name, value in env.items() if name not in LAUNCHER_VARIABLES}
+    result = subprocess.run(command(launcher, processes, data, out, *flags), env=env,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
