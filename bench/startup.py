@@ -1,12 +1,15 @@
-"""What a tupe_ds process costs outside its steps, with the garbage collector paused while the
-libraries import (tupe_ds/tools/startup.py) and without (TUPE_DS_GC=on, the reference).
+"""What a tupe_ds process costs outside its steps, as a command starts (tupe_ds/tools/startup.py:
+the garbage collector paused while the libraries import, their torch.compile decorations
+compiled at first call) and with each reference: the collector left alone (TUPE_DS_GC=on), the
+decorations made at import (TUPE_DS_COMPILE_AT_IMPORT=on).
 
     .venv/bin/python bench/startup.py                           # `tupe-pretrain --help`, 10 each
     .venv/bin/python bench/startup.py --data build/sample-prep-2048 --rounds 5
         # and a tiny 3-step run on 2 CPU ranks under torchrun, as the test suite starts hundreds
 
-The two settings take turns, so that noise from the machine falls on both alike. Prints the
-median wall and CPU seconds (the process and its children) of each, and the ratio paused / on.
+The settings take turns, so that noise from the machine falls on all alike. Prints the median
+wall and CPU seconds (the process and its children) of each, and the default's over each
+reference's.
 """
 
 import argparse
@@ -24,13 +27,14 @@ sys.path.insert(0, ROOT)
 
 from tupe_ds.distributed import launchers  # noqa: E402
 
-SETTINGS = {"paused (default)": "", "on (TUPE_DS_GC=on)": "on"}
+SETTINGS = {"default": {}, "TUPE_DS_GC=on": {"TUPE_DS_GC": "on"},
+            "TUPE_DS_COMPILE_AT_IMPORT=on": {"TUPE_DS_COMPILE_AT_IMPORT": "on"}}
 
 
-def timed(command, gc_setting: str):
+def timed(command, setting: dict):
     """(wall seconds, CPU seconds) of `command` and the processes it starts."""
-    env = {**os.environ, "TUPE_DS_GC": gc_setting, "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "TUPE_DS_GC": "", "TUPE_DS_COMPILE_AT_IMPORT": "", **setting,
+           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -46,7 +50,8 @@ def measure(name, command_for, rounds):
     times = {setting: [] for setting in SETTINGS}
     for round_ in range(rounds):
         order = list(SETTINGS.items())
-        for label, setting in order[round_ % 2:] + order[:round_ % 2]:
+        turn = round_ % len(order)
+        for label, setting in order[turn:] + order[:turn]:
             times[label].append(timed(command_for(round_), setting))
     print(f"\n{name}: median of {rounds}")
     medians = {}
@@ -54,10 +59,11 @@ def measure(name, command_for, rounds):
         wall = statistics.median(s[0] for s in samples)
         cpu = statistics.median(s[1] for s in samples)
         medians[label] = (wall, cpu)
-        print(f"  {label:20s} wall {wall:6.2f} s   CPU {cpu:6.2f} s")
-    (paused_wall, paused_cpu), (on_wall, on_cpu) = medians.values()
-    print(f"  paused / on          wall {paused_wall / on_wall:6.2f}     CPU "
-          f"{paused_cpu / on_cpu:6.2f}")
+        print(f"  {label:30s} wall {wall:6.2f} s   CPU {cpu:6.2f} s")
+    default_wall, default_cpu = medians.pop("default")
+    for label, (wall, cpu) in medians.items():
+        print(f"  default / {label:20s} wall {default_wall / wall:6.2f}     CPU "
+              f"{default_cpu / cpu:6.2f}")
 
 
 def main() -> int:

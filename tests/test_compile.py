@@ -21,6 +21,7 @@ from tupe_ds.distributed import parallel
 from tupe_ds.model import config
 from tupe_ds.model.attention import BiasGeluMLP, GroupedRowParallelLinear
 from tupe_ds.model.config import ModelConfig
+from tupe_ds.tools import first_call_compile
 
 
 @pytest.fixture
@@ -77,6 +78,35 @@ def test_fused_elementwise_matches_eager(tiny_model, compile_afresh):
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_deferred_compile_compiles_at_the_first_call_and_traces_into_a_region(compile_afresh):
+    """What megatron-core's and DeepSpeed Muon's torch.compile decorations are in a process that
+    imported tupe_ds first (tupe_ds/tools/first_call_compile.py): nothing compiled when it
+    decorates, one graph at the first call, the function's values; first called inside a region
+    being compiled, traced into it, whole (fullgraph), without a graph of its own."""
+    from deepspeed.runtime.zero.muon import original_muon
+    from megatron.core import jit
+
+    compiled_on_first_call = first_call_compile.compiled_on_first_call
+    assert jit.jit_fuser is compiled_on_first_call  # conftest.py imports tupe_ds first
+    muon = original_muon.zeropower_via_newtonschulz5
+    assert muon.__code__.co_filename == first_call_compile.__file__
+    compile_afresh(fallback_random=False)
+
+    def scaled_gelu(x):
+        return torch.nn.functional.gelu(x) * 2
+
+    x = torch.randn(4, 8)
+    deferred = compiled_on_first_call(backend="eager")(scaled_gelu)
+    assert counters["stats"]["unique_graphs"] == 0
+    torch.testing.assert_close(deferred(x), scaled_gelu(x))
+    deferred(x)
+    assert counters["stats"]["unique_graphs"] == 1
+    first_in_a_region = compiled_on_first_call(scaled_gelu, backend="eager")
+    region = torch.compile(lambda x: first_in_a_region(x) + 1, backend="eager", fullgraph=True)
+    torch.testing.assert_close(region(x), scaled_gelu(x) + 1)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
 
 
 def test_fused_dropout_statistics(compile_afresh):

@@ -1,7 +1,9 @@
-"""The collector paused while a command's libraries import (tupe_ds/tools/startup.py): every
-console script is a command whose main() (tools/entry.py) resumes it; a command started either
-way pauses and resumes; a program importing tupe_ds keeps its collector; TUPE_DS_GC=on leaves it
-alone; a run trains the same either way."""
+"""A command's start (tupe_ds/tools/startup.py). The collector paused while its libraries
+import: every console script is a command whose main() (tools/entry.py) resumes it; a command
+started either way pauses and resumes; a program importing tupe_ds keeps its collector;
+TUPE_DS_GC=on leaves it alone. The libraries' torch.compile decorations compiled at first call:
+a run that compiles nothing imports no inductor; TUPE_DS_COMPILE_AT_IMPORT=on keeps them as the
+libraries make them. A run trains the same either way."""
 
 import ast
 import configparser
@@ -35,16 +37,21 @@ try:
 except SystemExit:
     pass
 seen["main"] = [gc.isenabled(), gc.get_freeze_count()]
+jit = sys.modules.get("megatron.core.jit")
+seen["compiler"] = ["torch._inductor.compile_fx" in sys.modules, jit and jit.jit_fuser.__name__]
 print(json.dumps(seen))
 """
 
 
-def probe(how, module, script, *given, gc_setting=""):
+def probe(how, module, script, *given, gc_setting="", compile_setting=""):
     """The collector's state (enabled, frozen count) after the import ("console script" only)
-    and after main, in a process that runs `module` as `how` with the arguments `given`."""
+    and after main, and after main whether inductor's compiler was imported and what
+    megatron-core's jit_fuser is, in a process that runs `module` as `how` with the arguments
+    `given`."""
     result = subprocess.run([sys.executable, "-c", PROBE, how, module, script, *given],
                             capture_output=True, text=True, timeout=300,
-                            env={**environment(), "TUPE_DS_GC": gc_setting})
+                            env={**environment(), "TUPE_DS_GC": gc_setting,
+                                 "TUPE_DS_COMPILE_AT_IMPORT": compile_setting})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -70,9 +77,10 @@ def test_every_console_script_is_a_command_whose_main_resumes_the_collector():
 
 @pytest.fixture(scope="module")
 def trained_runs(data, tmp_path_factory):
-    """`python -m tupe_ds.pretrain` training 3 steps with the collector paused ("") and on
-    ("on"), each process a probe as well: {setting: (the probe's states, the run's losses)}.
-    A process's start costs more than its training: one run serves both tests."""
+    """`python -m tupe_ds.pretrain` training 3 steps as a command starts ("") and as the
+    references do ("on": the collector on, the libraries' compiles decorated at import), each
+    process a probe as well: {setting: (the probe's states, the run's losses)}. A process's
+    start costs more than its training: one run serves several tests."""
     runs = {}
     for gc_setting in ("", "on"):
         out = tmp_path_factory.mktemp(gc_setting or "paused")
@@ -80,7 +88,7 @@ def trained_runs(data, tmp_path_factory):
                      "tiny", "--ds-config", os.path.join(ROOT, "ds_configs", "cpu_zero2.json"),
                      "--out", str(out), "--seq-len", "64", "--steps", "3", "--global-batch",
                      "8", "--log-interval", "1", "--eval-samples", "16", "--dropout", "0",
-                     gc_setting=gc_setting)
+                     gc_setting=gc_setting, compile_setting=gc_setting)
         runs[gc_setting] = seen, losses(out)
     return runs
 
@@ -109,7 +117,17 @@ def test_a_program_that_imports_tupe_ds_keeps_its_collector(imported_first):
 
 
 @pytest.mark.slow
-def test_a_run_trains_the_same_with_the_collector_on(trained_runs):
+def test_a_run_that_compiles_nothing_imports_no_compiler(trained_runs):
+    """The run compiles nothing (the CPU default): megatron-core's fused functions and
+    DeepSpeed's Muon, which its ZeRO imports, wait for a first call to compile, so inductor's
+    compiler (a second of CPU) is never imported; with TUPE_DS_COMPILE_AT_IMPORT=on it is, by
+    their torch.compile decorations, as without tupe_ds."""
+    assert trained_runs[""][0]["compiler"] == [False, "compiled_on_first_call"]
+    assert trained_runs["on"][0]["compiler"] == [True, "compile"]
+
+
+@pytest.mark.slow
+def test_a_run_trains_the_same_with_the_references(trained_runs):
     runs = {gc_setting: run_losses for gc_setting, (_, run_losses) in trained_runs.items()}
     assert len(runs[""]) == 3 and runs[""] == runs["on"]
 

@@ -2,9 +2,13 @@
 
 import importlib
 
+from tupe_ds.tools.first_call_compile import defer_library_compiles
+
 __all__ = ["BertForMaskedLM", "ENCODINGS", "ElectraForPretraining", "ModelConfig", "PRESETS",
            "build_electra", "build_model"]
 __version__ = "0.1.0"
+
+defer_library_compiles()
 
 
 def __getattr__(name: str):

@@ -25,10 +25,7 @@ import time
 from typing import Callable, Optional
 
 import torch
-import torch._functorch.config  # not imported by `import torch`
 import torch.distributed as dist
-from torch._dynamo.utils import counters
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from tupe_ds.tools.log_lines import EVERY_RANK
 
@@ -43,6 +40,8 @@ def keep_compiled_in(run_folder: str) -> str:
     """Inductor's cache for this process: the one TORCHINDUCTOR_CACHE_DIR names, else
     RUN_FOLDER/compile-cache, else (that folder unusable: a file, no permission, a dangling
     link) the node's, with a warning. Call before the first compile; returns the folder."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     # torch writes its default into the variable once it has looked for it: that one is no
     # user's choice.
     if os.environ.get(CACHE_VARIABLE) not in (None, "", default_cache_dir()):
@@ -70,6 +69,7 @@ def first_line(error: BaseException) -> str:
 
 def cache_hits() -> tuple[int, int]:
     """(graphs inductor found in its cache, graphs it compiled) in this process so far."""
+    counters = torch._dynamo.utils.counters
     return (counters["inductor"]["fxgraph_cache_hit"],
             counters["inductor"]["fxgraph_cache_miss"])
 
@@ -90,6 +90,11 @@ class CompiledRegion:
     Its graphs, and a failure, are counted in `graphs`."""
 
     def __init__(self, function: Callable, graphs: Graphs):
+        # imported by the first region, not with this module: dynamo and inductor are 1.8 of the
+        # 4.2 CPU-s of a short run that compiles nothing (bench/startup.py)
+        import torch._dynamo  # noqa: F401
+        import torch._functorch.config  # noqa: F401
+
         self.function, self.graphs = function, graphs
         self.compiled = torch.compile(function, dynamic=False, options={"size_asserts": False})
         # the frame dynamo compiles: the method, or the module's __call__
@@ -100,6 +105,7 @@ class CompiledRegion:
             return self.function(*args, **kwargs)
         # dynamo's reset() empties its table of failed guards: looked up at each call
         failed_guards = torch._dynamo.utils.guard_failures[self.code]
+        counters = torch._dynamo.utils.counters
         graphs, failures = counters["stats"]["unique_graphs"], len(failed_guards)
         hits, started = cache_hits(), time.perf_counter()
         try:

@@ -11,6 +11,11 @@ logger = logging.getLogger(__name__)
 _named = set()  # (name, value) already said: a setting read at every use is said once
 
 
+def switched_on(name: str) -> bool:
+    """Whether the environment variable `name` is on, 1, true or yes (any case)."""
+    return os.environ.get(name, "").lower() in ("on", "1", "true", "yes")
+
+
 def seconds(name: str, default: float, least: float) -> float:
     """The environment variable `name` as seconds, `least` or more; `default` when it is unset
     or no such number (said once)."""

@@ -29,6 +29,8 @@ import gc
 import os
 import sys
 
+from tupe_ds.tools.settings import switched_on
+
 COMMANDS = {"tupe_ds.pretrain": "tupe-pretrain", "tupe_ds.finetune.run": "tupe-finetune",
             "tupe_ds.export.write": "tupe-export", "tupe_ds.compare.cli": "tupe-compare",
             "tupe_ds.machine.doctor": "tupe-doctor", "tupe_ds.machine.smoke": "tupe-smoke",
@@ -51,7 +53,7 @@ def pause_collector() -> None:
     a process that multiprocessing spawns (macOS's default, Linux's forkserver): it imports the
     command's module again, and never calls its main()."""
     global _paused
-    collector_on = os.environ.get(GC_SETTING, "").lower() in ("on", "1", "true", "yes")
+    collector_on = switched_on(GC_SETTING)
     spawned = "multiprocessing.spawn" in sys.modules
     if collector_on or spawned or _paused or not gc.isenabled():
         return
