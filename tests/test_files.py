@@ -134,3 +134,17 @@ def test_a_setting_that_is_no_number_of_seconds_is_named_and_the_default_used(
     assert f"{name}={value!r}" in capsys.readouterr().err
     monkeypatch.setenv(name, "45")
     assert settings.seconds(name, default, least) == 45.0
+
+
+@pytest.mark.parametrize("name", ["TUPE_DS_GC", "TUPE_DS_COMPILE_AT_IMPORT"])
+def test_a_switch_is_on_off_or_named_and_off(name, capsys, monkeypatch):
+    for value, on in (("on", True), ("TRUE", True), ("1", True), ("off", False), ("0", False),
+                      ("No", False), ("", False)):
+        monkeypatch.setenv(name, value)
+        assert settings.switched_on(name) is on, value
+    monkeypatch.delenv(name)
+    assert settings.switched_on(name) is False
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv(name, "maybe")
+    assert settings.switched_on(name) is False
+    assert f"{name}='maybe'" in capsys.readouterr().err

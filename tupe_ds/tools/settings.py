@@ -11,9 +11,18 @@ logger = logging.getLogger(__name__)
 _named = set()  # (name, value) already said: a setting read at every use is said once
 
 
+ON, OFF = ("on", "1", "true", "yes"), ("", "off", "0", "false", "no")
+
+
 def switched_on(name: str) -> bool:
-    """Whether the environment variable `name` is on, 1, true or yes (any case)."""
-    return os.environ.get(name, "").lower() in ("on", "1", "true", "yes")
+    """Whether the environment variable `name` is on (1, true, yes; any case); off when it is
+    unset, off (0, false, no) or no such word (said once)."""
+    value = os.environ.get(name, "")
+    if value.lower() not in ON + OFF and (name, value) not in _named:
+        _named.add((name, value))
+        logger.warning(f"{name}={value!r}: neither on (1, true, yes) nor off (0, false, no); "
+                       f"off used")
+    return value.lower() in ON
 
 
 def seconds(name: str, default: float, least: float) -> float:
