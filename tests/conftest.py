@@ -6,6 +6,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # the run stops (or counts the file missing): 120 s by default, which every damaged-file test
 # (and every Hypothesis example of one) would wait out (tupe_ds/train/checkpoint/reads.py)
 os.environ.setdefault("TUPE_DS_READ_RETRY_SECONDS", "1")
+# the libraries' compile decorations deferred, as in a command (test_compile.py checks it); a
+# reference setting left exported by a benchmark is no setting of the tests
+os.environ.pop("TUPE_DS_COMPILE_AT_IMPORT", None)
 # the tests' helpers (runs, workers, the Slurm cluster), imported by name as the workers, which
 # run as scripts from there, import each other
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))

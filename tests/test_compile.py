@@ -107,6 +107,10 @@ def test_a_deferred_compile_compiles_at_the_first_call_and_traces_into_a_region(
     region = torch.compile(lambda x: first_in_a_region(x) + 1, backend="eager", fullgraph=True)
     torch.testing.assert_close(region(x), scaled_gelu(x) + 1)
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    region(x)  # no graph more: the trace guarded nothing of the wrapper's own
+    assert counters["stats"]["unique_graphs"] == 2
+    first_in_a_region(torch.randn(3, 8))  # outside a region: compiled, as torch.compile's own
+    assert counters["stats"]["unique_graphs"] == 3
 
 
 def test_fused_dropout_statistics(compile_afresh):

@@ -90,8 +90,9 @@ class CompiledRegion:
     Its graphs, and a failure, are counted in `graphs`."""
 
     def __init__(self, function: Callable, graphs: Graphs):
-        # imported by the first region, not with this module: dynamo and inductor are 1.8 of the
-        # 4.2 CPU-s of a short run that compiles nothing (bench/startup.py)
+        # imported by the first region, not with this module: `tupe-pretrain --help` imports no
+        # dynamo (a run does, with torch's optimizer), and a run that compiles nothing imports
+        # no inductor compiler (bench/startup.py)
         import torch._dynamo  # noqa: F401
         import torch._functorch.config  # noqa: F401
 

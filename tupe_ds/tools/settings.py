@@ -17,7 +17,7 @@ ON, OFF = ("on", "1", "true", "yes"), ("", "off", "0", "false", "no")
 def switched_on(name: str) -> bool:
     """Whether the environment variable `name` is on (1, true, yes; any case); off when it is
     unset, off (0, false, no) or no such word (said once)."""
-    value = os.environ.get(name, "")
+    value = os.environ.get(name, "").strip()
     if value.lower() not in ON + OFF and (name, value) not in _named:
         _named.add((name, value))
         logger.warning(f"{name}={value!r}: neither on (1, true, yes) nor off (0, false, no); "
