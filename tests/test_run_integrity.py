@@ -27,18 +27,25 @@ FLAGS = ["--steps", "12", "--save-interval", "2", "--eval-interval", "12", "--dr
          "--lr", "2e-3", "--warmup-steps", "2"]
 
 
-def command(data, out, *flags, processes=2):
+def command(data, out, *flags, processes=2, monitor_interval=0.1):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", free_port(), FAULT_WORKER, "pretrain", "--data", data, "--model",
-            "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
-            "--log-interval", "1", "--eval-samples", "32", *flags]
+            "--monitor-interval", str(monitor_interval), "--master_port", free_port(),
+            FAULT_WORKER, "pretrain", "--data", data, "--model", "tiny", "--ds-config",
+            CPU_CONFIG, "--out", str(out), "--seq-len", "64", "--log-interval", "1",
+            "--eval-samples", "32", *flags]
 
 
 def run(data, out, *flags, fault="", expect=0, env=None, processes=2):
     """The run's stdout and stderr together; `expect`: its exit code (None: killed). One process
     (`processes=1`) where a test checks nothing of several ranks: a rank's start (importing torch,
     Megatron and DeepSpeed) is most of what a test's run costs."""
-    result = subprocess.run(command(data, out, *flags, processes=processes), env={**environment(),
+    # torchrun ends the other ranks at its first look after one exits non-zero: a rank that
+    # stopped as well, a moment later on a loaded machine, would be ended before it says its exit
+    # code (before its first step SIGTERM ends a rank, by design: stop_signal.py). Looking every
+    # 5 s (its default 0.1 s) lets each rank end on its own, for at most 5 s of waiting.
+    interval = 5 if expect not in (0, None) else 0.1
+    result = subprocess.run(command(data, out, *flags, processes=processes,
+                                    monitor_interval=interval), env={**environment(),
                             "TUPE_DS_FAULT": fault, **(env or {})}, capture_output=True,
                             text=True, timeout=300, start_new_session=True)
     output = result.stdout + result.stderr
