@@ -6,6 +6,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # the run stops (or counts the file missing): 120 s by default, which every damaged-file test
 # (and every Hypothesis example of one) would wait out (tupe_ds/train/checkpoint/reads.py)
 os.environ.setdefault("TUPE_DS_READ_RETRY_SECONDS", "1")
+# One torch thread in every process of the suite: the commands run in-process (share_cpu_cores,
+# tupe_ds/distributed/parallel.py, gives a process of its own every core unless this says) and
+# the processes the tests start (torchrun sets 1; sbatch and the deepspeed launcher pass this on)
+# share the 2 cores with the other xdist processes' tests. A tupe-finetune run in a test once left
+# its worker with 2 threads: the next file's 800 AdamW steps (test_hf_export.py) took 244 CPU
+# seconds there, 76 with one (2026-12-03).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the libraries' compile decorations deferred, as in a command (test_compile.py checks it); a
 # reference setting left exported by a benchmark is no setting of the tests
 os.environ.pop("TUPE_DS_COMPILE_AT_IMPORT", None)
@@ -44,8 +51,9 @@ def log_lines_as_a_command_shows_them():
     log_lines.show(rank=0)
 
 
-# One torch thread for in-process work, under xdist (the other processes' tests run beside this
-# one's) and without it (the processes the tests start share the cores). With two, 60 AdamW steps
+# One torch thread for in-process work (torch may have been imported before OMP_NUM_THREADS was
+# set above), under xdist (the other processes' tests run beside this one's) and without it (the
+# processes the tests start share the cores). With two, 60 AdamW steps
 # of the tiny model took 26-49 s where one core was busy, 4.6 s with one (test_hf_export.py's
 # pretraining, 2-core CPU, 2026-11-26); a 60-step fine-tune trial 45 s of CPU with two threads on
 # a loaded machine, 2.3 s with one (2026-12-02).
