@@ -11,7 +11,7 @@ os.environ.setdefault("TUPE_DS_READ_RETRY_SECONDS", "1")
 # the processes the tests start (torchrun sets 1; sbatch and the deepspeed launcher pass this on)
 # share the 2 cores with the other xdist processes' tests. A tupe-finetune run in a test once left
 # its worker with 2 threads: the next file's 800 AdamW steps (test_hf_export.py) took 244 CPU
-# seconds there, 76 with one (2026-12-03).
+# seconds there, 61 with one (2026-12-03).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the libraries' compile decorations deferred, as in a command (test_compile.py checks it); a
 # reference setting left exported by a benchmark is no setting of the tests
@@ -53,10 +53,10 @@ def log_lines_as_a_command_shows_them():
 
 # One torch thread for in-process work (torch may have been imported before OMP_NUM_THREADS was
 # set above), under xdist (the other processes' tests run beside this one's) and without it (the
-# processes the tests start share the cores). With two, 60 AdamW steps
-# of the tiny model took 26-49 s where one core was busy, 4.6 s with one (test_hf_export.py's
-# pretraining, 2-core CPU, 2026-11-26); a 60-step fine-tune trial 45 s of CPU with two threads on
-# a loaded machine, 2.3 s with one (2026-12-02).
+# processes the tests start share the cores). With two, 60 AdamW steps of the tiny model took
+# 26-49 s where one core was busy, 4.6 s with one (test_hf_export.py's pretraining, 2-core CPU,
+# 2026-11-26); a 60-step fine-tune trial 45 s of CPU with two threads on a loaded machine, 2.3 s
+# with one (2026-12-02).
 torch.set_num_threads(1)
 
 
