@@ -13,7 +13,7 @@ from one_process import deepspeed_group  # noqa: F401  (a fixture)
 from test_checkpoint import LAYOUT
 from test_nonfinite import new_engine
 from tupe_ds.tools import files
-from tupe_ds.train.checkpoint import manifest, reshard, save
+from tupe_ds.train.checkpoint import history, manifest, reshard, save
 from tupe_ds.train.steps import release
 
 
@@ -51,6 +51,12 @@ def events(monkeypatch):
 
 
 def save_step(engine, directory, step):
+    """save.save of `step` into `directory` (CHECKPOINTS), whose run's history its start began
+    where there is none."""
+    out = os.path.dirname(str(directory))
+    if not os.path.exists(os.path.join(out, history.FILE)):
+        os.makedirs(out, exist_ok=True)
+        history.append(out, [], [history.record("attempt", lineage="mine")])
     save.save(engine, str(directory), step, {"step": step}, 1, reshard.SavedLayout(**LAYOUT),
               {"lineage": "mine", "identity": {}}, torch.device("cpu"))
 
@@ -125,20 +131,25 @@ def test_a_folder_the_filesystem_cannot_flush_is_passed_over_a_failure_is_not(
             files.sync_folder(str(tmp_path))
 
 
-def test_a_history_damaged_while_the_run_trains_fails_the_save_on_every_rank(tmp_path, engine):
-    """A history garbled between saves: the next save's commit stops alike on every rank
-    (SaveFailed, everywhere), naming the file and what to do, with its manifest written and the
-    previous checkpoint still `latest`; no traceback of the history's own error."""
+@pytest.mark.parametrize("harm", ["garbled", "gone"])
+def test_a_history_damaged_or_lost_while_the_run_trains_fails_the_save_on_every_rank(
+        tmp_path, engine, harm):
+    """A history garbled or lost between saves: the next save's commit stops alike on every
+    rank (SaveFailed, everywhere), naming the file, before its manifest is written (no
+    checkpoint the history does not record), the previous checkpoint still `latest`; no
+    traceback of the history's own error."""
     directory = tmp_path / "run" / "checkpoints"
     save_step(engine, directory, 2)
     save_step(engine, directory, 3)  # committed, committed, retired: a first line not the last
     path = tmp_path / "run" / "history.jsonl"
     lines = path.read_bytes().split(b"\n")
-    path.write_bytes(b"\n".join([b"garbled", *lines[1:]]))
+    path.write_bytes(b"\n".join([b"garbled", *lines[1:]]) if harm == "garbled" else b"")
     with pytest.raises(save.SaveFailed) as failed:
-        save_step(engine, directory, 4)
+        save.save(engine, str(directory), 4, {"step": 4}, 1, reshard.SavedLayout(**LAYOUT),
+                  {"lineage": "mine", "identity": {}}, torch.device("cpu"))
     assert failed.value.everywhere
-    assert str(failed.value).startswith(f"could not commit checkpoint step4 (rank 0: {path}, "
-                                        "line 1: not JSON")
-    assert manifest.exists(str(directory / "step4"))
+    assert str(failed.value).startswith(f"could not commit checkpoint step4 (rank 0: {path}" + (
+        ", line 1: not JSON" if harm == "garbled" else " is gone (or emptied) while the run "
+        "trains; the next start says how to go on)"))
+    assert not manifest.exists(str(directory / "step4"))
     assert (directory / "latest").read_text() == "step3"

@@ -1,14 +1,13 @@
 """ELECTRA: shared embedding, sampling without gradient, labels, and a tiny run that learns
 (tp and every other layout: test_loss_normalization.py)."""
 
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from runs import log, shipped_config_in_fp32, train
+from runs import cut_back_to, log, shipped_config_in_fp32, train
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.distributed.parallel import seed_tensor_parallel_rng
 from tupe_ds.model.electra import DISCRIMINATOR_WEIGHT, ElectraForPretraining, build_electra
@@ -228,10 +227,8 @@ def test_electra_checkpoints_hold_both_networks(data, tmp_path, config, request)
                  "--global-batch", "8", "--warmup-steps", "2"]
         whole, checkpoint, last = tmp_path / "whole", 4, 6
         train("torchrun", 2, data, whole, *flags)
-    copy = tmp_path / "copy"
-    shutil.copytree(whole / "checkpoints", copy / "checkpoints")
-    shutil.rmtree(copy / "checkpoints" / f"step{last}")
-    (copy / "checkpoints" / "latest").write_text(f"step{checkpoint}")
+    copy = cut_back_to(whole, tmp_path / "copy", checkpoint)
+    (copy / "train_log.jsonl").unlink()  # the steps the resumed run logs alone
     stdout = train("torchrun", 2, data, copy, *flags)
     assert f"resumed at step {checkpoint} of {last}" in stdout
     after = range(checkpoint + 1, last + 1)

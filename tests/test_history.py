@@ -37,7 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from logged import logged_lines
 from tupe_ds.tools.errors import Refused
-from tupe_ds.train.checkpoint import history
+from tupe_ds.train.checkpoint import history, manifest
 
 LINEAGE = "L"
 MEMORY = "/dev/shm"
@@ -59,7 +59,6 @@ class Ckpt:
     """A checkpoint as its save wrote it."""
     id: str
     step: int
-    consents: list  # what its manifest carries (checkpoint_record: the history's at the start)
     layout: int
     made: int  # the model's clock when its manifest was written
 
@@ -76,13 +75,7 @@ class Entry:
 @dataclasses.dataclass
 class Job:
     step: int
-    consents: list
     layout: int
-
-
-def manifest_of(ckpt: Ckpt) -> dict:
-    return {"id": ckpt.id, "tag": f"step{ckpt.step}", "step": ckpt.step, "lineage": LINEAGE,
-            "files": {}, "consents": ckpt.consents}
 
 
 class RunFolder(RuleBasedStateMachine):
@@ -173,7 +166,7 @@ class RunFolder(RuleBasedStateMachine):
 
     def note_durable(self, durable: list) -> None:
         for item in durable:
-            if item["kind"] == "consent" and not item.get("rebuilt"):  # not one made again
+            if item["kind"] == "consent":
                 self.spent.append({**item, "clock": self.clock})
                 if item["outcome"] == "applied":
                     self.given_up.update(item["gives_up"])
@@ -191,24 +184,25 @@ class RunFolder(RuleBasedStateMachine):
 
     def new_ckpt(self, step: int) -> Ckpt:
         self.ids += 1
-        return Ckpt(f"c{self.ids:03d}s{step}", step, list(self.job.consents), self.job.layout,
-                    self.clock)
+        return Ckpt(f"c{self.ids:03d}s{step}", step, self.job.layout, self.clock)
 
     # --- the start: resume.plan_resume and resume.choose, mirrored ---------------------------
 
     def plan(self, flags: history.Flags) -> Optional[dict]:
         try:
-            records = self.read()
+            records = self.read() or []
         except history.HistoryDamaged as error:
             raise Refusal(str(error)) from None
-        complete = {e.ckpt.id: manifest_of(e.ckpt) for e in self.folders.values()
-                    if e.state == "complete"}
-        kept = {e.ckpt.id: manifest_of(e.ckpt) for e in self.aside if e.state == "complete"}
-        records = records or []
-        appends = history.rebuilt(records, list(complete.values()), kept)
-        notes = ["history made again from the manifests"] if appends else []
-        live = history.live([*records, *appends])
-        decision = history.decide([*records, *appends], self.listing(), flags, LINEAGE)
+        complete = [e.ckpt for s, e in sorted(self.folders.items()) if e.state == "complete"]
+        if not records and (self.folders or self.aside):  # resume.refuse_without_history
+            newest_id = complete[-1].id if complete else None
+            if not ((flags.resume_from is not None or flags.fresh_start)
+                    and flags.giving_up == newest_id):
+                raise Refusal("no history: " + (
+                    f"--resume-from step{complete[-1].step} --giving-up {newest_id}"
+                    if complete else "--fresh-start"))
+        live = history.live(records)
+        decision = history.decide(records, self.listing(), flags, LINEAGE)
         if decision.refusal:
             raise Refusal(" ".join([*decision.notes, decision.refusal]))
         candidates = decision.candidates
@@ -216,7 +210,7 @@ class RunFolder(RuleBasedStateMachine):
         passed_over = [s for s, e in self.folders.items() if e.state == "damaged" and s > newest]
         plan = {"candidates": candidates, "by_hand": decision.by_hand,
                 "fresh_start": decision.fresh_start, "records": list(records),
-                "appends": [*appends, *decision.appends], "notes": [*notes, *decision.notes],
+                "appends": list(decision.appends), "notes": list(decision.notes),
                 "passed_over": passed_over}
         if not candidates:
             if not passed_over and not live:
@@ -326,8 +320,7 @@ class RunFolder(RuleBasedStateMachine):
         spent_now = self.spent[len(spent_before):]
         if kill is None:
             self.check_start(intact, chosen, spent_before, spent_now, flags)
-            self.job = Job(chosen.step if chosen else 0, history.consents(self.read() or []),
-                           self.layout)
+            self.job = Job(chosen.step if chosen else 0, self.layout)
         return None
 
     def note(self, text: str) -> None:
@@ -366,7 +359,7 @@ class RunFolder(RuleBasedStateMachine):
             if step in self.folders:  # in the way: recorded (when its manifest reads), moved
                 entry = self.folders[step]
                 if entry.state == "complete":
-                    self.note_durable(self.append(self.read() or [], [history.record(
+                    self.note_durable(self.append(self.history_for_save(), [history.record(
                         "set_aside", step=step, why="in the way", id=entry.ckpt.id)]))
                 self.aside.append(self.folders.pop(step))
             if kill == 0:
@@ -376,13 +369,14 @@ class RunFolder(RuleBasedStateMachine):
             if kill == 1:
                 self.job = None
                 return
+            self.history_for_save()  # before the manifest
             ckpt = self.new_ckpt(step)
             self.folders[step] = Entry("complete", ckpt)
             self.made[ckpt.id] = ckpt
             if kill == 2:
                 self.job = None
                 return
-            self.note_durable(self.append(self.read() or [], [history.record(
+            self.note_durable(self.append(self.history_for_save(), [history.record(
                 "committed", id=ckpt.id, step=step, lineage=LINEAGE, files={})],
                 kill if isinstance(kill, tuple) else None))
             if isinstance(kill, tuple) or kill == 3:
@@ -393,7 +387,7 @@ class RunFolder(RuleBasedStateMachine):
             newer_kept = [s for s, e in self.folders.items() if e.state == "complete" and
                           s >= step]
             if removed:
-                self.note_durable(self.append(self.read() or [], [history.record(
+                self.note_durable(self.append(self.history_for_save(), [history.record(
                     "retired", id=self.folders[s].ckpt.id, step=s) for s in removed]))
             if kill == 4:
                 self.job = None
@@ -408,6 +402,13 @@ class RunFolder(RuleBasedStateMachine):
                 self.job = None
         except history.HistoryDamaged:  # save.py: the record's read raises; the job stops
             self.job = None
+
+    def history_for_save(self) -> list:
+        """save.py's `recorded`: the history, else HistoryDamaged (lost while the job ran)."""
+        records = self.read()
+        if not records:
+            raise history.HistoryDamaged("gone while the run trains")
+        return records
 
     @rule(data=st.data())
     def requeue_script(self, data):
@@ -584,11 +585,9 @@ def one_process():
         dist.destroy_process_group()
 
 
-def saved(out, step: int, consents=None) -> str:
-    """A checkpoint committed as save.py commits one: its file, the manifest (with `consents`,
-    what checkpoint_record read from the history when the job started; by default what it holds
-    now), the `committed` record; its id."""
-    from tupe_ds.train.checkpoint import manifest
+def saved(out, step: int) -> str:
+    """A checkpoint committed as save.py commits one: its file, the manifest, the `committed`
+    record; its id."""
 
     step_dir = os.path.join(out, "checkpoints", f"step{step}")
     os.makedirs(step_dir)
@@ -598,8 +597,7 @@ def saved(out, step: int, consents=None) -> str:
     files = manifest.describe(step_dir, ["state.json"])
     manifest.write(step_dir, {"tag": f"step{step}", "step": step, "id": identity,
                               "lineage": LINEAGE, "identity": {}, "layout": LAYOUT,
-                              "files": files, "consents": history.consents(
-                                  history.read(out) or []) if consents is None else consents})
+                              "files": files})
     history.append(out, history.read(out) or [], [history.record(
         "committed", id=identity, step=step, lineage=LINEAGE, files=files)])
     return identity
@@ -639,16 +637,20 @@ def out(tmp_path):
 
 def test_resume_from_repeated_after_the_history_is_lost_is_not_applied_twice(out, one_process):
     """The job's script says --resume-from step2 at every requeue: it sends the run back once;
-    with the history lost, the manifests written since carry that consent."""
+    with the history lost, the start is refused (nothing moved) until a consent names the
+    newest checkpoint there."""
     assert started(out)[0] == 0
     saved(out, 2), saved(out, 4)
     assert started(out, resume_from="step2")[0] == 2  # step4 set aside
-    saved(out, 3), saved(out, 5)
+    saved(out, 3)
+    newest = saved(out, 5)
     os.remove(os.path.join(out, history.FILE))
-    step, said = started(out, resume_from="step2")
-    assert step == 5, said
-    assert any("--resume-from step2 was spent" in line for line in said), said
-    assert os.path.isdir(os.path.join(out, "checkpoints", "step5"))
+    before = everything_in(out)
+    refusal, _ = started(out, resume_from="step2")
+    assert isinstance(refusal, str) and "history.jsonl is not there" in refusal, refusal
+    assert f"--resume-from step5 --giving-up {newest}" in refusal
+    assert everything_in(out) == before
+    assert started(out, resume_from="step5", giving_up=newest)[0] == 5
 
 
 def test_a_same_numbered_set_aside_folder_does_not_hide_the_loss_of_the_newest(out, one_process):
@@ -704,7 +706,11 @@ def test_a_torn_last_line_is_ignored_and_a_damaged_middle_line_refuses(out, one_
     refusal, _ = started(out)
     assert "history.jsonl.damaged" in refusal and everything_in(out) == before
     os.replace(path, path + ".damaged")
-    assert started(out)[0] == 4
+    newest = history.checkpoint_id(manifest.read(os.path.join(out, "checkpoints", "step4")))
+    before = everything_in(out)
+    refusal, _ = started(out)  # what the folder holds is not guessed around: named
+    assert f"--resume-from step4 --giving-up {newest}" in refusal and everything_in(out) == before
+    assert started(out, resume_from="step4", giving_up=newest)[0] == 4
 
 
 # --- what the machine found (issue 65, item 6): each fails as history.py and resume.py are ------
@@ -731,37 +737,19 @@ def test_the_command_a_refusal_suggests_proceeds_after_a_fresh_start_not_taken(o
     assert started(out, fresh_start=True, giving_up=newest)[0] == 0
 
 
-def test_a_history_lost_during_a_run_does_not_send_it_back(out, one_process):
-    saved(out, 2), saved(out, 4)
-    os.remove(os.path.join(out, history.FILE))
-    saved(out, 6)  # save.py's recorded(): history.append(out, history.read(out) or [], ...)
-    step, said = started(out)
-    assert step == 6, said
-
-
-def test_a_history_made_anew_during_a_run_keeps_the_consents_of_the_manifests(out, one_process):
+def test_a_history_of_one_torn_line_is_a_lost_one(out, one_process):
     saved(out, 2), saved(out, 4)
     assert started(out, resume_from="step2")[0] == 2
-    consents = history.consents(history.read(out))  # what this job's manifests carry
-    saved(out, 3, consents), saved(out, 5, consents)
-    os.remove(os.path.join(out, history.FILE))
-    saved(out, 6, consents)
-    step, said = started(out, resume_from="step2")
-    assert step == 6, said
-
-
-def test_a_history_of_one_torn_line_is_rebuilt(out, one_process):
-    saved(out, 2), saved(out, 4)
-    assert started(out, resume_from="step2")[0] == 2
-    saved(out, 3)
+    newest = saved(out, 3)
     path = os.path.join(out, history.FILE)
     with open(path, "rb") as f:
         first = f.read().split(b"\n")[0]
-    with open(path, "wb") as f:  # lost, then a start killed in its append of the rebuilt one
+    with open(path, "wb") as f:  # lost, then a start killed in its append
         f.write(first[:40])
     assert history.read(out) == []
-    step, said = started(out, resume_from="step2")
-    assert step == 3, said
+    refusal, said = started(out, resume_from="step2")
+    assert f"--resume-from step3 --giving-up {newest}" in refusal, said
+    assert started(out, resume_from="step3", giving_up=newest)[0] == 3
 
 
 def test_an_append_after_a_garbled_last_line_keeps_the_history_readable(out):

@@ -6,7 +6,6 @@ test_launchers_obey.py's are), and torchrun's start costs half the deepspeed lau
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import tupe_ds
-from runs import environment, free_port, log, train
+from runs import cut_back_to, environment, free_port, log, train
 from tp_inputs import micro_batches
 from tupe_ds.model.config import ENCODINGS, ModelConfig
 from tupe_ds.model.pipeline import stage_layer_counts
@@ -141,11 +140,8 @@ def test_tied_copies_are_identical_on_every_stage_after_training(runs, layout):
 @pytest.mark.slow
 def test_pipeline_run_resumes_from_its_checkpoint(runs, data, tmp_path):
     """A copy of the pp=2 run, resumed from its step-2 checkpoint, reproduces steps 3-5."""
-    copy = tmp_path / "copy"
-    shutil.copytree(runs / "pp2" / "checkpoints", copy / "checkpoints")
-    for later in ("step4", "step5"):
-        shutil.rmtree(copy / "checkpoints" / later)
-    (copy / "checkpoints" / "latest").write_text("step2")
+    copy = cut_back_to(runs / "pp2", tmp_path / "copy", 2)
+    (copy / "train_log.jsonl").unlink()  # the steps the resumed run logs alone
     stdout = train("torchrun", 2, data, copy, *FLAGS, "--pp", "2")
     assert "resumed at step 2 of 5" in stdout
     whole, resumed = log(runs / "pp2"), log(copy)

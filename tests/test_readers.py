@@ -25,7 +25,7 @@ from logged import logged_lines
 from tupe_ds.tools.errors import RunFolderBusy
 from tupe_ds.tools.lock import this_holder
 from tupe_ds.train import monitor
-from tupe_ds.train.checkpoint import folder, manifest, reshard, resume, same_run
+from tupe_ds.train.checkpoint import folder, history, manifest, reshard, resume, same_run
 from tupe_ds.train.run_folder import description as folder_description
 from tupe_ds.train.run_folder import lock as folder_lock
 from tupe_ds.train.run_folder.lock import RunLock
@@ -375,23 +375,6 @@ def test_survey_sorts_each_step_folder_into_complete_or_damaged(folder_content):
         assert folder.latest_step(tmp) == (max(complete) if complete else 0)
 
 
-@at_most(150)
-@given(data=st.binary(max_size=300) | st.builds(
-    lambda space, digits, tail: space + b"step" + digits + tail,
-    st.sampled_from([b"", b" ", b"\n", b"\t\r\n"]), st.binary(max_size=6) | st.just(b"12"),
-    st.sampled_from([b"", b"\n", b" \n", b"\xff", b"x"]) | st.binary(max_size=4)))
-@example(data=b"step" + b"7" * 300)
-def test_latest_tag_is_a_checkpoint_name_or_none(data):
-    """folder.latest_tag on any `latest`: None, or the stepN it names."""
-    with tempfile.TemporaryDirectory() as tmp:
-        write_bytes(os.path.join(tmp, "latest"), data)
-        tag = folder.latest_tag(tmp)
-        event(f"a tag: {tag is not None}")
-        assert tag is None or (folder.TAG.match(tag) and tag == data[:256].decode(
-            "utf-8", errors="replace").strip())
-        assert folder.latest_step(tmp) == 0
-
-
 # --- checkpoint/reshard.py ---------------------------------------------------------------------
 
 @at_most(150)
@@ -618,24 +601,25 @@ def plan_resume(out: str):
     return resume.plan_resume(out, "auto", None, world_size=2, tp=1, pp=1, zero_stage=2)
 
 
-run_jsons = st.none() | st.sampled_from([RUN, {**RUN, "lineage": "M"}]).map(encoded) \
-    | damaged_bytes(encoded(RUN))
+def begun(out: str) -> None:
+    """The history a run of lineage L has once it started (its first start's record)."""
+    history.append(out, [], [history.record("attempt", lineage="L")])
 
 
 @at_most(60)
-@given(folder_content=checkpoints_folders(lineages=("L", "M")), run_json=run_jsons)
+@given(folder_content=checkpoints_folders(lineages=("L", "M")), with_history=st.booleans())
 def test_plan_resume_on_damaged_checkpoints_is_a_plan_none_or_a_value_error(folder_content,
-                                                                            run_json):
+                                                                            with_history):
     """resume.plan_resume("auto") on checkpoints some of whose manifests are damaged or mutated,
-    of two lineages, with run.json absent, good or damaged and `latest` random: a plan of a
-    complete checkpoint, with every newer damaged one passed over; None; or ValueError naming
-    a checkpoint. Never another exception."""
+    of two lineages, with the run's history or none, and `latest` random: a plan of a complete
+    checkpoint, with every newer damaged one passed over; None; or ValueError naming a
+    checkpoint (always, with no history). Never another exception."""
     content, lineage, latest = folder_content
     with tempfile.TemporaryDirectory() as out:
         directory = os.path.join(out, "checkpoints")
         plant(directory, content, lineage, latest)
-        if run_json is not None:
-            write_bytes(os.path.join(out, folder_description.FILE), run_json)
+        if with_history:
+            begun(out)
         complete, damaged_steps = folder.survey(directory)
         try:
             plan = plan_resume(out)
@@ -643,6 +627,7 @@ def test_plan_resume_on_damaged_checkpoints_is_a_plan_none_or_a_value_error(fold
             event("ValueError")
             assert re.search(r"\bstep\d+\b", str(error)), error
             return
+        assert with_history, "a folder of checkpoints with no history was planned"
         if plan is None:
             event("None")
             assert not complete and not damaged_steps
@@ -656,42 +641,21 @@ def test_plan_resume_on_damaged_checkpoints_is_a_plan_none_or_a_value_error(fold
             f"step{s}" for s in sorted(damaged_steps) if s > newest]
 
 
-def names_another_lineage(data: bytes) -> bool:
-    """Whether `data` could be a run.json of another run than lineage L (which refuses the
-    checkpoints of L, rightly)."""
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(value, dict) and isinstance(value.get("lineage"), str) and \
-        value["lineage"] not in ("", "L")
-
-
 @at_most(60)
 @given(older=st.lists(st.integers(0, 39), max_size=4, unique=True).flatmap(
     lambda steps: st.tuples(*[st.tuples(st.just(s), step_manifest(s),
                                         st.sampled_from(["L", "M"])) for s in steps])),
-    run_json=st.none() | st.just(encoded(RUN))
-    | damaged_bytes(encoded(RUN)).filter(lambda data: not names_another_lineage(data)),
     latest=st.none() | st.binary(max_size=12))
-def test_a_damaged_older_checkpoint_never_stops_the_newest_good_one_from_resuming(
-        older, run_json, latest):
+def test_a_damaged_older_checkpoint_never_stops_the_newest_good_one_from_resuming(older, latest):
     """resume.plan_resume("auto") with a good newest checkpoint of the run and, older, any mix
-    of damaged, mutated, incomplete and other runs' checkpoints (run.json absent, good or
-    damaged; `latest` random): it resumes the newest one, on its own layout, passing nothing
-    over."""
+    of damaged, mutated, incomplete and other runs' checkpoints (`latest` random): it resumes
+    the newest one, on its own layout, passing nothing over."""
     with tempfile.TemporaryDirectory() as out:
         directory = os.path.join(out, "checkpoints")
         plant(directory, {s: what for s, what, _ in older}, {s: who for s, _, who in older},
               latest)
         good_checkpoint(directory, 40, "L")
-        if run_json is not None:
-            write_bytes(os.path.join(out, folder_description.FILE), run_json)
-        others = {m["lineage"] for m in folder.survey(directory)[0].values()} - {"L"}
-        if others and folder_description.lineage(out) != "L":  # no history, nor run.json, to tell
-            with pytest.raises(ValueError, match="holds checkpoints of 2 runs"):
-                plan_resume(out)
-            return
+        begun(out)
         plan = plan_resume(out)
         event(f"{len(older)} older, {len(plan.candidates)} candidates")
         assert plan is not None and plan.candidates[0] == 40 and plan.tag == "step40"
@@ -757,6 +721,7 @@ def deep_train_log(tmp):
 
 def deep_plan_resume(tmp):
     deep_checkpoints(os.path.join(tmp, "checkpoints"))
+    begun(tmp)
     plan = plan_resume(tmp)
     assert plan.candidates == (4,) and plan.passed_over[0].startswith("step8: ")
 

@@ -24,7 +24,7 @@ from tupe_ds.train.checkpoint import (folder, history, loading, manifest, reads,
                                       safe_load)
 
 
-def checkpoint(out, step, lineage="mine", software=None, consents=()):
+def checkpoint(out, step, lineage="mine", software=None):
     """OUT/checkpoints/stepN whose one file, a pickle of a tensor, its manifest lists."""
     step_dir = out / "checkpoints" / f"step{step}"
     step_dir.mkdir(parents=True)
@@ -32,7 +32,7 @@ def checkpoint(out, step, lineage="mine", software=None, consents=()):
     manifest.write(str(step_dir), {
         "tag": f"step{step}", "step": step, "id": history.new_id(), "lineage": lineage,
         "identity": {}, "layout": LAYOUT, "files": manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"]),
-        "software": software or safe_load.software_versions(), "consents": list(consents)})
+        "software": software or safe_load.software_versions()})
     return step_dir
 
 
@@ -138,7 +138,7 @@ def test_unreadable_files_stop_every_rank_with_nothing_set_aside(tmp_path, read_
                                                                  deepspeed_group):
     out = tmp_path / "run"
     for step in (2, 4):
-        checkpoint(out, step)
+        commit(out, step)
     (out / "checkpoints" / "step6").mkdir()  # a save cut short: set aside only when resuming
     before = everything_in(out)
     read_errors("model_states.pt")
@@ -152,7 +152,7 @@ def test_unreadable_files_stop_every_rank_with_nothing_set_aside(tmp_path, read_
 
 def test_a_failed_deepspeed_load_stops_with_the_line_not_a_traceback(tmp_path, deepspeed_group):
     out = tmp_path / "run"
-    checkpoint(out, 2)
+    commit(out, 2)
     chosen = plan(out)
 
     class Engine:
@@ -179,7 +179,7 @@ def test_a_file_of_other_software_is_refused_naming_both_versions_never_damage(
     installed = safe_load.software_versions()
     older = {**installed, "deepspeed": "0.9.0"}
     for step, software in ((2, installed), (4, older)):
-        step_dir = checkpoint(out, step, software=software)
+        step_dir = commit(out, step, software=software)
         torch.save({"scaler": Renamed()}, step_dir / "mp_rank_00_model_states.pt")
         record = manifest.read(step_dir)
         record["files"] = manifest.describe(str(step_dir), ["mp_rank_00_model_states.pt"])
@@ -208,7 +208,7 @@ def test_checkpoints_none_of_which_verify_are_refused_unless_fresh_start(tmp_pat
     checkpoints = out / "checkpoints"
     size = {}
     for step in (2, 4):
-        (checkpoint(out, step) / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        (commit(out, step) / "mp_rank_00_model_states.pt").write_bytes(b"x")
         size[step] = manifest.read(checkpoints / f"step{step}")["files"][
             "mp_rank_00_model_states.pt"]["size"]
     before = everything_in(out)
@@ -237,18 +237,14 @@ def test_checkpoints_none_of_which_verify_are_refused_unless_fresh_start(tmp_pat
 def test_damaged_manifests_alone_are_refused_before_any_process_starts(tmp_path):
     out = tmp_path / "run"
     (checkpoint(out, 2) / "manifest.json").write_text("[")
+    history.append(str(out), [], [history.record("attempt", lineage="mine")])
     (out / "checkpoints" / "step4").mkdir()  # incomplete: not a checkpoint
     with pytest.raises(ValueError, match=f"holds checkpoints of which none can be resumed: step4: "
-                                         f"no manifest.json: a save cut short, or a checkpoint of "
-                                         f"a tupe_ds before 2026-11-29 \\(resume it with that "
-                                         f"version\\); step2: {out}/checkpoints/step2/manifest."
-                                         f"json: not readable"):
+                                         f"no manifest.json \\(not complete\\); step2: {out}/"
+                                         "checkpoints/step2/manifest.json: not readable"):
         plan(out)
     assert plan(out, fresh_start=True).candidates == ()
     (out / "checkpoints" / "step2" / "manifest.json").unlink()
-    with pytest.raises(ValueError, match="add --fresh-start \\(they are then set aside"):
-        plan(out)  # no history: step folders without a manifest may be an earlier tupe_ds's
-    history.append(str(out), [], [history.record("attempt", lineage="mine")])
     assert plan(out) is None  # this run's history: only saves cut short
 
 
@@ -286,36 +282,52 @@ def test_a_run_that_committed_checkpoints_never_starts_over_when_they_are_gone(t
         assert plan(out).candidates == (2,)
 
 
-def test_resume_from_spent_is_told_by_the_manifests_when_the_history_is_gone(tmp_path,
-                                                                           deepspeed_group):
-    """A history lost between attempts is made again from the manifests, which carry every
-    consent spent: the job's --resume-from step2, repeated, does not send the run back twice."""
+def test_resume_from_repeated_after_the_history_is_lost_is_refused_not_applied_again(
+        tmp_path, deepspeed_group):
+    """The job's script repeats --resume-from step2; the history is lost after it was spent:
+    the start is refused with nothing moved (the history alone tells what was spent and what
+    was committed), naming the command that goes on from the newest checkpoint there; that
+    command proceeds, and, repeated, is spent."""
     out = tmp_path / "run"
     for step in (2, 4):
         commit(out, step)
     chosen, said = choose(out, resume_from="step2")
     assert chosen.candidates == (2,) and chosen.by_hand
-    spent = history.consents(history.read(str(out)))
-    assert [(c["flag"], c["outcome"]) for c in spent] == [("--resume-from step2", "applied")]
-    commit(out, 4, consents=spent)  # the resumed run's next checkpoints carry it
-    commit(out, 6, consents=spent)
+    commit(out, 4), commit(out, 6)  # the resumed run's next checkpoints
     os.remove(out / history.FILE)
-    again = plan(out, "step2")
+    before = everything_in(out)
+    id_6 = newest_id(out, 6)
+    with pytest.raises(ValueError) as refused:
+        plan(out, "step2")
+    assert str(refused.value) == (
+        f"{out}/history.jsonl is not there (or empty), and {out}/checkpoints holds set-aside, "
+        "step2, step4, step6: the history alone tells whether a newer checkpoint was committed "
+        "and lost, and which --resume-from or --fresh-start were spent, so the run is not "
+        "guessed from the folder. Nothing was moved or deleted. Put the history back and run "
+        "the same command; or go on from step6 deliberately, giving up whatever newer was lost: "
+        f"--resume-from step6 --giving-up {id_6} (an older one: --resume-from stepK with the "
+        "same --giving-up)")
+    for flags in ({}, {"fresh_start": True}, {"resume_from": "step6", "giving_up": "other"}):
+        with pytest.raises(ValueError, match="history.jsonl is not there"):
+            plan(out, **flags)
+    assert everything_in(out) == before
+    assert plan(out, "step4", giving_up=id_6).candidates == (4,)  # an older one, deliberately
+    chosen, said = choose(out, resume_from="step6", giving_up=id_6)
+    assert chosen.candidates == (6,) and chosen.by_hand
+    assert [(r["kind"], r.get("step")) for r in history.read(str(out))] == [
+        ("committed", 2), ("committed", 4), ("committed", 6), ("consent", None)]
+    again = plan(out, "step6", giving_up=id_6)  # the script keeps it
     assert again.candidates == (6, 4, 2) and not again.by_hand
-    assert again.notes[0] == (f"tupe-pretrain: {out}/history.jsonl is not there (or empty): "
-                              "the run's history is made again from its checkpoints' manifests")
-    assert again.notes[1].startswith("tupe-pretrain: --resume-from step2 was spent by an earlier "
-                                     "attempt")
-    assert again.notes[1].endswith(": not applied again. To apply it to the run as it is now: "
-                                   f"--resume-from step2 --giving-up {newest_id(out, 6)}")
-    assert plan(out, "step2", giving_up=newest_id(out, 6)).candidates == (2,)
+    assert again.notes[0].startswith("tupe-pretrain: --resume-from step6 was spent by an earlier "
+                                     "attempt") and again.notes[0].endswith(
+        "not applied again. It was given on the run as it is now")
 
 
 def test_check_only_lists_what_is_where_and_what_a_run_would_resume(tmp_path):
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
     for step in (2, 4):
-        checkpoint(out, step)
+        commit(out, step)
     (checkpoint(out, 6) / "manifest.json").write_text("[")
     (checkpoints / "step8").mkdir()
     folder.set_aside(str(checkpoints), [8], "in the way")
@@ -456,68 +468,41 @@ def test_files_gone_from_a_checkpoint_are_waited_for_once_not_once_each(tmp_path
 
 
 def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_path):
-    """With the history lost: every checkpoint lost while `latest` names one is refused, and so
-    is an older one resumed with --fresh-start or a spent --resume-from repeated (only a fresh
-    start over nothing, or a --resume-from spent now, goes back); another run's newer checkpoint
-    copied in is refused, by run.json's lineage or, without it, as a folder of two runs."""
+    """With the history lost, whatever the folder shows is refused, nothing moved, unless a
+    consent names its newest checkpoint: every checkpoint lost too (`latest` or a folder set
+    aside left), a newest lost behind a same-numbered folder set aside, another run's newer
+    checkpoint copied in (whose lineage then names the run: the older ones are not adopted)."""
     out = tmp_path / "run"
     for step in (2, 4, 6):
         commit(out, step)
-    (out / "checkpoints" / "latest").write_text("step6")
+    checkpoints = out / "checkpoints"
+    (checkpoints / "latest").write_text("step6")
+    folder.set_aside(str(checkpoints), [6], "newer than step4, --resume-from")
+    commit(out, 6)  # the run goes on: a new step6, then it is lost with the history
+    shutil.rmtree(checkpoints / "step6")
     os.remove(out / history.FILE)
-    shutil.rmtree(out / "checkpoints" / "step6")
-    for flags in ({}, {"fresh_start": True}):
-        with pytest.raises(ValueError, match="step6 \\(named by .*/latest as the newest checkpoint"
-                                             "\\) is not in the folder either"):
+    before = everything_in(out)
+    for flags in ({}, {"fresh_start": True}, {"resume_from": "step2"}):
+        with pytest.raises(ValueError, match="holds latest, set-aside, step2, step4: .* --resume-"
+                                             f"from step4 --giving-up {newest_id(out, 4)}"):
             plan(out, **flags)
-    assert plan(out, "step2").candidates == (2,)  # spent now: the deliberate way back
     for step in (2, 4):
-        shutil.rmtree(out / "checkpoints" / f"step{step}")
-    with pytest.raises(ValueError, match="step6 \\(named by"):
+        shutil.rmtree(checkpoints / f"step{step}")
+    with pytest.raises(ValueError, match="holds latest, set-aside: .*start this run over from "
+                                         "step 0: --fresh-start \\(what is there is set aside"):
         plan(out)
-    assert plan(out, fresh_start=True).candidates == ()
+    assert everything_in(out) != before and plan(out, fresh_start=True).candidates == ()
 
     other = tmp_path / "other"
     commit(other, 2)
     checkpoint(other, 8, lineage="another run")  # copied in, newer
     os.remove(other / history.FILE)
-    with pytest.raises(ValueError, match="holds checkpoints of 2 runs \\(lineage another run: "
-                                         "step8; lineage mine: step2\\), of which .*/run.json "
-                                         "names none"):
+    id_8 = newest_id(other, 8)
+    with pytest.raises(ValueError, match=f"--resume-from step8 --giving-up {id_8}"):
         plan(other)
-    (other / "run.json").write_text(json.dumps(
-        {"objective": "mlm", "data": "d", "tp": 1, "pp": 1, "models": [{}], "lineage": "mine"}))
-    with pytest.raises(ValueError, match="step8 is another run's checkpoint \\(lineage another "
-                                         "run; this run's is mine\\)"):
-        plan(other)
-
-
-def test_a_lost_history_with_a_same_numbered_folder_set_aside_still_refuses_a_lost_newest(
-        tmp_path):
-    """`latest` names a step: the step6 set aside by a --resume-from step4 does not stand for
-    the step6 committed after it (`latest` written later), which is lost; a step6 set aside
-    after `latest` named it (the --resume-from itself) is no loss."""
-    out = tmp_path / "run"
-    for step in (2, 4, 6):
-        commit(out, step)
-    checkpoints = out / "checkpoints"
-    latest = checkpoints / "latest"
-    latest.write_text("step6")
-    os.utime(latest, (1_000, 1_000))
-    kept = checkpoints / "set-aside" / "20261128T000000Z"
-    kept.mkdir(parents=True)
-    os.rename(checkpoints / "step6", kept / "step6")  # --resume-from step4 sets step6 aside
-    os.utime(kept, (2_000, 2_000))
-    os.remove(out / history.FILE)
-    assert plan(out).candidates == (4, 2)  # the step6 `latest` names was set aside since
-    commit(out, 6)  # the run goes on: a new step6, and `latest` names it
-    os.utime(latest, (3_000, 3_000))
-    os.remove(out / history.FILE)
-    shutil.rmtree(checkpoints / "step6")
-    with pytest.raises(ValueError, match="step6 \\(named by .*/latest as the newest checkpoint"
-                                         "\\) is not in the folder either: were both lost\\? .*"
-                                         "--resume-from step4"):
-        plan(out)
+    with pytest.raises(ValueError, match="--resume-from step2: step2 is another run's checkpoint"):
+        plan(other, "step2", giving_up=id_8)
+    assert plan(other, "step8", giving_up=id_8).lineage == "another run"
 
 
 def test_check_only_names_the_checkpoint_a_new_run_starts_from(tmp_path):
@@ -542,9 +527,10 @@ def test_a_checkpoint_without_training_settings_names_the_version_to_resume_it_w
 
 def test_with_the_history_moved_aside_the_settings_come_from_the_newest_manifest(tmp_path,
                                                                                  capsys):
-    """What a damaged history's refusal says to do (move it aside, run the same command) works
-    with the short command: its settings are the newest checkpoint's; a run.json of an earlier
-    tupe_ds that alone holds settings is named, not read."""
+    """With the history moved aside (what a damaged history's refusal says to do), the command
+    that refusal then names works without the run's flags: its settings are the newest
+    checkpoint's; a run.json of an earlier tupe_ds that alone holds settings is named, not
+    read."""
     from tupe_ds.train.run_folder import recorded_settings
     out = tmp_path / "run"
     for step, steps in ((2, 6), (4, 8)):
@@ -575,9 +561,9 @@ def test_a_folder_of_an_earlier_tupe_ds_is_refused_naming_its_folders(tmp_path):
         (out / "checkpoints" / f"step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     (out / "checkpoints" / "latest").write_text("step4")
     before = everything_in(out)
-    with pytest.raises(ValueError, match="holds checkpoints of which none can be resumed: step4: "
-                                         "no manifest.json: a save cut short, or a checkpoint of "
-                                         "a tupe_ds before 2026-11-29 \\(resume it with that "
-                                         "version\\); step2: "):
+    with pytest.raises(ValueError, match="history.jsonl is not there \\(or empty\\), and .* "
+                                         "holds latest, step2, step4: .*--fresh-start .*a "
+                                         "tupe_ds before 2026-11-29, which wrote no manifest, "
+                                         "resume with that version"):
         plan(out)
     assert everything_in(out) == before

@@ -7,34 +7,14 @@ schedule to carry over. (Layouts that cannot be reshaped: test_run_config.py.)""
 
 import json
 import os
-import shutil
 
 import pytest
 
-from runs import log, train
-from tupe_ds.train.checkpoint import history
+from runs import cut_back_to, log, train
 
 STEPS = ["--steps", "6", "--save-interval", "3", "--eval-interval", "6", "--keep-checkpoints",
          "5", "--dropout", "0", "--global-batch", "32", "--lr", "2e-3", "--warmup-steps", "2"]
 METRICS = ("train/loss", "train/lr", "train/grad_norm")
-
-
-def cut_back_to(run, copy, step):
-    """A copy of a finished run whose latest checkpoint is `step`, as if it had stopped there."""
-    shutil.copytree(run, copy)
-    checkpoints = copy / "checkpoints"
-    for name in os.listdir(checkpoints):
-        if name.startswith("step") and int(name[4:]) > step:
-            shutil.rmtree(checkpoints / name)
-    (checkpoints / "latest").write_text(f"step{step}")
-    records = history.read(str(copy))  # as it was when `step` was committed
-    last = max(i for i, r in enumerate(records) if r["kind"] == "committed" and r["step"] == step)
-    os.remove(copy / history.FILE)
-    history.append(str(copy), [], records[:last + 1])
-    with open(copy / "train_log.jsonl") as f:
-        kept = [line for line in f if json.loads(line)["step"] <= step]
-    (copy / "train_log.jsonl").write_text("".join(kept))
-    return copy
 
 
 def assert_same_steps(resumed, reference, steps=(4, 5, 6), names=METRICS):

@@ -7,7 +7,7 @@ import pytest
 
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train import config
-from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.checkpoint import history, manifest
 from tupe_ds.train.config import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +116,7 @@ def test_the_configs_micro_batch_is_the_most_a_rank_runs(data, tmp_path, monkeyp
 
 def saved_checkpoint(out, **layout):
     """A complete checkpoint holding only what the configuration reads: its manifest with the
-    layout (and the name of a ZeRO optimizer shard)."""
+    layout (and the name of a ZeRO optimizer shard), committed in the run's history."""
     step = out / "checkpoints" / "step3"
     step.mkdir(parents=True)
     saved = {"world_size": 2, "tp": 1, "pp": 1, "dp": 2, "zero_stage": 2, "micro_batch": 8,
@@ -125,6 +125,8 @@ def saved_checkpoint(out, **layout):
     manifest.write(str(step), {"tag": "step3", "step": 3, "id": "a-checkpoint", "lineage": "L",
                                "identity": {}, "layout": saved, "files": manifest.describe(
                                    str(step), ["zero_pp_rank_0_mp_rank_00_optim_states.pt"])})
+    history.append(str(out), [], [history.record("committed", id="a-checkpoint", step=3,
+                                                 lineage="L", files={})])
 
 
 def test_a_checkpoint_of_another_layout_is_converted_or_refused_before_any_process_starts(

@@ -82,7 +82,7 @@ def run_or_check(run, launcher: str) -> int:
         logger.info(f"tupe-pretrain: configuration OK for {processes(run.world_size)} "
                     f"({run.layout}), {run.batch_split}{auto}")
         for line in run.resume_plan.notes if run.resume_plan else ():
-            logger.info(line)  # what a start would say: a consent spent, the history made again
+            logger.info(line)  # what a start would say: a consent spent, a checkpoint adopted
         for line in resume.what_is_where(run.out, run.resume_plan, run.init_plan):
             logger.info(f"tupe-pretrain: {line}")
         plan = run.resume_plan

@@ -4,10 +4,12 @@ CPU settings, and reading what a run wrote."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 from tupe_ds.distributed import launchers
+from tupe_ds.train.checkpoint import history
 from tupe_ds.tools.third_party_warnings import nvidia_gpus_present
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,3 +90,21 @@ def assert_quiet(output: str) -> None:
              if re.search(r"\[(INFO|WARNING)\]|Warning: |hostfile", line)
              and not ("Setting accelerator to CPU" in line and nvidia_gpus_present())]
     assert not noise, "\n".join(noise[:20])
+
+
+def cut_back_to(run, copy, step):
+    """A copy of a finished run whose latest checkpoint is `step`, as if it had stopped there."""
+    shutil.copytree(run, copy)
+    checkpoints = copy / "checkpoints"
+    for name in os.listdir(checkpoints):
+        if name.startswith("step") and int(name[4:]) > step:
+            shutil.rmtree(checkpoints / name)
+    (checkpoints / "latest").write_text(f"step{step}")
+    records = history.read(str(copy))  # as it was when `step` was committed
+    last = max(i for i, r in enumerate(records) if r["kind"] == "committed" and r["step"] == step)
+    os.remove(copy / history.FILE)
+    history.append(str(copy), [], records[:last + 1])
+    with open(copy / "train_log.jsonl") as f:
+        kept = [line for line in f if json.loads(line)["step"] <= step]
+    (copy / "train_log.jsonl").write_text("".join(kept))
+    return copy

@@ -12,7 +12,6 @@ import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
-from tupe_ds.tools.errors import NotRegularFile
 from tupe_ds.tools.files import sync_folder, write_atomically
 from tupe_ds.train.checkpoint import manifest, reads, reshard
 
@@ -64,16 +63,6 @@ def complete_steps(directory: str) -> List[int]:
 def latest_step(directory: str) -> int:
     """The step of the newest complete checkpoint; 0 when there is none."""
     return max(complete_steps(directory), default=0)
-
-
-def latest_tag(directory: str) -> Optional[str]:
-    """The stepN `latest` names (None: no `latest`, or not a checkpoint's name)."""
-    try:
-        tag = reads.read_bytes(os.path.join(directory, "latest"), root=directory)[:256]
-    except (FileNotFoundError, NotRegularFile):
-        return None
-    tag = tag.decode("utf-8", errors="replace").strip()
-    return tag if TAG.match(tag) else None
 
 
 def point_latest(directory: str, tag: str) -> None:

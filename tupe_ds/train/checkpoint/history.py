@@ -73,8 +73,8 @@ def parsed(data: bytes, path: str) -> Tuple[List[dict], int]:
         if problem:
             raise HistoryDamaged(
                 f"{path}, line {number}: {problem}. The history is never guessed around: move "
-                f"the file aside (mv {path} {path}.damaged) and run the same command; the "
-                "history is then made again from the checkpoints' manifests")
+                f"the file aside (mv {path} {path}.damaged) and run the same command, which "
+                "then says how to go on from the checkpoints the folder holds")
         records.append(item)
         length += len(line) + 1
     return records, length
@@ -126,12 +126,6 @@ def live(records: List[dict]) -> List[Checkpoint]:
             if r["kind"] == "committed" and r["id"] not in gone]
 
 
-def consents(records: List[dict]) -> List[dict]:
-    """The consents spent, as each checkpoint's manifest carries them."""
-    return [{k: v for k, v in r.items() if k not in ("seq", "xxh3_64", "rebuilt")}
-            for r in records if r["kind"] == "consent"]
-
-
 def lineage(records: List[dict]) -> Optional[str]:
     return next((r["lineage"] for r in reversed(records) if r["kind"] == "attempt"), None)
 
@@ -165,7 +159,7 @@ def decide(records: List[dict], folders: Tuple[Folder, ...], flags: Flags,
     appends = [record("committed", id=f.id, step=f.step, lineage=f.lineage, adopted=True)
                for f in complete.values() if f.lineage == run_lineage
                and (f.id, f.step) not in committed]
-    # by step: a history made again records its checkpoints out of order
+    # by step: adopted checkpoints are recorded after those committed since
     state = sorted(live([*records, *appends]), key=lambda c: c.step)
     consent, notes, refusal = consent_of(records, flags, state, complete)
     if refusal:
@@ -202,7 +196,8 @@ def consent_of(records: List[dict], flags: Flags, state: List[Checkpoint],
         else "--fresh-start"
     newest = state[-1] if state else None
     newest_id = newest.id if newest else "none"
-    again = f"To apply it to the run as it is now: {text} --giving-up {newest_id}"
+    again = (f"To apply it to the run as it is now: {text} --giving-up {newest_id}"
+             if flags.giving_up != newest_id else "It was given on the run as it is now")
     # spent: the same command applied before; the bare flag, seen before at all (a requeue)
     spent = [r for r in records if r["kind"] == "consent" and r["flag"] == text
              and r.get("giving_up") == flags.giving_up
@@ -237,25 +232,6 @@ def consent_of(records: List[dict], flags: Flags, state: List[Checkpoint],
     return record("consent", flag=text, given_on=newest_id, giving_up=flags.giving_up,
                   outcome="applied" if ours else "pending", target=ours and ours.id,
                   gives_up=[c.id for c in state if not ours or c.step > ours.step]), (), None
-
-
-def rebuilt(records: List[dict], manifests: List[dict], set_aside: Dict[str, dict]) -> List[dict]:
-    """What the history lacks of what the manifests record (`manifests`: the step folders',
-    `set_aside`: those set aside, by id): every consent they carry; and with no history at all,
-    each checkpoint committed by step, and those set aside as set aside."""
-    every = sorted([*manifests, *set_aside.values()], key=lambda m: m["step"])
-    new = [] if records else [
-        *(record("committed", id=checkpoint_id(m), step=m["step"], lineage=m["lineage"],
-                 files=m["files"], rebuilt=True) for m in every),
-        *(record("set_aside", id=id_, step=m["step"], rebuilt=True)
-          for id_, m in set_aside.items())]
-    for consent in (c for m in every for c in m.get("consents", ()) if isinstance(c, dict)):
-        if not any(r["kind"] == "consent" and all(r.get(k) == consent.get(k) for k in
-                                                  ("flag", "given_on", "outcome"))
-                   for r in [*records, *new]):
-            new.append(record("consent", **{k: v for k, v in consent.items() if k != "kind"},
-                              rebuilt=True))
-    return new
 
 
 def attempt_fields(lineage_: str, settings: dict, sources: dict) -> dict:

@@ -16,10 +16,9 @@ import torch.distributed as dist
 from tupe_ds.tools.errors import NotRegularFile, Refused
 from tupe_ds.train.checkpoint import history, init_from, loading, manifest, reads, reshard
 from tupe_ds.train.checkpoint import same_run
-from tupe_ds.train.checkpoint.folder import (SET_ASIDE, latest_tag, set_aside, step_folders,
-                                             step_of, survey, tag_of, tags)
+from tupe_ds.train.checkpoint.folder import (SET_ASIDE, set_aside, step_folders, step_of,
+                                             survey, tag_of, tags)
 from tupe_ds.train.optim import apply_config, rate_from_schedule
-from tupe_ds.train.run_folder import description as folder_description
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ class ResumePlan:
     notes: tuple = ()  # lines to say
     fresh_start: Optional[dict] = None  # --fresh-start's consent: from step 0 if none verifies
     records: tuple = ()  # the run's history as read
-    appends: tuple = ()  # what the start records before it acts: rebuilt, adopted, spent
+    appends: tuple = ()  # what the start records before it acts: adopted, spent
     lineage: str = ""
 
     @property
@@ -50,31 +49,12 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
                 pp: int, zero_stage: int, fresh_start: bool = False,
                 giving_up: Optional[str] = None) -> Optional[ResumePlan]:
     """What --out holds to resume (None: nothing); ValueError saying what to do when it cannot
-    be resumed (history.decide's refusals, another run's checkpoint in the way, --resume never
-    over checkpoints, checkpoints of which none reads without --fresh-start)."""
+    be resumed (history.decide's refusals, a lost history, another run's checkpoint in the way,
+    --resume never over checkpoints, checkpoints of which none reads without --fresh-start)."""
     directory = os.path.join(out, "checkpoints")
     complete, damaged = survey(directory)
-    records, kept = history.read(out) or [], set_aside_manifests(directory)
-    lineages = sorted({m["lineage"] for m in complete.values()})
-    described = folder_description.lineage(out)  # with the history lost, run.json names the run
-    lineage = history.lineage(records) or (described if described in lineages else None) or (
-        lineages[0] if len(lineages) == 1 else None)
-    if lineage is None and lineages:
-        raise ValueError(
-            f"{out}/{history.FILE} is not there (or empty), and {directory} holds checkpoints of "
-            f"{len(lineages)} runs (" + "; ".join(
-                f"lineage {one}: {tags(s for s, m in complete.items() if m['lineage'] == one)}"
-                for one in lineages) + f"), of which {out}/run.json names none. Nothing was moved "
-            "or deleted. Move the other runs' checkpoints out of the folder and run the same "
-            "command")
-    lineage = lineage or described or uuid.uuid4().hex
-    appends = history.rebuilt(records, [m for m in complete.values() if m["lineage"] == lineage],
-                              {i: m for i, m in kept.items() if m["lineage"] == lineage})
-    notes = ((f"tupe-pretrain: {out}/{history.FILE} is not there (or empty): the run's history "
-              "is made again from its checkpoints' manifests",) if not records else
-             (f"tupe-pretrain: {out}/{history.FILE} lacks consents its checkpoints carry (its "
-              "end was lost?): taken from their manifests",)) if appends else ()
-    live = history.live([*records, *appends])
+    records = history.read(out) or []
+    live = history.live(records)
     if resume == "never":
         held = sorted(set(complete) | set(damaged))
         if held or live:
@@ -87,21 +67,24 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
                                         else ""))
         return None
     step = resume_from_step(directory, resume_from) if resume_from is not None else None
+    if not records:
+        refuse_without_history(out, directory, complete, step is not None or fresh_start,
+                               giving_up)
+    # with the history lost, the checkpoint the consent was given on names the run
+    lineage = history.lineage(records) or (complete[max(complete)]["lineage"] if complete
+                                           else uuid.uuid4().hex)
     if live and live[-1].step not in complete:  # the history's newest: a stale listing?
         path = os.path.join(directory, tag_of(live[-1].step), manifest.MANIFEST)
         with contextlib.suppress(FileNotFoundError):  # not there within the retry window
             reads.retried(path, lambda: os.stat(path), expected=True)
             complete, damaged = survey(directory)  # a shared filesystem's listing was stale
     folders = step_folders(directory)
-    decision = history.decide([*records, *appends], tuple(
+    decision = history.decide(records, tuple(
         history.Folder(s, history.checkpoint_id(complete[s]), complete[s]["lineage"])
         if s in complete else history.Folder(s) for s in folders),
         history.Flags(step, fresh_start, giving_up), lineage)
     if decision.refusal:
         raise ValueError(" ".join([*decision.notes, decision.refusal]))
-    if not records:  # only a --resume-from spent now, or a fresh start, may go back
-        refuse_lost_newest(out, directory, set(complete), decision.by_hand or (
-            decision.fresh_start is not None and not decision.candidates))
     candidates = decision.candidates
     newest = candidates[0] if candidates else -1
     foreign = [s for s in complete if complete[s]["lineage"] != lineage and candidates
@@ -125,18 +108,14 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
         directory, candidates, plan_layout(directory, newest, world_size, tp, pp, zero_stage)
         if candidates else None, decision.by_hand, tuple(
             f"{tag_of(s)}: {problem}" for s, problem in sorted(problems.items()) if s > newest),
-        notes + decision.notes, decision.fresh_start, tuple(records),
-        tuple(appends) + decision.appends, lineage)
+        decision.notes, decision.fresh_start, tuple(records), decision.appends, lineage)
     if candidates or decision.fresh_start is not None:
         return plan
-    if not plan.passed_over and not live and (records or set(folders) <= set(complete)):
-        # with no history, step folders without a manifest are not passed over
+    if not plan.passed_over and not live:  # only saves cut short (with no history: refused)
         return plan if plan.appends or plan.notes else None
     raise ValueError(" ".join([*decision.notes, none_resumable(directory, [
-        (tag_of(s), damaged.get(s, "no manifest.json (not complete)" if records else
-                                "no manifest.json: a save cut short, or a checkpoint of a tupe_ds "
-                                "before 2026-11-29 (resume it with that version)"))
-        for s in reversed(folders)], live)]))
+        (tag_of(s), damaged.get(s, "no manifest.json (not complete)")) for s in reversed(folders)],
+        live)]))
 
 
 def set_aside_folders(directory: str) -> List[str]:
@@ -146,38 +125,30 @@ def set_aside_folders(directory: str) -> List[str]:
             for name in sorted(reads.list_folder(os.path.join(kept, when)))]
 
 
-def set_aside_manifests(directory: str) -> Dict[str, dict]:
-    """The manifests that read in CHECKPOINTS/set-aside/*/stepN, by checkpoint id."""
-    found = {}
-    for step_dir in set_aside_folders(directory):
-        with contextlib.suppress(ValueError):
-            if manifest.exists(step_dir):
-                record = manifest.read(step_dir)
-                found[history.checkpoint_id(record)] = record
-    return found
-
-
-def refuse_lost_newest(out: str, directory: str, complete: set, consented) -> None:
-    """With no history to tell, `latest` names the newest checkpoint committed: one the folder
-    does not hold is refused, not an older one resumed. `latest` names a step, not a checkpoint:
-    a folder of that step set aside counts only if it was set aside after `latest` was written
-    (else a checkpoint of the same step committed since is the one lost); both times are the
-    filesystem's, so no two clocks are compared."""
-    named = latest_tag(directory)
-    if not named or consented or step_of(named) <= max(complete, default=-1) or os.path.isdir(
-            os.path.join(directory, named)):  # there but incomplete: refused below, named
+def refuse_without_history(out: str, directory: str, complete: Dict[int, dict], consent: bool,
+                           giving_up: Optional[str]) -> None:
+    """With no history, a folder that holds anything of a run (a checkpoint, `latest`, a folder
+    set aside) is refused unless a consent names the state it is given on: --resume-from or
+    --fresh-start with --giving-up the id of the newest complete checkpoint; --fresh-start where
+    none is complete. The history alone tells whether a newer checkpoint was committed and lost
+    and which consents were spent, so nothing is guessed from the folder."""
+    held = sorted(reads.list_folder(directory))
+    newest = max(complete, default=None)
+    newest_id = history.checkpoint_id(complete[newest]) if complete else None
+    if not held or consent and giving_up == newest_id:  # none complete: a bare --fresh-start
         return
-    pointed = os.stat(os.path.join(directory, "latest")).st_mtime_ns
-    if any(os.path.basename(kept) == named and os.stat(os.path.dirname(kept)).st_mtime_ns
-           >= pointed for kept in set_aside_folders(directory)):
-        return
-    older = max(complete, default=None)
     raise ValueError(
-        f"{out}/{history.FILE} is not there, and {named} (named by {directory}/latest as the "
-        "newest checkpoint) is not in the folder either: were both lost? Nothing was moved "
-        "or deleted. Put them back and run the same command" + (
-            f"; or go on from {tag_of(older)} deliberately: --resume-from {tag_of(older)}"
-            if older is not None else "; or start over in another --out"))
+        f"{out}/{history.FILE} is not there (or empty), and {directory} holds "
+        f"{', '.join(held)}: the history alone tells whether a newer checkpoint was committed "
+        "and lost, and which --resume-from or --fresh-start were spent, so the run is not "
+        "guessed from the folder. Nothing was moved or deleted. Put the history back and run "
+        "the same command; or " + (
+            f"go on from {tag_of(newest)} deliberately, giving up whatever newer was lost: "
+            f"--resume-from {tag_of(newest)} --giving-up {newest_id} (an older one: "
+            "--resume-from stepK with the same --giving-up)" if complete else
+            "start this run over from step 0: --fresh-start (what is there is set aside, not "
+            "deleted; step folders of a tupe_ds before 2026-11-29, which wrote no manifest, "
+            "resume with that version)"))
 
 
 def resume_from_step(directory: str, resume_from: str) -> int:
@@ -291,7 +262,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
     of its own (None: from step 0); failures said file by file, the step folders newer than the
     one chosen set aside. None verifies: Refused with nothing moved (--resume-from, or without
     --fresh-start), else from step 0. Rank 0 first records in the history this start
-    (`attempt`: (OUT, its fields)), what the plan rebuilt, adopted and spent, --fresh-start's
+    (`attempt`: (OUT, its fields)), what the plan adopted and spent, --fresh-start's
     outcome and the folders it sets aside."""
     plan = agree_with_rank_0(plan)
     if plan is None:

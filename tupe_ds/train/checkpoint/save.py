@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tupe_ds.tools.errors import FolderTakenOver, NonFiniteWeights, SaveFailed
+from tupe_ds.tools.errors import FolderTakenOver, HistoryDamaged, NonFiniteWeights, SaveFailed
 from tupe_ds.tools.files import make_durable, sync_folder, write_atomically
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import history, manifest, reads, reshard, safe_load
@@ -42,7 +42,6 @@ def checkpoint_record(run, lineage: str, plan=None) -> dict:
     return {"lineage": lineage, "identity": run.identity, "training": run.training,
             "settings": run.settings,  # the run's, for a history lost
             "resumed_from": plan.tag if plan else None,
-            "consents": history.consents(history.read(run.out) or []),  # for a lost history
             "init_from": run.init_plan.step_dir if run.init_plan else None,
             "software": safe_load.software_versions(),
             "lr_schedule": run.ds_config.get("scheduler")}  # its steps ran under: a --branch
@@ -99,7 +98,10 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
                                    f"{tag} was not written")
 
     def recorded(*new):  # rank 0: in the history, durable, before what it records
-        history.append(out, history.read(out) or [], list(new))
+        if not (records := history.read(out)):  # its start wrote one: a history lost meanwhile
+            raise HistoryDamaged(f"{os.path.join(out, history.FILE)} is gone (or emptied) while "
+                                 "the run trains; the next start says how to go on")
+        history.append(out, records, list(new))
 
     def set_aside_in_the_way():
         os.makedirs(directory, exist_ok=True)
@@ -143,6 +145,7 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
         every_file.update(manifest.describe(folder, unlisted))
         sync_folder(directory)  # stepN's own name
         still_held()
+        recorded()  # the history still there: no manifest of a checkpoint it cannot record
         identity = history.new_id()
         manifest.write(folder, {"tag": tag, "step": step, "id": identity, "files": every_file,
                                 "layout": dataclasses.asdict(layout), **record})
@@ -169,7 +172,7 @@ def on_rank_0(work, failure: str, waiting_for: str) -> None:
                 work()
             except FolderTakenOver:  # rank 0 stops alone, writing nothing more
                 raise
-            except (*WRITE_ERRORS, history.HistoryDamaged) as error:  # a history damaged meanwhile
+            except (*WRITE_ERRORS, HistoryDamaged) as error:  # a history damaged meanwhile
                 return f"{failure} (rank 0: {first_line(error)})"
 
     if problem := reads.gathered(attempt, waiting_for)[0]:

@@ -34,7 +34,7 @@ def recordable(args: argparse.Namespace) -> dict:
 
 def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> tuple | None:
     """(where, {dest: value}) of the settings the run recorded: its history's last start, else
-    (a history lost or made again) its newest checkpoint's manifest; None for a new run or a
+    (a history lost) its newest checkpoint's manifest; None for a new run or a
     damaged history (then said unless `quiet`)."""
     if not args.out:
         return None
