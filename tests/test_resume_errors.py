@@ -467,7 +467,8 @@ def test_files_gone_from_a_checkpoint_are_waited_for_once_not_once_each(tmp_path
     assert time.monotonic() - started < 2  # 3 s with a window per file
 
 
-def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_path):
+def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_path,
+                                                                         deepspeed_group):
     """With the history lost, whatever the folder shows is refused, nothing moved, unless a
     consent names its newest checkpoint: every checkpoint lost too (`latest` or a folder set
     aside left), a newest lost behind a same-numbered folder set aside, another run's newer
@@ -492,6 +493,29 @@ def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_pa
                                          "step 0: --fresh-start \\(what is there is set aside"):
         plan(out)
     assert everything_in(out) != before and plan(out, fresh_start=True).candidates == ()
+
+    kept = tmp_path / "kept"  # a consent a job's script kept from an earlier lost history
+    commit(kept, 2), commit(kept, 4)
+    os.remove(kept / history.FILE)
+    id_4 = newest_id(kept, 4)
+    assert choose(kept, resume_from="step4", giving_up=id_4)[0].candidates == (4,)
+    commit(kept, 6)
+    (kept / "checkpoints" / "latest").write_text("step6")  # as the save of step6 writes it
+    shutil.rmtree(kept / "checkpoints" / "step6")  # lost with the history again
+    os.remove(kept / history.FILE)
+    with pytest.raises(ValueError, match="\\(its latest names step6, which it does not hold\\)"
+                                         ".* remove .*/latest and go on from step4"):
+        plan(kept, "step4", giving_up=id_4)
+    aside = kept / "checkpoints" / "set-aside" / "T"
+    (aside / "step6").mkdir(parents=True)
+    os.utime(kept / "checkpoints" / "latest", (2_000, 2_000))
+    os.utime(aside, (3_000, 3_000))  # a step6 set aside after `latest` named it: no loss
+    assert plan(kept, "step4", giving_up=id_4).candidates == (4,)
+    os.utime(aside, (1_000, 1_000))  # set aside before: an older step6 than the one lost
+    with pytest.raises(ValueError, match="its latest names step6"):
+        plan(kept, "step4", giving_up=id_4)
+    os.remove(kept / "checkpoints" / "latest")  # what the refusal says to do to go on
+    assert plan(kept, "step4", giving_up=id_4).candidates == (4,)
 
     other = tmp_path / "other"
     commit(other, 2)

@@ -131,24 +131,47 @@ def refuse_without_history(out: str, directory: str, complete: Dict[int, dict], 
     set aside) is refused unless a consent names the state it is given on: --resume-from or
     --fresh-start with --giving-up the id of the newest complete checkpoint; --fresh-start where
     none is complete. The history alone tells whether a newer checkpoint was committed and lost
-    and which consents were spent, so nothing is guessed from the folder."""
+    and which consents were spent, so nothing is guessed from the folder; but a consent a job's
+    script kept from an earlier loss does not pass over the checkpoint `latest` names lost."""
     held = sorted(reads.list_folder(directory))
     newest = max(complete, default=None)
     newest_id = history.checkpoint_id(complete[newest]) if complete else None
-    if not held or consent and giving_up == newest_id:  # none complete: a bare --fresh-start
-        return
+    lost = lost_latest(directory, newest) if complete else None
+    if not held or consent and giving_up == newest_id and not lost:
+        return  # none complete: a bare --fresh-start
     raise ValueError(
         f"{out}/{history.FILE} is not there (or empty), and {directory} holds "
-        f"{', '.join(held)}: the history alone tells whether a newer checkpoint was committed "
-        "and lost, and which --resume-from or --fresh-start were spent, so the run is not "
-        "guessed from the folder. Nothing was moved or deleted. Put the history back and run "
-        "the same command; or " + (
-            f"go on from {tag_of(newest)} deliberately, giving up whatever newer was lost: "
-            f"--resume-from {tag_of(newest)} --giving-up {newest_id} (an older one: "
-            "--resume-from stepK with the same --giving-up)" if complete else
+        f"{', '.join(held)}" + (f" (its latest names {lost}, which it does not hold)" if lost
+                                else "") + ": the history alone tells whether a newer checkpoint "
+        "was committed and lost, and which --resume-from or --fresh-start were spent, so the run "
+        "is not guessed from the folder. Nothing was moved or deleted. Put the history back and "
+        "run the same command; or " + (
+            (f"remove {directory}/latest and " if lost else "") + f"go on from {tag_of(newest)} "
+            f"deliberately, giving up whatever newer was lost: --resume-from {tag_of(newest)} "
+            f"--giving-up {newest_id} (an older one: --resume-from stepK with the same "
+            "--giving-up)" if complete else
             "start this run over from step 0: --fresh-start (what is there is set aside, not "
             "deleted; step folders of a tupe_ds before 2026-11-29, which wrote no manifest, "
             "resume with that version)"))
+
+
+def lost_latest(directory: str, newest: int) -> Optional[str]:
+    """The stepN `latest` names (each commit writes it) when the folder lacks it: newer than
+    `newest`, no step folder, and no folder of that step set aside after `latest` was written
+    (one set aside before it is an older checkpoint of the same step). Both times are the
+    filesystem's."""
+    path = os.path.join(directory, "latest")
+    try:
+        named = reads.read_bytes(path, root=directory)[:64].decode(errors="replace").strip()
+        written = os.stat(path).st_mtime_ns
+        if step_of(named) <= newest or os.path.isdir(os.path.join(directory, named)):
+            return None
+    except (FileNotFoundError, NotRegularFile, ValueError):  # ValueError: not a step's name
+        return None
+    if any(os.path.basename(kept) == named and os.stat(os.path.dirname(kept)).st_mtime_ns
+           >= written for kept in set_aside_folders(directory)):
+        return None
+    return named
 
 
 def resume_from_step(directory: str, resume_from: str) -> int:
