@@ -24,7 +24,7 @@ from test_finetune import FILLER, write_sentiment
 from tupe_ds.compare import cli, finetuning, results, runner
 from tupe_ds.compare.plan import Plan, Run, read_plan
 from tupe_ds.finetune.monitor import trial_of
-from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.checkpoint import history, manifest
 from tupe_ds.train.config import load
 
 TINY = ["--model", "tiny", "--ds-config", CPU_CONFIG, "--seq-len", "64", "--log-interval", "2",
@@ -281,7 +281,7 @@ def test_fine_tunes_on_glue_tasks_are_killed_redone_and_become_table_1(killed_co
 def fake_launch(failing: str):
     """runner.launch_command for tests: the run of `failing` exits 3; any other run writes what a
     finished tupe-pretrain leaves (run.json, train_log.jsonl, a complete checkpoint: a step
-    folder with its manifest, and `latest`)."""
+    folder with its manifest, `latest` and the history that records it)."""
     def command(plan, run, launcher, port):
         if run.encoding == failing:
             return [sys.executable, "-c", "import sys; print('Traceback: boom'); sys.exit(3)"]
@@ -300,6 +300,12 @@ def fake_launch(failing: str):
             manifest.write(scratch, record)
             with open(os.path.join(scratch, manifest.MANIFEST)) as f:
                 written = f.read()
+            history.append(scratch, [], [  # the run's start, then the checkpoint's commit
+                history.record("attempt", lineage=run.name),
+                history.record("committed", id=history.checkpoint_id(json.loads(written)),
+                               step=plan.steps, lineage=run.name, files={})])
+            with open(os.path.join(scratch, history.FILE)) as f:
+                journal = f.read()
         script = f"""
 import json, os
 d = {plan.run_dir(run)!r}
@@ -316,6 +322,7 @@ step_dir = os.path.join(d, "checkpoints", "step{plan.steps}")
 os.makedirs(step_dir, exist_ok=True)
 open(os.path.join(step_dir, {manifest.MANIFEST!r}), "w").write({written!r})
 open(os.path.join(d, "checkpoints", "latest"), "w").write("step{plan.steps}")
+open(os.path.join(d, {history.FILE!r}), "w").write({journal!r})
 """
         return [sys.executable, "-c", script]
     return command

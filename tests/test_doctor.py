@@ -166,6 +166,22 @@ def test_check_only_prints_the_machine_report_then_the_layout(data, tmp_path, mo
     assert not (tmp_path / "run").exists()
 
 
+def test_check_only_lists_what_is_where_above_a_refusal(data, tmp_path, monkeypatch, capsys):
+    """A folder a start refuses (here: no history, a step folder without a manifest): its
+    listing first, then the refusal, exit code 2, nothing written."""
+    from tupe_ds.pretrain import main as pretrain
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    (tmp_path / "run" / "checkpoints" / "step4").mkdir(parents=True)
+    before = sorted(os.listdir(tmp_path / "run"))
+    assert pretrain(["--data", data, "--out", str(tmp_path / "run"), "--steps", "5", "--model",
+                     "tiny", "--ds-config", CPU_CONFIG, "--check-only"]) == 2
+    printed = capsys.readouterr()
+    assert "step4: incomplete (no manifest.json: a save cut short)" in printed.out
+    assert "history.jsonl is not there (or empty)" in printed.err
+    assert sorted(os.listdir(tmp_path / "run")) == before
+
+
 def test_doctor_for_a_slurm_job_names_each_problem_with_its_fix(tmp_path):
     """One problem planted per check: a port in the ephemeral range, the extension builds on a
     shared filesystem, --out and --data on a node's own disk; and no allocation at all."""

@@ -150,6 +150,7 @@ def test_a_history_damaged_or_lost_while_the_run_trains_fails_the_save_on_every_
     assert failed.value.everywhere
     assert str(failed.value).startswith(f"could not commit checkpoint step4 (rank 0: {path}" + (
         ", line 1: not JSON" if harm == "garbled" else " is gone (or emptied) while the run "
-        "trains; the next start says how to go on)"))
+        "trains)"))
+    assert failed.value.remedy == save.HISTORY_REMEDY
     assert not manifest.exists(str(directory / "step4"))
     assert (directory / "latest").read_text() == "step3"

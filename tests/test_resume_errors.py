@@ -300,13 +300,14 @@ def test_resume_from_repeated_after_the_history_is_lost_is_refused_not_applied_a
     with pytest.raises(ValueError) as refused:
         plan(out, "step2")
     assert str(refused.value) == (
-        f"{out}/history.jsonl is not there (or empty), and {out}/checkpoints holds set-aside, "
-        "step2, step4, step6: the history alone tells whether a newer checkpoint was committed "
+        f"{out}/history.jsonl is not there (or empty), and {out}/checkpoints holds set-aside; "
+        "step2; step4; step6: the history alone tells whether a newer checkpoint was committed "
         "and lost, and which --resume-from or --fresh-start were spent, so the run is not "
-        "guessed from the folder. Nothing was moved or deleted. Put the history back and run "
-        "the same command; or go on from step6 deliberately, giving up whatever newer was lost: "
-        f"--resume-from step6 --giving-up {id_6} (an older one: --resume-from stepK with the "
-        "same --giving-up)")
+        "guessed from the folder. Nothing was moved or deleted. Put back the history as it was "
+        "last written (an older copy of it cannot tell either) and run the same command; or go "
+        "on from the newest complete checkpoint deliberately, giving up whatever newer was lost: "
+        f"--resume-from step6 --giving-up {id_6} (an older one of the run: --resume-from stepK "
+        "with the same --giving-up)")
     for flags in ({}, {"fresh_start": True}, {"resume_from": "step6", "giving_up": "other"}):
         with pytest.raises(ValueError, match="history.jsonl is not there"):
             plan(out, **flags)
@@ -484,12 +485,12 @@ def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_pa
     os.remove(out / history.FILE)
     before = everything_in(out)
     for flags in ({}, {"fresh_start": True}, {"resume_from": "step2"}):
-        with pytest.raises(ValueError, match="holds latest, set-aside, step2, step4: .* --resume-"
+        with pytest.raises(ValueError, match="holds latest; set-aside; step2; step4: .* --resume-"
                                              f"from step4 --giving-up {newest_id(out, 4)}"):
             plan(out, **flags)
     for step in (2, 4):
         shutil.rmtree(checkpoints / f"step{step}")
-    with pytest.raises(ValueError, match="holds latest, set-aside: .*start this run over from "
+    with pytest.raises(ValueError, match="holds latest; set-aside: .*start this run over from "
                                          "step 0: --fresh-start \\(what is there is set aside"):
         plan(out)
     assert everything_in(out) != before and plan(out, fresh_start=True).candidates == ()
@@ -504,7 +505,8 @@ def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_pa
     shutil.rmtree(kept / "checkpoints" / "step6")  # lost with the history again
     os.remove(kept / history.FILE)
     with pytest.raises(ValueError, match="\\(its latest names step6, which it does not hold\\)"
-                                         ".* remove .*/latest and go on from step4"):
+                                         ".* remove .*/latest and go on from the newest "
+                                         "complete checkpoint .*--resume-from step4"):
         plan(kept, "step4", giving_up=id_4)
     aside = kept / "checkpoints" / "set-aside" / "T"
     (aside / "step6").mkdir(parents=True)
@@ -521,11 +523,14 @@ def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_pa
     commit(other, 2)
     checkpoint(other, 8, lineage="another run")  # copied in, newer
     os.remove(other / history.FILE)
-    id_8 = newest_id(other, 8)
-    with pytest.raises(ValueError, match=f"--resume-from step8 --giving-up {id_8}"):
+    id_2, id_8 = newest_id(other, 2), newest_id(other, 8)
+    with pytest.raises(ValueError, match=f"--resume-from step2 --giving-up {id_2} \\(lineage "
+                                         f"mine\\) or --resume-from step8 --giving-up {id_8} "
+                                         "\\(lineage another run\\)"):
         plan(other)
-    with pytest.raises(ValueError, match="--resume-from step2: step2 is another run's checkpoint"):
-        plan(other, "step2", giving_up=id_8)
+    with pytest.raises(ValueError, match="history.jsonl is not there"):
+        plan(other, "step2", giving_up=id_8)  # not the newest of step2's run
+    assert plan(other, "step2", giving_up=id_2).lineage == "mine"  # step8 is set aside
     assert plan(other, "step8", giving_up=id_8).lineage == "another run"
 
 
@@ -586,8 +591,35 @@ def test_a_folder_of_an_earlier_tupe_ds_is_refused_naming_its_folders(tmp_path):
     (out / "checkpoints" / "latest").write_text("step4")
     before = everything_in(out)
     with pytest.raises(ValueError, match="history.jsonl is not there \\(or empty\\), and .* "
-                                         "holds latest, step2, step4: .*--fresh-start .*a "
+                                         "holds latest; step2 \\(no manifest.json\\); step4 \\(no "
+                                         "manifest.json\\): .*--fresh-start .*a "
                                          "tupe_ds before 2026-11-29, which wrote no manifest, "
                                          "resume with that version"):
         plan(out)
     assert everything_in(out) == before
+
+
+def test_an_older_copy_of_the_history_put_back_does_not_send_the_run_back(tmp_path):
+    """A history put back from a copy made before the newest checkpoint, which is lost too:
+    `latest` names it, the history never records it: refused, nothing moved; removing `latest`
+    is the deliberate way on. A folder holding nothing of a run (a stray file) is a new run's."""
+    out = tmp_path / "run"
+    commit(out, 2), commit(out, 4)
+    copy = (out / history.FILE).read_bytes()
+    commit(out, 6)
+    (out / "checkpoints" / "latest").write_text("step6")  # as the save of step6 writes it
+    shutil.rmtree(out / "checkpoints" / "step6")
+    (out / history.FILE).write_bytes(copy)
+    before = everything_in(out)
+    with pytest.raises(ValueError, match="records no checkpoint after step4, but .*/latest names "
+                                         "step6, which the folder does not hold: is the history "
+                                         "an older copy, put back\\?"):
+        plan(out)
+    assert everything_in(out) == before
+    os.remove(out / "checkpoints" / "latest")
+    assert plan(out).candidates == (4, 2)
+
+    new = tmp_path / "new"
+    (new / "checkpoints").mkdir(parents=True)
+    (new / "checkpoints" / ".keep").touch()
+    assert plan(new) is None

@@ -15,6 +15,7 @@ from tupe_ds.data.loader import TrainBatches, Vocabulary
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import (accelerator_device, end_distributed, gather_tensor_parallel,
                                           start_distributed)
+from tupe_ds.train.checkpoint import history
 from tupe_ds.train.checkpoint.save import save, saved_layout
 from tupe_ds.train.config import load
 from tupe_ds.train.datasets import datasets
@@ -34,6 +35,7 @@ def main(argv):
     os.makedirs(run.out, exist_ok=True)
     if dist.get_rank() == 0:
         describe_run(run, lineage="test")
+        history.append(run.out, [], [history.record("attempt", lineage="test")])  # its start's
     objective = OBJECTIVES[run.objective]
     device = accelerator_device()
     _, engine, steps = build_engine(run, objective, device)

@@ -74,11 +74,12 @@ class NonFiniteWeights(RuntimeError):
 
 class SaveFailed(RuntimeError):
     """A checkpoint could not be written or committed: the previous complete one stands.
-    `everywhere`: every rank raised it; else only those whose own writes failed."""
+    `everywhere`: every rank raised it; else only those whose own writes failed. `remedy`: what
+    to do, where it is not to free space and run the same command."""
 
-    def __init__(self, message: str, everywhere: bool):
+    def __init__(self, message: str, everywhere: bool, remedy: str = ""):
         super().__init__(message)
-        self.everywhere = everywhere
+        self.everywhere, self.remedy = everywhere, remedy
 
 
 class OtherSoftware(Exception):

@@ -6,6 +6,7 @@ a `RunConfig`, all checked before any heavy work."""
 import argparse
 import dataclasses
 import errno
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -22,7 +23,7 @@ from tupe_ds.train import nonfinite, optimizer_boundary
 from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.checkpoint.init_from import (InitPlan, check_branch, plan_init,
                                                 refuse_another_branch)
-from tupe_ds.train.checkpoint.resume import ResumePlan, plan_resume
+from tupe_ds.train.checkpoint.resume import ResumePlan, plan_resume, what_is_where
 from tupe_ds.train.checkpoint.same_run import refuse_another_run, run_identity
 from tupe_ds.train.data_folders import data_sources
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_config
@@ -171,6 +172,9 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
         resume_plan = plan_resume(args.out, args.resume, args.resume_from, *shape,
                                   fresh_start=args.fresh_start, giving_up=args.giving_up)
     except ValueError as error:
+        if args.check_only:  # what is where, above why a run would be refused
+            for line in what_is_where(args.out, None)[:-1]:
+                logging.getLogger(__name__).info(f"tupe-pretrain: {line}")
         fail(f"--out {args.out}: {error}")
     resharding = resume_plan.resharding if resume_plan else None
     if resharding is not None and resharding.convert:

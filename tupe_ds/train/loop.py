@@ -310,8 +310,9 @@ def save_checkpoint(run: RunConfig, training: Training, step: int,
         if manifest.exists(os.path.join(checkpoints, tag)):  # failed after its manifest
             last_checkpoint = tag
         failure = (f"{error}; the last complete checkpoint is "
-                   f"{last_checkpoint or 'none'}. Free space (or mend the folder) and "
-                   "run the same command: it resumes from there")
+                   f"{last_checkpoint or 'none'}. " + (error.remedy or "Free space (or mend the "
+                                                       "folder) and run the same command: it "
+                                                       "resumes from there"))
         return last_checkpoint, failure, error.everywhere
     last_checkpoint = checkpoint_folder.tag_of(step)
     monitor.saved(step)

@@ -127,7 +127,9 @@ def live(records: List[dict]) -> List[Checkpoint]:
 
 
 def lineage(records: List[dict]) -> Optional[str]:
-    return next((r["lineage"] for r in reversed(records) if r["kind"] == "attempt"), None)
+    """The run's: its last start's, else (a history whose start was cut off) its commits'."""
+    return next((r["lineage"] for kind in ("attempt", "committed") for r in reversed(records)
+                 if r["kind"] == kind), None)
 
 
 def recorded_settings(records: List[dict]) -> Optional[Tuple[dict, int]]:

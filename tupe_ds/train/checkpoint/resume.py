@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tupe_ds.tools.errors import NotRegularFile, Refused
 from tupe_ds.train.checkpoint import history, init_from, loading, manifest, reads, reshard
 from tupe_ds.train.checkpoint import same_run
-from tupe_ds.train.checkpoint.folder import (SET_ASIDE, set_aside, step_folders, step_of,
+from tupe_ds.train.checkpoint.folder import (SET_ASIDE, TAG, set_aside, step_folders, step_of,
                                              survey, tag_of, tags)
 from tupe_ds.train.optim import apply_config, rate_from_schedule
 
@@ -67,12 +67,13 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
                                         else ""))
         return None
     step = resume_from_step(directory, resume_from) if resume_from is not None else None
-    if not records:
-        refuse_without_history(out, directory, complete, step is not None or fresh_start,
-                               giving_up)
-    # with the history lost, the checkpoint the consent was given on names the run
-    lineage = history.lineage(records) or (complete[max(complete)]["lineage"] if complete
-                                           else uuid.uuid4().hex)
+    if records:
+        refuse_older_history(out, directory, records, max(complete, default=-1))
+        lineage = history.lineage(records)
+    else:  # the run the consent names
+        lineage = refuse_without_history(out, directory, complete, damaged, step,
+                                         step is not None or fresh_start, giving_up)
+    lineage = lineage or uuid.uuid4().hex
     if live and live[-1].step not in complete:  # the history's newest: a stale listing?
         path = os.path.join(directory, tag_of(live[-1].step), manifest.MANIFEST)
         with contextlib.suppress(FileNotFoundError):  # not there within the retry window
@@ -125,34 +126,59 @@ def set_aside_folders(directory: str) -> List[str]:
             for name in sorted(reads.list_folder(os.path.join(kept, when)))]
 
 
-def refuse_without_history(out: str, directory: str, complete: Dict[int, dict], consent: bool,
-                           giving_up: Optional[str]) -> None:
-    """With no history, a folder that holds anything of a run (a checkpoint, `latest`, a folder
+def refuse_without_history(out: str, directory: str, complete: Dict[int, dict],
+                           damaged: Dict[int, str], step: Optional[int], consent: bool,
+                           giving_up: Optional[str]) -> Optional[str]:
+    """With no history, a folder that holds anything of a run (a step folder, `latest`, a folder
     set aside) is refused unless a consent names the state it is given on: --resume-from or
-    --fresh-start with --giving-up the id of the newest complete checkpoint; --fresh-start where
-    none is complete. The history alone tells whether a newer checkpoint was committed and lost
-    and which consents were spent, so nothing is guessed from the folder; but a consent a job's
-    script kept from an earlier loss does not pass over the checkpoint `latest` names lost."""
-    held = sorted(reads.list_folder(directory))
-    newest = max(complete, default=None)
-    newest_id = history.checkpoint_id(complete[newest]) if complete else None
-    lost = lost_latest(directory, newest) if complete else None
-    if not held or consent and giving_up == newest_id and not lost:
-        return  # none complete: a bare --fresh-start
+    --fresh-start with --giving-up the id of the newest complete checkpoint of a run (of the
+    one --resume-from names); --fresh-start where none is complete. The history alone tells
+    whether a newer checkpoint was committed and lost and which consents were spent, so nothing
+    is guessed from the folder; but a consent a job's script kept from an earlier loss does not
+    pass over the checkpoint `latest` names lost. The lineage of the run the consent names."""
+    held = [name for name in sorted(reads.list_folder(directory))
+            if name in ("latest", SET_ASIDE) or TAG.match(name)]
+    newest = {m["lineage"]: s for s, m in sorted(complete.items())}  # per run, its newest
+    lineage = complete[step]["lineage"] if step in complete else \
+        complete[max(complete)]["lineage"] if complete else None
+    lost = lost_latest(directory, max(complete)) if complete else None
+    if not held or consent and giving_up == (history.checkpoint_id(complete[newest[lineage]])
+                                             if complete else None) and not lost:
+        return lineage  # none complete: a bare --fresh-start
+    shown = [name if not TAG.match(name) or step_of(name) in complete else f"{name} (" + (
+        f"damaged: {damaged[step_of(name)]})" if step_of(name) in damaged else
+        "no manifest.json)") for name in held]
+    commands = [f"--resume-from {tag_of(s)} --giving-up {history.checkpoint_id(complete[s])}"
+                + (f" (lineage {one})" if len(newest) > 1 else "") for one, s in newest.items()]
     raise ValueError(
         f"{out}/{history.FILE} is not there (or empty), and {directory} holds "
-        f"{', '.join(held)}" + (f" (its latest names {lost}, which it does not hold)" if lost
-                                else "") + ": the history alone tells whether a newer checkpoint "
-        "was committed and lost, and which --resume-from or --fresh-start were spent, so the run "
-        "is not guessed from the folder. Nothing was moved or deleted. Put the history back and "
-        "run the same command; or " + (
-            (f"remove {directory}/latest and " if lost else "") + f"go on from {tag_of(newest)} "
-            f"deliberately, giving up whatever newer was lost: --resume-from {tag_of(newest)} "
-            f"--giving-up {newest_id} (an older one: --resume-from stepK with the same "
-            "--giving-up)" if complete else
+        f"{'; '.join(shown)}" + (f" (its latest names {lost}, which it does not hold)" if lost
+                                 else "") + ": the history alone tells whether a newer "
+        "checkpoint was committed and lost, and which --resume-from or --fresh-start were spent, "
+        "so the run is not guessed from the folder. Nothing was moved or deleted. Put back the "
+        "history as it was last written (an older copy of it cannot tell either) and run the "
+        "same command; or " + (
+            (f"remove {directory}/latest and " if lost else "") + "go on from the newest "
+            "complete checkpoint deliberately, giving up whatever newer was lost: "
+            + " or ".join(commands) + " (an older one of the run: --resume-from stepK with the "
+            "same --giving-up)" if complete else
             "start this run over from step 0: --fresh-start (what is there is set aside, not "
             "deleted; step folders of a tupe_ds before 2026-11-29, which wrote no manifest, "
             "resume with that version)"))
+
+
+def refuse_older_history(out: str, directory: str, records: List[dict], newest: int) -> None:
+    """ValueError when `latest` names a checkpoint the folder lacks, newer than any the history
+    records committed and than the folder's `newest`: a copy of the history older than the
+    folder was put back."""
+    committed = max([r["step"] for r in records if r["kind"] == "committed"] + [newest])
+    if lost := lost_latest(directory, committed):
+        raise ValueError(
+            f"{out}/{history.FILE} records no checkpoint after {tag_of(committed)}, but "
+            f"{directory}/latest names {lost}, which the folder does not hold: is the history an "
+            "older copy, put back? Nothing was moved or deleted. Put back the history as it was "
+            f"last written and run the same command; or, to go on from what this history "
+            f"records, giving up {lost}, remove {directory}/latest and run the same command")
 
 
 def lost_latest(directory: str, newest: int) -> Optional[str]:

@@ -26,6 +26,8 @@ VISIBLE_WITHIN_SECONDS = 120  # a shared filesystem shows another node's new fil
 # What a failed write raises: Python's an OSError; torch.save's C++ writer a RuntimeError on a full
 # disk; DeepSpeed's barrier a RuntimeError when another rank stopped ("Connection closed by peer")
 WRITE_ERRORS = (OSError, RuntimeError)
+HISTORY_REMEDY = ("Put back the run's history as it was last written (or move a damaged one "
+                  "aside) and run the same command, which then says how to go on")
 
 
 def saved_layout(run, engine) -> reshard.SavedLayout:
@@ -100,7 +102,7 @@ def save(engine, directory: str, step: int, client_state: dict, keep: int,
     def recorded(*new):  # rank 0: in the history, durable, before what it records
         if not (records := history.read(out)):  # its start wrote one: a history lost meanwhile
             raise HistoryDamaged(f"{os.path.join(out, history.FILE)} is gone (or emptied) while "
-                                 "the run trains; the next start says how to go on")
+                                 "the run trains")
         history.append(out, records, list(new))
 
     def set_aside_in_the_way():
@@ -173,10 +175,11 @@ def on_rank_0(work, failure: str, waiting_for: str) -> None:
             except FolderTakenOver:  # rank 0 stops alone, writing nothing more
                 raise
             except (*WRITE_ERRORS, HistoryDamaged) as error:  # a history damaged meanwhile
-                return f"{failure} (rank 0: {first_line(error)})"
+                remedy = HISTORY_REMEDY if isinstance(error, HistoryDamaged) else ""
+                return f"{failure} (rank 0: {first_line(error)})", remedy
 
     if problem := reads.gathered(attempt, waiting_for)[0]:
-        raise SaveFailed(problem, everywhere=True)
+        raise SaveFailed(problem[0], everywhere=True, remedy=problem[1])
 
 
 def wait_until_visible(folder: str, names: list) -> None:
