@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tupe_ds.tools import command_line
+from tupe_ds.tools import command_line, settings
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train import flags
 from tupe_ds.train.checkpoint import history
@@ -235,6 +235,28 @@ def test_print_config_says_where_each_setting_came_from_and_is_a_config_file(tmp
     assert f'out = "{os.path.abspath("run")}"  # command line' in lines  # the file read anywhere
     assert vars(again) == {**vars(pretrain_args(argv)), "config": str(tmp_path / "printed.toml"),
                            "out": os.path.abspath("run")}
+
+
+def test_print_config_shows_each_environment_setting_as_the_command_uses_it(monkeypatch,
+                                                                         capsys):
+    """Every TUPE_DS_* setting, as a comment: the default, the environment's, or the default
+    where the environment's is no value of it (TUPE_DS_VERBOSE=false is off, as the others)."""
+    monkeypatch.setenv("TUPE_DS_LOCK_LEASE_SECONDS", "45")
+    monkeypatch.setenv("TUPE_DS_WAIT_NOTICE", "soon")
+    monkeypatch.setenv("TUPE_DS_VERBOSE", "false")
+    monkeypatch.delenv("TUPE_DS_READ_RETRY_SECONDS")  # the suite's 1 s
+    with pytest.raises(SystemExit):
+        pretrain_args(["--steps", "7", "--print-config"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "# TUPE_DS_READ_RETRY_SECONDS = 120.0  # default (how long a read that fails is " \
+           "retried)" in lines
+    assert any(line.startswith("# TUPE_DS_LOCK_LEASE_SECONDS = 45.0  # environment (")
+               for line in lines)
+    assert any(line.startswith("# TUPE_DS_WAIT_NOTICE = 30.0  # default, the environment's "
+                               "'soon' being no value of it (") for line in lines)
+    assert any(line.startswith("# TUPE_DS_VERBOSE = false  # environment (") for line in lines)
+    named = {line.split()[1] for line in lines if line.startswith("# TUPE_DS_")}
+    assert named == set(settings.ENVIRONMENT)
 
 
 def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset(capsys):

@@ -130,13 +130,15 @@ def test_a_holder_whose_process_proc_hides_counts_as_alive(monkeypatch):
 def test_a_setting_that_is_no_number_of_seconds_is_named_and_the_default_used(
         name, least, default, value, capsys, monkeypatch):
     monkeypatch.setenv(name, value)
-    assert settings.seconds(name, default, least) == default
+    assert settings.seconds(name) == default
     assert f"{name}={value!r}" in capsys.readouterr().err
     monkeypatch.setenv(name, "45")
-    assert settings.seconds(name, default, least) == 45.0
+    assert settings.seconds(name) == 45.0
+    monkeypatch.setenv(name, str(least))
+    assert settings.seconds(name) == least
 
 
-@pytest.mark.parametrize("name", ["TUPE_DS_GC", "TUPE_DS_COMPILE_AT_IMPORT"])
+@pytest.mark.parametrize("name", ["TUPE_DS_GC", "TUPE_DS_COMPILE_AT_IMPORT", "TUPE_DS_VERBOSE"])
 def test_a_switch_is_on_off_or_named_and_off(name, capsys, monkeypatch):
     for value, on in (("on", True), ("TRUE", True), ("1", True), ("off", False), ("0", False),
                       ("No", False), ("", False)):

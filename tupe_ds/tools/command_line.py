@@ -16,6 +16,7 @@ import sys
 import tomllib
 from typing import Callable, Optional
 
+from tupe_ds.tools import settings
 from tupe_ds.tools.errors import NotRegularFile
 from tupe_ds.tools.files import regular_file
 
@@ -450,6 +451,10 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
             except UnicodeEncodeError:  # a name of bytes that are no UTF-8 (surrogate escapes)
                 lines.append(f"# {name} = (bytes that are not UTF-8 text, which TOML cannot hold: "
                              f"give it on the command line)  # {where}")
+    lines.append("# the environment's settings, as this command uses them (export them: they are "
+                 "no keys of a --config file)")
+    lines += [f"# {name} = {toml_value(value)}  # {comment_text(where)} ({what})"
+              for name, value, where, what in settings.used()]
     return "\n".join(lines) + "\n"
 
 

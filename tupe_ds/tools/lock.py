@@ -77,7 +77,7 @@ from tupe_ds.tools.log_lines import EVERY_RANK
 
 logger = logging.getLogger(__name__)
 
-LEASE_SECONDS = settings.seconds("TUPE_DS_LOCK_LEASE_SECONDS", 600.0, least=10)  # renewed every tenth
+LEASE_SECONDS = settings.seconds("TUPE_DS_LOCK_LEASE_SECONDS")  # renewed every tenth
 SLURM_FIELDS = {"slurm_job_id": "SLURM_JOB_ID", "slurm_step_id": "SLURM_STEP_ID",
                 "slurm_restart_count": "SLURM_RESTART_COUNT"}
 

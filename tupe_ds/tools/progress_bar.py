@@ -21,7 +21,7 @@ class Bar(tqdm):
         file = file or sys.stderr
         self.plain = not (hasattr(file, "isatty") and file.isatty())
         if self.plain:
-            kwargs.update(mininterval=settings.seconds("TUPE_DS_PROGRESS_SECONDS", 60.0, least=0),
+            kwargs.update(mininterval=settings.seconds("TUPE_DS_PROGRESS_SECONDS"),
                           bar_format=PLAIN[kwargs.get("total") is not None])
         super().__init__(*args, file=file, **kwargs)
 

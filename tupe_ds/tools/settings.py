@@ -1,44 +1,91 @@
-"""Settings read from the environment (TUPE_DS_*): a value that is no setting is named in one
-line and the default used, so that no command fails for it at import or in the middle of a run."""
+"""Settings read from the environment (TUPE_DS_*), each declared once in ENVIRONMENT: a value that
+is no setting is named in one line and the default used, so that no command fails for it at
+import or in the middle of a run; `--print-config` shows each with the value used and where it
+came from (`used`)."""
 
 import logging
 import math
 import os
 import threading
+from dataclasses import dataclass
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 
 _named = set()  # (name, value) already said: a setting read at every use is said once
 
-
 ON, OFF = ("on", "1", "true", "yes"), ("", "off", "0", "false", "no")
 
 
-def switched_on(name: str) -> bool:
-    """Whether the environment variable `name` is on (1, true, yes; any case); off when it is
-    unset, off (0, false, no) or no such word (said once)."""
-    value = os.environ.get(name, "").strip()
-    if value.lower() not in ON + OFF and (name, value) not in _named:
+@dataclass(frozen=True)
+class Setting:
+    what: str
+    default: Optional[float] = None  # seconds; None: a switch, off unless set on
+    least: float = 0.0
+
+
+ENVIRONMENT = {
+    "TUPE_DS_READ_RETRY_SECONDS": Setting("how long a read that fails is retried", 120.0),
+    "TUPE_DS_LOCK_LEASE_SECONDS": Setting("a run folder's lock unrenewed this long is gone",
+                                          600.0, least=10),
+    "TUPE_DS_WAIT_NOTICE": Setting("a wait says what it waits for after this long", 30.0,
+                                   least=0.01),
+    "TUPE_DS_PROGRESS_SECONDS": Setting("a progress line where no terminal shows a bar", 60.0),
+    "TUPE_DS_VERBOSE": Setting("the third-party warnings tupe_ds filters shown (--verbose)"),
+    "TUPE_DS_GC": Setting("the garbage collector left on while the libraries import"),
+    "TUPE_DS_COMPILE_AT_IMPORT": Setting("the libraries' functions compiled as they import"),
+}
+
+
+def _say_once(name: str, value: str, problem: str) -> None:
+    if (name, value) not in _named:
         _named.add((name, value))
-        logger.warning(f"{name}={value!r}: neither on (1, true, yes) nor off (0, false, no); "
-                       f"off used")
+        logger.warning(f"{name}={value!r}: {problem}")
+
+
+def switched_on(name: str) -> bool:
+    """Whether switch `name` is on (1, true, yes; any case); off when it is unset, off (0, false,
+    no) or no such word (said once)."""
+    value = os.environ.get(name, "").strip()
+    if value.lower() not in ON + OFF:
+        _say_once(name, value, "neither on (1, true, yes) nor off (0, false, no); off used")
     return value.lower() in ON
 
 
-def seconds(name: str, default: float, least: float) -> float:
-    """The environment variable `name` as seconds, `least` or more; `default` when it is unset
-    or no such number (said once)."""
-    value = os.environ.get(name)
+def seconds(name: str) -> float:
+    """Setting `name` in seconds, its least or more; its default when it is unset or no such
+    number (said once)."""
+    setting, value = ENVIRONMENT[name], os.environ.get(name)
     if value is None:
-        return default
+        return setting.default
+    number = _seconds_in(value, setting.least)
+    if number is None:
+        _say_once(name, value, f"not a number of seconds of {setting.least:g} or more; "
+                               f"{setting.default:g} used")
+        return setting.default
+    return number
+
+
+def _seconds_in(value: str, least: float) -> Optional[float]:
     try:
         number = float(value)
     except ValueError:
-        number = float("nan")
-    if math.isfinite(number) and number >= least:
-        return min(number, threading.TIMEOUT_MAX)  # a wait longer is forever
-    if (name, value) not in _named:
-        _named.add((name, value))
-        logger.warning(f"{name}={value!r}: not a number of seconds of {least:g} or more; "
-                       f"{default:g} used")
-    return default
+        return None
+    if not math.isfinite(number) or number < least:
+        return None
+    return min(number, threading.TIMEOUT_MAX)  # a wait longer is forever
+
+
+def used() -> list:
+    """(name, the value used, where it came from, what it sets) of each setting."""
+    lines = []
+    for name, setting in ENVIRONMENT.items():
+        given = os.environ.get(name)
+        switch = setting.default is None
+        value = switched_on(name) if switch else seconds(name)
+        valid = given is not None and (given.strip().lower() in ON + OFF if switch
+                                       else _seconds_in(given, setting.least) is not None)
+        where = "environment" if valid else "default" if given is None else \
+            f"default, the environment's {given!r} being no value of it"
+        lines.append((name, value, where, setting.what))
+    return lines

@@ -20,6 +20,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from tupe_ds.tools import settings
+
 VERBOSE = "TUPE_DS_VERBOSE"
 
 
@@ -84,7 +86,7 @@ def verbose() -> bool:
     """--verbose in this process's arguments (then exported to its children) or TUPE_DS_VERBOSE."""
     if "--verbose" in sys.argv[1:]:
         os.environ[VERBOSE] = "1"
-    return os.environ.get(VERBOSE, "") not in ("", "0")
+    return settings.switched_on(VERBOSE)
 
 
 class MessageFilter(logging.Filter):

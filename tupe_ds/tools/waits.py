@@ -17,7 +17,7 @@ from typing import Callable, Union
 
 from tupe_ds.tools import settings
 
-NOTICE_SECONDS = settings.seconds("TUPE_DS_WAIT_NOTICE", 30.0, least=0.01)
+NOTICE_SECONDS = settings.seconds("TUPE_DS_WAIT_NOTICE")
 REPEAT_SECONDS = 10 * NOTICE_SECONDS
 
 

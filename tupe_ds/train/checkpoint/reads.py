@@ -27,7 +27,7 @@ Result = TypeVar("Result")
 def retried(path: str, read: Callable[[], Result], expected: bool = False) -> Result:
     """read(), retried while it raises an OSError, then Unreadable naming `path`; FileNotFoundError
     is raised at once, or with `expected` (the manifest lists the file) once the window is over."""
-    seconds = settings.seconds(RETRY_SECONDS, 120.0, least=0)
+    seconds = settings.seconds(RETRY_SECONDS)
     deadline, pause = time.monotonic() + seconds, FIRST_PAUSE
     while True:
         try:
