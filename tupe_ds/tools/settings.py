@@ -31,7 +31,7 @@ ENVIRONMENT = {
     "TUPE_DS_WAIT_NOTICE": Setting("a wait says what it waits for after this long", 30.0,
                                    least=0.01),
     "TUPE_DS_PROGRESS_SECONDS": Setting("a progress line where no terminal shows a bar", 60.0),
-    "TUPE_DS_VERBOSE": Setting("the third-party warnings tupe_ds filters shown (--verbose)"),
+    "TUPE_DS_VERBOSE": Setting("the third-party warnings tupe_ds filters shown, as --verbose does"),
     "TUPE_DS_GC": Setting("the garbage collector left on while the libraries import"),
     "TUPE_DS_COMPILE_AT_IMPORT": Setting("the libraries' functions compiled as they import"),
 }
