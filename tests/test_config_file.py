@@ -272,6 +272,34 @@ def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset
     assert f'# lr-schedule = "linear"  # not set: the --ds-config\'s, {CPU_CONFIG}' in printed
 
 
+def test_print_config_shows_the_value_the_run_takes_for_each_flag_left_unset(tmp_path, capsys):
+    """The preset's shape, the objective's masking, the device's compile, WSD's decay shape and
+    the index cache: what the run uses, where a flag is left unset, without making a folder."""
+    (tmp_path / "prep").mkdir()
+    with pytest.raises(SystemExit):
+        load(["--data", str(tmp_path / "prep"), "--out", str(tmp_path / "run"), "--steps", "3",
+              "--ds-config", CPU_CONFIG, "--model", "bert-large", "--hidden-size", "512",
+              "--lr-schedule", "wsd", "--decay-steps", "1", "--print-config"])
+    printed = capsys.readouterr().out.splitlines()
+    assert "# num-layers = 24  # not set: the bert-large preset's" in printed
+    assert "hidden-size = 512  # command line" in printed
+    assert "# mask-rate = 0.15  # not set: --objective mlm's" in printed
+    assert '# mask-split = "0.8,0.1"  # not set: --objective mlm\'s' in printed
+    assert '# decay-shape = "linear"  # not set: --lr-schedule wsd\'s' in printed
+    assert any(line.startswith('# compile = "none"  # not set: the device\'s choice here (cpu;')
+               for line in printed)
+    assert f'# index-cache = "{tmp_path / "prep"}"  # not set: the --data folder where this ' \
+           "process may write, else OUT/index-cache" in printed
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit):
+        load(["--data", "d", "--out", "o", "--steps", "3", "--ds-config", CPU_CONFIG,
+              "--objective", "electra", "--model", "tiny", "--print-config"])
+    printed = capsys.readouterr().out.splitlines()
+    assert "# num-layers = (not set)  # default" in printed  # ELECTRA's pair: no shape flags
+    assert '# mask-split = "0.85,0"  # not set: --objective electra\'s' in printed
+    assert "# decay-shape = (not set)  # default" in printed
+
+
 def test_print_config_works_without_the_required_settings_and_shows_the_tasks_values(capsys):
     from tupe_ds.finetune.run import given_by_task, parser
 

@@ -14,6 +14,8 @@ from typing import Optional
 from tokenizers import Tokenizer
 
 from tupe_ds.data.masking import MaskingScheme
+from tupe_ds.data.sources import named_folder
+from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
@@ -25,7 +27,7 @@ from tupe_ds.train.checkpoint.init_from import (InitPlan, check_branch, plan_ini
                                                 refuse_another_branch)
 from tupe_ds.train.checkpoint.resume import ResumePlan, plan_resume, what_is_where
 from tupe_ds.train.checkpoint.same_run import refuse_another_run, run_identity
-from tupe_ds.train.data_folders import data_sources
+from tupe_ds.train.data_folders import data_sources, index_cache_folder
 from tupe_ds.train.ds_config import BatchSplit, deepspeed_config, given_by_config
 from tupe_ds.train.flags import SHAPE_FLAGS, check_flags, fail, parser
 from tupe_ds.train.masking_flags import masking_scheme
@@ -115,6 +117,35 @@ class RunConfig:
         return self.layout.dp
 
 
+def used_when_unset(args: argparse.Namespace) -> dict:
+    """{dest: (value, where)} of the flags left unset whose value the run takes from elsewhere
+    (--print-config): the --ds-config's, the --model preset's shape, the objective's masking,
+    the device's compile, WSD's decay shape and the --data folder's index cache."""
+    values = given_by_config(args)
+    objective = OBJECTIVES.get(args.objective)
+    if args.objective == "mlm" and args.model in PRESETS:
+        values.update({field: (PRESETS[args.model][field], f"the {args.model} preset's")
+                       for field in SHAPE_FLAGS.values()})
+    if objective is not None:
+        masking, whose = objective.default_masking, f"--objective {args.objective}'s"
+        values["mask_rate"] = (masking.probability, whose)
+        values["mask_split"] = (f"{masking.mask:g},{masking.random:g}", whose)
+    zero_stage = args.zero_stage if args.zero_stage is not None else \
+        values.get("zero_stage", (0,))[0]
+    device = accelerator_device().type
+    values["compile"] = ("block" if device == "cuda" and args.tp == 1 and zero_stage != 3
+                         else "none", f"the device's choice here ({device}; on CUDA block at "
+                         "--tp 1 outside ZeRO stage 3)")
+    if (args.lr_schedule or values.get("lr_schedule", (None,))[0]) == "wsd":
+        values["decay_shape"] = ("linear", "--lr-schedule wsd's")
+    if args.data and len(args.data) == 1 and args.out:
+        folder = named_folder(args.data[0])[1]
+        values["index_cache"] = (os.path.abspath(index_cache_folder(args, folder)),
+                                 "the --data folder where this process may write, else "
+                                 "OUT/index-cache")
+    return values
+
+
 def load(argv=None, world_size: Optional[int] = None,
          machine: Optional[doctor.Machine] = None, take_lock: bool = False) -> RunConfig:
     """Parse, read the DeepSpeed config, apply the overrides and check everything that can be
@@ -125,7 +156,7 @@ def load(argv=None, world_size: Optional[int] = None,
     command = parser()
     defaults = {action.dest: action.default for action in command._actions}
     args, setting_sources = command_line.resolve(
-        command, argv, recorded=recorded_settings.of_run_folder, unset=given_by_config)
+        command, argv, recorded=recorded_settings.of_run_folder, unset=used_when_unset)
     if take_lock or args.check_only:  # rank 0 (a --check-only runs alone)
         recorded_settings.say_taken(args, setting_sources, defaults)
     check_flags(args)

@@ -38,11 +38,15 @@ def data_sources(args: argparse.Namespace) -> list:
             for source in sources]
 
 
+def index_cache_folder(args: argparse.Namespace, data: str) -> str:
+    """--index-cache, else the data folder where this process may write, else OUT/index-cache."""
+    return args.index_cache or (data if os.access(data, os.W_OK)
+                                else os.path.join(args.out, "index-cache"))
+
+
 def index_cache(args: argparse.Namespace, data: str) -> str:
-    """--index-cache, else the data folder where this process may write, else OUT/index-cache;
-    created, and checked writable."""
-    folder = args.index_cache or (data if os.access(data, os.W_OK)
-                                  else os.path.join(args.out, "index-cache"))
+    """index_cache_folder, created, and checked writable."""
+    folder = index_cache_folder(args, data)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as error:
