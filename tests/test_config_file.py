@@ -257,6 +257,12 @@ def test_print_config_shows_each_environment_setting_as_the_command_uses_it(monk
     assert any(line.startswith("# TUPE_DS_VERBOSE = false  # environment (") for line in lines)
     named = {line.split()[1] for line in lines if line.startswith("# TUPE_DS_")}
     assert named == set(settings.ENVIRONMENT)
+    monkeypatch.setattr(sys, "argv", ["tupe-pretrain", "--verbose"])  # which exports it
+    monkeypatch.setenv("TUPE_DS_VERBOSE", "1")
+    with pytest.raises(SystemExit):
+        pretrain_args(["--steps", "7", "--verbose", "--print-config"])
+    assert any(line.startswith("# TUPE_DS_VERBOSE = true  # command line (--verbose) (")
+               for line in capsys.readouterr().out.splitlines())
 
 
 def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset(capsys):
@@ -288,7 +294,7 @@ def test_print_config_shows_the_value_the_run_takes_for_each_flag_left_unset(tmp
     assert '# decay-shape = "linear"  # not set: --lr-schedule wsd\'s' in printed
     assert any(line.startswith('# compile = "none"  # not set: the device\'s choice here (cpu;')
                for line in printed)
-    assert f'# index-cache = "{tmp_path / "prep"}"  # not set: the --data folder where this ' \
+    assert f'# index-cache = "{tmp_path / "prep"}"  # not set: each --data folder where this ' \
            "process may write, else OUT/index-cache" in printed
     assert not (tmp_path / "run").exists()
     with pytest.raises(SystemExit):
@@ -298,6 +304,37 @@ def test_print_config_shows_the_value_the_run_takes_for_each_flag_left_unset(tmp
     assert "# num-layers = (not set)  # default" in printed  # ELECTRA's pair: no shape flags
     assert '# mask-split = "0.85,0"  # not set: --objective electra\'s' in printed
     assert "# decay-shape = (not set)  # default" in printed
+
+
+def test_print_config_shows_wsd_and_caches_and_survives_a_device_that_cannot_start(
+        tmp_path, capsys, monkeypatch):
+    """The --ds-config's WSD decay, each blended folder's index cache; no compile choice where
+    the device cannot start, and no cache where --data is refused (the run says why)."""
+    with open(CPU_CONFIG) as f:
+        config = json.load(f)
+    config["scheduler"] = {"type": "WarmupStableDecayLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1,
+        "total_num_steps": 6, "decay_num_steps": 2, "decay_shape": "1-sqrt"}}
+    wsd = write(tmp_path / "wsd.json", json.dumps(config))
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    from deepspeed.accelerator import real_accelerator
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")  # a CPU build of torch: CUDA cannot start
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", None)  # chosen again, as at a start
+    with pytest.raises(SystemExit):
+        load(["--data", "0.5", str(tmp_path / "a"), "0.5", str(tmp_path / "b"), "--out", "o",
+              "--steps", "6", "--ds-config", wsd, "--print-config"])
+    printed = capsys.readouterr().out.splitlines()
+    assert f"# decay-steps = 2  # not set: the --ds-config's, {wsd}" in printed
+    assert f'# decay-shape = "1-sqrt"  # not set: the --ds-config\'s, {wsd}' in printed
+    assert f'# index-cache = ["{tmp_path / "a"}", "{tmp_path / "b"}"]  # not set: each --data ' \
+           "folder where this process may write, else OUT/index-cache" in printed
+    assert "# compile = (not set)  # default" in printed
+    with pytest.raises(SystemExit) as exit_:  # a --data the run refuses: said by the run
+        load(["--data", "wiki=", "--out", "o", "--steps", "6", "--print-config"])
+    assert exit_.value.code == 0 and "# index-cache = (not set)  # default" in \
+        capsys.readouterr().out.splitlines()
 
 
 def test_print_config_works_without_the_required_settings_and_shows_the_tasks_values(capsys):
@@ -338,6 +375,21 @@ def test_print_config_works_without_the_positional_arguments(capsys, command, ar
         main(argv)
     assert exit_.value.code == 2
     assert "the following arguments are required" in capsys.readouterr().err
+
+
+def test_tupe_preps_printed_config_reads_back_though_a_flag_of_one_or_more_is_unset(tmp_path,
+                                                                                   capsys):
+    """--dedup-against takes one folder or more: unset, it is printed as a comment, not as an
+    empty list that --config refuses."""
+    from data_prep.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--print-config"])
+    printed = capsys.readouterr().out
+    assert "# dedup-against = (not set)  # default" in printed.splitlines()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", write(tmp_path / "prep.toml", printed), "--print-config"])
+    assert exit_.value.code == 0, capsys.readouterr().err
 
 
 def test_compare_prints_and_reads_the_flags_it_passes_to_tupe_pretrain(tmp_path, capsys):

@@ -438,6 +438,8 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
             value = relative_to(os.getcwd(), value, action.path_kind)
         elif hasattr(action, "passes_to") and value:
             value = passed_flags(os.getcwd(), value, action.passes_to())
+        if isinstance(value, (list, tuple)) and not value and action.nargs == "+":  # none given
+            value = None
         if value is None and dest in elsewhere:
             given, place = elsewhere[dest]
             lines.append(f"# {name} = {toml_value(given)}  # not set: {comment_text(place)}")

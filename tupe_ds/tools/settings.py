@@ -6,6 +6,7 @@ came from (`used`)."""
 import logging
 import math
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -22,6 +23,7 @@ class Setting:
     what: str
     default: Optional[float] = None  # seconds; None: a switch, off unless set on
     least: float = 0.0
+    flag: Optional[str] = None  # a command's flag that exports it (--verbose)
 
 
 ENVIRONMENT = {
@@ -31,7 +33,8 @@ ENVIRONMENT = {
     "TUPE_DS_WAIT_NOTICE": Setting("a wait says what it waits for after this long", 30.0,
                                    least=0.01),
     "TUPE_DS_PROGRESS_SECONDS": Setting("a progress line where no terminal shows a bar", 60.0),
-    "TUPE_DS_VERBOSE": Setting("the third-party warnings tupe_ds filters shown, as --verbose does"),
+    "TUPE_DS_VERBOSE": Setting("the third-party warnings tupe_ds filters shown",
+                               flag="--verbose"),
     "TUPE_DS_GC": Setting("the garbage collector left on while the libraries import"),
     "TUPE_DS_COMPILE_AT_IMPORT": Setting("the libraries' functions compiled as they import"),
 }
@@ -87,5 +90,7 @@ def used() -> list:
                                        else _seconds_in(given, setting.least) is not None)
         where = "environment" if valid else "default" if given is None else \
             f"default, the environment's {given!r} being no value of it"
+        if setting.flag in sys.argv[1:]:
+            where = f"command line ({setting.flag})"
         lines.append((name, value, where, setting.what))
     return lines

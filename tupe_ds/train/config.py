@@ -14,7 +14,7 @@ from typing import Optional
 from tokenizers import Tokenizer
 
 from tupe_ds.data.masking import MaskingScheme
-from tupe_ds.data.sources import named_folder
+from tupe_ds.data.sources import parse_sources
 from tupe_ds.distributed.parallel import accelerator_device
 from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
@@ -119,8 +119,8 @@ class RunConfig:
 
 def used_when_unset(args: argparse.Namespace) -> dict:
     """{dest: (value, where)} of the flags left unset whose value the run takes from elsewhere
-    (--print-config): the --ds-config's, the --model preset's shape, the objective's masking,
-    the device's compile, WSD's decay shape and the --data folder's index cache."""
+    (--print-config): the --ds-config's, the --model preset's shape (BERT's), the objective's
+    masking, the device's compile, WSD's decay shape and the --data folders' index cache."""
     values = given_by_config(args)
     objective = OBJECTIVES.get(args.objective)
     if args.objective == "mlm" and args.model in PRESETS:
@@ -132,16 +132,24 @@ def used_when_unset(args: argparse.Namespace) -> dict:
         values["mask_split"] = (f"{masking.mask:g},{masking.random:g}", whose)
     zero_stage = args.zero_stage if args.zero_stage is not None else \
         values.get("zero_stage", (0,))[0]
-    device = accelerator_device().type
-    values["compile"] = ("block" if device == "cuda" and args.tp == 1 and zero_stage != 3
-                         else "none", f"the device's choice here ({device}; on CUDA block at "
-                         "--tp 1 outside ZeRO stage 3)")
-    if (args.lr_schedule or values.get("lr_schedule", (None,))[0]) == "wsd":
+    try:
+        device = accelerator_device().type
+    except (AssertionError, RuntimeError):  # DS_ACCELERATOR=cuda where CUDA cannot start
+        device = None
+    if device is not None:
+        values["compile"] = ("block" if device == "cuda" and args.tp == 1 and zero_stage != 3
+                             else "none", f"the device's choice here ({device}; on CUDA block "
+                             "at --tp 1 outside ZeRO stage 3)")
+    if args.lr_schedule == "wsd":
         values["decay_shape"] = ("linear", "--lr-schedule wsd's")
-    if args.data and len(args.data) == 1 and args.out:
-        folder = named_folder(args.data[0])[1]
-        values["index_cache"] = (os.path.abspath(index_cache_folder(args, folder)),
-                                 "the --data folder where this process may write, else "
+    try:
+        folders = [source.folder for source in parse_sources(args.data)] if args.data else []
+    except ValueError:  # said by the run, which checks --data first
+        folders = []
+    if folders and args.out:
+        caches = [os.path.abspath(index_cache_folder(args, folder)) for folder in folders]
+        values["index_cache"] = (caches[0] if len(caches) == 1 else caches,
+                                 "each --data folder where this process may write, else "
                                  "OUT/index-cache")
     return values
 

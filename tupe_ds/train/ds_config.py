@@ -50,11 +50,16 @@ def given_by_config(args: argparse.Namespace) -> dict:
         warmup = config_warmup(config)
     except (OSError, TypeError, ValueError, AttributeError):
         return {}
+    scheduler = config.get("scheduler") or {}
     values = {"micro_batch": config.get("train_micro_batch_size_per_gpu"),
               "global_batch": config.get("train_batch_size"),
               "zero_stage": config.get("zero_optimization", {}).get("stage"),
               "lr": warmup["peak_lr"], "warmup_steps": warmup["warmup_num_steps"],
-              "lr_schedule": SCHEDULE_NAMES.get((config.get("scheduler") or {}).get("type"))}
+              "lr_schedule": SCHEDULE_NAMES.get(scheduler.get("type"))}
+    if values["lr_schedule"] == "wsd" and args.lr_schedule is None:  # else --lr-schedule's
+        params = scheduler.get("params") or {}
+        values.update(decay_steps=params.get("decay_num_steps"),
+                      decay_shape=params.get("decay_shape", "linear"))
     where = f"the --ds-config's, {args.ds_config}"
     return {dest: (value, where) for dest, value in values.items() if value is not None}
 
