@@ -306,6 +306,35 @@ def test_print_config_shows_the_value_the_run_takes_for_each_flag_left_unset(tmp
     assert "# decay-shape = (not set)  # default" in printed
 
 
+def test_print_config_shows_the_compile_the_run_derives(tmp_path, capsys, monkeypatch):
+    """On CUDA the run compiles the block at --tp 1, eagerly under ZeRO stage 3 or at --tp 2:
+    the printed choice is the models' own (ModelConfig.compile_mode), not a copy of its rule."""
+    import torch
+
+    from tupe_ds.model import config as model_config
+    from tupe_ds.train import config as run_config
+
+    cuda = lambda: torch.device("cuda")  # noqa: E731
+    monkeypatch.setattr(model_config, "accelerator_device", cuda)
+    monkeypatch.setattr(run_config, "accelerator_device", cuda)
+    shown = {}
+    for layout in (["--zero-stage", "1"], ["--zero-stage", "3"], ["--tp", "2"]):
+        with pytest.raises(SystemExit):
+            load(["--data", "d", "--out", "o", "--steps", "3", "--ds-config", CPU_CONFIG,
+                  "--print-config", *layout])
+        shown[layout[0] + layout[1]] = next(
+            line.split("#")[1].strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("# compile = "))
+    assert shown == {"--zero-stage1": 'compile = "block"', "--zero-stage3": 'compile = "none"',
+                     "--tp2": 'compile = "none"'}
+    monkeypatch.setattr(model_config.ModelConfig, "compile_mode", "elementwise")  # a new rule
+    with pytest.raises(SystemExit):
+        load(["--data", "d", "--out", "o", "--steps", "3", "--ds-config", CPU_CONFIG,
+              "--print-config"])
+    assert any(line.startswith('# compile = "elementwise"  # not set: the device\'s choice')
+               for line in capsys.readouterr().out.splitlines())
+
+
 def test_print_config_shows_wsd_and_caches_and_survives_a_device_that_cannot_start(
         tmp_path, capsys, monkeypatch):
     """The --ds-config's WSD decay, each blended folder's index cache; no compile choice where

@@ -20,7 +20,7 @@ from tupe_ds.machine import doctor
 from tupe_ds.model.config import PRESETS, ModelConfig
 from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
-from tupe_ds.tools.errors import RunFolderBusy
+from tupe_ds.tools.errors import Refused, RunFolderBusy
 from tupe_ds.train import nonfinite, optimizer_boundary
 from tupe_ds.train.checkpoint import manifest
 from tupe_ds.train.checkpoint.init_from import (InitPlan, check_branch, plan_init,
@@ -132,14 +132,13 @@ def used_when_unset(args: argparse.Namespace) -> dict:
         values["mask_split"] = (f"{masking.mask:g},{masking.random:g}", whose)
     zero_stage = args.zero_stage if args.zero_stage is not None else \
         values.get("zero_stage", (0,))[0]
-    try:
-        device = accelerator_device().type
-    except (AssertionError, RuntimeError):  # DS_ACCELERATOR=cuda where CUDA cannot start
-        device = None
-    if device is not None:
-        values["compile"] = ("block" if device == "cuda" and args.tp == 1 and zero_stage != 3
-                             else "none", f"the device's choice here ({device}; on CUDA block "
-                             "at --tp 1 outside ZeRO stage 3)")
+    try:  # the run's own rule (ModelConfig.compile_mode), on a stand-in vocabulary
+        compile_mode = model_configs(args, "fp32", 128 * args.tp, zero_stage)[0].compile_mode
+        values["compile"] = (compile_mode, f"the device's choice here "
+                             f"({accelerator_device().type}; on CUDA block at --tp 1 outside "
+                             "ZeRO stage 3)")
+    except (Refused, KeyError, AssertionError, RuntimeError):
+        pass  # said by the run; or DS_ACCELERATOR=cuda where CUDA cannot start
     if args.lr_schedule == "wsd":
         values["decay_shape"] = ("linear", "--lr-schedule wsd's")
     try:
