@@ -250,13 +250,13 @@ def test_a_folder_with_an_empty_split_is_refused_before_work(data, tmp_path):
 
 @pytest.mark.slow
 def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, tmp_path):
-    """Two ranks, 6 steps of 16 samples on 0.75 / 0.25, the second source named novel: valid/loss
+    """One process, 6 steps of 16 samples on 0.75 / 0.25, the second source named novel: valid/loss
     is the blend of the sources' validation losses, train/share/NAME the shares of each logged
     step's samples; resuming with other weights is refused before work."""
     from tupe_ds.train.config import CPU_CONFIG, load
 
     out = tmp_path / "run"
-    stdout = train("torchrun", 2, data, out, "--steps", "6", "--global-batch", "16",
+    stdout = train(None, 1, data, out, "--steps", "6", "--global-batch", "16",
                    "--eval-interval", "6", "--data", "0.75", data, "0.25", f"novel={second}")
     first, other = os.path.basename(data), "novel"
     assert f"train samples: {first} " in stdout and f"(75%), {other} " in stdout
@@ -276,7 +276,7 @@ def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, t
                                          r"checkpoint's \(data.blend\[0\].per_period\)"):
         load(["--data", "0.5", data, "0.5", second, "--model", "tiny", "--ds-config", CPU_CONFIG,
               "--out", str(out), "--steps", "7", "--seq-len", "64", "--global-batch", "16"],
-             world_size=2)
+             world_size=1)
 
 
 def stand_in_python_and_srun(folder) -> dict:

@@ -306,7 +306,7 @@ def test_print_config_shows_the_value_the_run_takes_for_each_flag_left_unset(tmp
     assert "# decay-shape = (not set)  # default" in printed
 
 
-def test_print_config_shows_the_compile_the_run_derives(tmp_path, capsys, monkeypatch):
+def test_print_config_shows_the_compile_the_run_derives(capsys, monkeypatch):
     """On CUDA the run compiles the block at --tp 1, eagerly under ZeRO stage 3 or at --tp 2:
     the printed choice is the models' own (ModelConfig.compile_mode), not a copy of its rule."""
     import torch

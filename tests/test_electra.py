@@ -173,8 +173,9 @@ def test_losses_and_metrics_as_before_the_speed_work():
             optimizer.step()
 
 
-# The run that learns: 100 steps on 2 ranks, a checkpoint at step 80 too, which a copy resumes
-# from (test_electra_checkpoints_hold_both_networks[cpu-config]).
+# The run that learns: 100 steps in one process (nothing here concerns ranks; the shipped
+# config's resume below runs on 2), a checkpoint at step 80 too, which a copy resumes from
+# (test_electra_checkpoints_hold_both_networks[cpu-config]).
 LEARNS = ["--objective", "electra", "--steps", "100", "--lr", "5e-4", "--warmup-steps", "20",
           "--eval-interval", "100", "--eval-samples", "128", "--image-interval", "100",
           "--save-interval", "80"]
@@ -183,7 +184,7 @@ LEARNS = ["--objective", "electra", "--steps", "100", "--lr", "5e-4", "--warmup-
 @pytest.fixture(scope="module")
 def electra_run(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("electra") / "electra"
-    train("torchrun", 2, data, out, *LEARNS)
+    train(None, 1, data, out, *LEARNS)
     return out
 
 
@@ -218,18 +219,21 @@ def test_electra_checkpoints_hold_both_networks(data, tmp_path, config, request)
     out the same only if both networks, the optimizer and the data position were restored. With
     the CPU config, the run that learns above, from step 80 (steps 81-100, the rate still at a
     quarter of its peak down to 0); with the shipped config's step (ZeRO-1 without gradient
-    hooks, micro-batch from the config), a run of 6 steps from step 4 (steps 5 and 6)."""
+    hooks, micro-batch from the config), a run of 6 steps on 2 ranks from step 4 (steps 5 and
+    6)."""
     if config is None:
         flags, whole, checkpoint, last = LEARNS, request.getfixturevalue("electra_run"), 80, 100
+        launcher, processes = None, 1  # as the run was
     else:
+        launcher, processes = "torchrun", 2
         flags = ["--objective", "electra", "--steps", "6", "--save-interval", "2",
                  "--eval-interval", "100", "--ds-config", shipped_config_in_fp32(config, tmp_path),
                  "--global-batch", "8", "--warmup-steps", "2"]
         whole, checkpoint, last = tmp_path / "whole", 4, 6
-        train("torchrun", 2, data, whole, *flags)
+        train(launcher, processes, data, whole, *flags)
     copy = cut_back_to(whole, tmp_path / "copy", checkpoint)
     (copy / "train_log.jsonl").unlink()  # the steps the resumed run logs alone
-    stdout = train("torchrun", 2, data, copy, *flags)
+    stdout = train(launcher, processes, data, copy, *flags)
     assert f"resumed at step {checkpoint} of {last}" in stdout
     after = range(checkpoint + 1, last + 1)
     whole, resumed = log(whole), log(copy)

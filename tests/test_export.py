@@ -150,10 +150,11 @@ def electra_logits(run, ids, mask):
 @pytest.mark.slow
 def test_electra_exports_its_discriminator(data, tmp_path):
     """The discriminator and the shared embedding become the exported encoder (for tupe_ds and
-    transformers, with the replaced-token head); the generator too for transformers."""
+    transformers, with the replaced-token head); the generator too for transformers. (One
+    process: ELECTRA's ZeRO partitions of 2 ranks are consolidated in test_loss_normalization.)"""
     from test_pretrain import train
 
-    train("torchrun", 2, data, tmp_path / "run", "--objective", "electra", "--steps", "2",
+    train(None, 1, data, tmp_path / "run", "--objective", "electra", "--steps", "2",
           "--eval-interval", "2")
     export(str(tmp_path / "run"), str(tmp_path / "exported"))
     export(str(tmp_path / "run"), str(tmp_path / "generator"), network="generator")

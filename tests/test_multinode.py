@@ -53,7 +53,7 @@ def two_nodes(tmp_path_factory):
 def one_process(data, tmp_path_factory):
     """The reference: the same run in one process (micro-batch 8 x 4 accumulation)."""
     out = tmp_path_factory.mktemp("one-process") / "run"
-    train("torchrun", 1, data, out, *FLAGS)
+    train(None, 1, data, out, *FLAGS)
     return out
 
 

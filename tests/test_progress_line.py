@@ -166,7 +166,7 @@ def test_on_an_80_column_terminal_the_progress_line_fits_and_the_log_keeps_it_wh
     ETA and ms per step; the same run's train_log.jsonl holds every field (a Slurm log, a file,
     gets the whole line: test_pretrain.py)."""
     out = tmp_path / "run"
-    shown = on_a_terminal(runs.command("torchrun", 1, data, out, "--steps", "3"), 80,
+    shown = on_a_terminal(runs.command(None, 1, data, out, "--steps", "3"), 80,
                           runs.environment())
     lines = [line for line in shown.splitlines() if line.startswith("step ") and " | " in line]
     assert len(lines) == 3, shown[-3000:]

@@ -1,10 +1,11 @@
 """A run never loses its work (tupe_ds/train/checkpoint/, tupe_ds/train/nonfinite.py): the fault
-matrix of docs/reliability.md's "What a run survives", with real processes under torchrun (2 CPU
-ranks, 1 where a test checks nothing of ranks; ZeRO-2, fp32, dropout off) and faults injected by
-tests/support/fault_worker.py. Each test checks what is kept, what is resumed and what is said,
-and, where the fault allows, that the run ends with the losses and weights of an uninterrupted
-one. A process's start (torch, Megatron, DeepSpeed imported) costs more than its training: a test
-that damages or inspects a run starts from a copy of the module's `reference`."""
+matrix of docs/reliability.md's "What a run survives", with real processes (2 CPU ranks under
+torchrun; one process as typed where a test checks nothing of ranks; ZeRO-2, fp32, dropout
+off) and faults injected by tests/support/fault_worker.py. Each test checks what is kept, what
+is resumed and what is said, and, where the fault allows, that the run ends with the losses and
+weights of an uninterrupted one. A process's start (torch, Megatron, DeepSpeed imported) costs
+more than its training: a test that damages or inspects a run starts from a copy of the
+module's `reference`."""
 
 import json
 import os
@@ -28,11 +29,14 @@ FLAGS = ["--steps", "12", "--save-interval", "2", "--eval-interval", "12", "--dr
 
 
 def command(data, out, *flags, processes=2, monitor_interval=0.1):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--monitor-interval", str(monitor_interval), "--master_port", free_port(),
-            FAULT_WORKER, "pretrain", "--data", data, "--model", "tiny", "--ds-config",
-            CPU_CONFIG, "--out", str(out), "--seq-len", "64", "--log-interval", "1",
-            "--eval-samples", "32", *flags]
+    """Several processes under torchrun; one without a launcher (whose start costs 2 CPU
+    seconds), as typed (its exit code its own, not torchrun's 1)."""
+    launcher = [] if processes == 1 else [
+        "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--monitor-interval",
+        str(monitor_interval), "--master_port", free_port()]
+    return [sys.executable, *launcher, FAULT_WORKER, "pretrain", "--data", data, "--model",
+            "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
+            "--log-interval", "1", "--eval-samples", "32", *flags]
 
 
 def run(data, out, *flags, fault="", expect=0, env=None, processes=2):
@@ -414,7 +418,7 @@ def test_one_job_per_run_folder(data, reference, tmp_path, monkeypatch):
     first, output = start(data, out, *flags, fault=f"hold:3:{hold};kill-mid-step:5")
     wait_for(f"{hold}.waiting", first)
     holder = json.loads((out / "run.lock").read_text())
-    said = run(data, out, *flags, expect=1, processes=1)
+    said = run(data, out, *flags, expect=2, processes=1)
     assert f"this run folder is in use by process {holder['pid']} on {holder['host']}" in said
     assert "Wait for that job to end, or give this one another --out" in said
     assert "starting step" not in said and "resumed at" not in said
@@ -480,7 +484,7 @@ def test_a_file_that_would_run_code_never_runs_listed_unlisted_or_renamed(data, 
     for step_dir in ("step12", "step10", "step8"):
         assert export_main([str(checkpoints / step_dir), "--out", str(tmp_path / "x")]) == 2
     said = run(data, tmp_path / "new", *FLAGS, "--steps", "1", "--init-from",
-               str(checkpoints / "step12"), expect=1, processes=1)  # nothing of ranks here
+               str(checkpoints / "step12"), expect=2, processes=1)  # nothing of ranks here
     assert f"--init-from {checkpoints}/step12 does not verify" in said
     assert f"{checkpoints}/step12/{shard}: holds more than tensors" in said
 
@@ -773,14 +777,15 @@ def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path, monkeyp
     out = tmp_path / "run"
     flags = ["--ds-config", str(constant), "--save-interval", "2", "--eval-interval", "100",
              "--dropout", "0"]
-    run(data, out, *flags, "--steps", "4", "--lr", "2e-3")
-    said = run(data, out, *flags, "--steps", "6", "--lr", "5e-4", "--allow-training-changes")
+    run(data, out, *flags, "--steps", "4", "--lr", "2e-3", processes=1)
+    said = run(data, out, *flags, "--steps", "6", "--lr", "5e-4", "--allow-training-changes",
+               processes=1)
     assert "optimizer.params.lr: 0.002 in the checkpoint, 0.0005 now (--lr)" in said
     assert [log(out)[step]["train/lr"] for step in (4, 5, 6)] == [2e-3, 5e-4, 5e-4]
     branch, step4 = tmp_path / "branch", str(out / "checkpoints" / "step4")
     decay = [*flags, "--steps", "7", "--lr", "5e-4", "--lr-schedule", "wsd", "--warmup-steps",
              "1", "--decay-steps", "2"]
-    said = run(data, branch, *decay, "--init-from", step4, "--branch")
+    said = run(data, branch, *decay, "--init-from", step4, "--branch", processes=1)
     assert f"branched from {step4} at step 4 of 7" in said
     assert "branching from step4 with changed training settings: optimizer.params.lr: 0.002 " \
            "in the checkpoint, 0.0005 now (--lr)" in said
@@ -790,11 +795,11 @@ def test_a_learning_rate_change_without_a_schedule_holds(data, tmp_path, monkeyp
                                                                 rel=1e-6)
     common = ["--data", data, "--model", "tiny", "--ds-config", str(constant), "--out",
               str(branch), "--seq-len", "64", *decay, "--branch", "--init-from"]
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "1")
     from tupe_ds.train.config import load
     again = load([*common, step4])  # the same command again: the branch resumes
     assert again.resume_plan.tag == "step7" and again.init_plan is None
-    said = refusal([*common, str(out / "checkpoints" / "step6")], monkeypatch)
+    said = refusal([*common, str(out / "checkpoints" / "step6")], monkeypatch, world=1)
     assert f"holds the branch of {step4} (" in said and "give this branch another --out" in said
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from runs import CPU_CONFIG, ROOT, environment, free_port, log
+from runs import CPU_CONFIG, ROOT, environment, log
 from tupe_ds.compare.results import training_time
 from tupe_ds.model.config import ModelConfig
 from tupe_ds.train import monitor as monitor_module
@@ -103,9 +103,8 @@ def test_a_run_resumed_twice_records_the_training_time_its_steps_took(data, tmp_
     for fault, said in (("usr1:0:4", "stopping at step 4"), ("usr1:0:8", "resumed at step 4"),
                         ("", "resumed at step 8")):
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-             "--master_port", free_port(), FAULT_WORKER, "pretrain", "--data", data, "--model",
-             "tiny", "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
+            [sys.executable, FAULT_WORKER, "pretrain", "--data", data, "--model", "tiny",
+             "--ds-config", CPU_CONFIG, "--out", str(out), "--seq-len", "64",
              "--steps", "12", "--log-interval", "2", "--save-interval", "100",
              "--eval-interval", "100", "--eval-samples", "32"],
             env={**environment(), "TUPE_DS_FAULT": ";".join(filter(None, [fault,
@@ -145,8 +144,7 @@ def test_a_stop_after_a_validation_says_that_validation_s_step(data, tmp_path):
     """SIGUSR1 in step 5, the last validation at step 3: the summary names step 3, not 5."""
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-         free_port(), FAULT_WORKER, "pretrain", "--data", data, "--model", "tiny", "--ds-config",
+        [sys.executable, FAULT_WORKER, "pretrain", "--data", data, "--model", "tiny", "--ds-config",
          CPU_CONFIG, "--out", str(out), "--seq-len", "64", "--steps", "8", "--log-interval", "1",
          "--eval-interval", "3", "--eval-samples", "32"],
         env={**environment(), "TUPE_DS_FAULT": "usr1:0:5"}, capture_output=True, text=True,

@@ -135,8 +135,7 @@ def used_when_unset(args: argparse.Namespace) -> dict:
     try:  # the run's own rule (ModelConfig.compile_mode), on a stand-in vocabulary
         compile_mode = model_configs(args, "fp32", 128 * args.tp, zero_stage)[0].compile_mode
         values["compile"] = (compile_mode, f"the device's choice here "
-                             f"({accelerator_device().type}; on CUDA block at --tp 1 outside "
-                             "ZeRO stage 3)")
+                             f"({accelerator_device().type}; the rule: --compile in --help)")
     except (Refused, KeyError, AssertionError, RuntimeError):
         pass  # said by the run; or DS_ACCELERATOR=cuda where CUDA cannot start
     if args.lr_schedule == "wsd":
