@@ -1,4 +1,5 @@
-"""Pretraining under the real launchers (deepspeed, torchrun), 1-2 CPU processes, tiny models.
+"""Pretraining in one process as typed and under the real launchers (deepspeed, torchrun; 2 CPU
+processes), tiny models.
 
 `data` (conftest.py) is a small corpus prepared once per test session."""
 

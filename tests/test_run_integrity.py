@@ -640,6 +640,20 @@ def test_resume_refusals_name_what_to_change_and_accept_it(data, reference, tmp_
 
 
 @pytest.mark.slow
+def test_a_branch_on_two_ranks_with_the_runs_own_schedule_trains_what_the_run_trained(
+        data, reference, tmp_path):
+    """--init-from step8 --branch on the layout that wrote it (each rank's ZeRO partition and
+    random streams loaded by the branch's own path, not a resume's): steps 9-12 as the
+    uninterrupted run trained them. (test_a_learning_rate_change_without_a_schedule_holds
+    branches in one process.)"""
+    step8, branch = reference / "checkpoints" / "step8", tmp_path / "branch"
+    said = run(data, branch, *FLAGS, "--init-from", str(step8), "--branch")
+    assert f"branched from {step8} at step 8 of 12" in said
+    assert_same_losses(branch, reference, steps=range(9, 13))
+    assert_same_weights(branch / "checkpoints" / "step12", reference / "checkpoints" / "step12")
+
+
+@pytest.mark.slow
 def test_allowed_training_changes_hold_from_the_first_step(data, reference, tmp_path):
     """--lr and betas changed at a resume, with --allow-training-changes: said, and the
     optimizer uses them (DeepSpeed restores the checkpoint's parameter groups)."""
