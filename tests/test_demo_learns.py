@@ -37,14 +37,20 @@ TOPICS, WORDS_PER_TOPIC, DOCUMENTS = 16, 4, 2000
 PARALLEL_RUNS = 2  # one per core
 
 
-def topic_documents(count: int, seed: int = 0) -> list:
-    """`count` documents of 16 to 28 words, each drawn with repeats from one topic's words."""
-    rng = random.Random(seed)
+def topic_words(rng: random.Random) -> list:
+    """TOPICS lists of WORDS_PER_TOPIC made-up words, the first of `rng`'s draws."""
     words = set()
     while len(words) < TOPICS * WORDS_PER_TOPIC:  # consonant-vowel-consonant: one token each
         words.add(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") + rng.choice("bdfgklmnprstvz"))
     words = sorted(words)
-    topics = [words[i::TOPICS] for i in range(TOPICS)]
+    return [words[i::TOPICS] for i in range(TOPICS)]
+
+
+def topic_documents(count: int, seed: int = 0) -> list:
+    """`count` documents of 16 to 28 words, each drawn with repeats from one topic's words
+    (topic_words(random.Random(seed)))."""
+    rng = random.Random(seed)
+    topics = topic_words(rng)
     return [" ".join(rng.choices(rng.choice(topics), k=rng.randint(16, 28))) for _ in range(count)]
 
 
