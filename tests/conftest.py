@@ -149,6 +149,22 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def topic_data(tmp_path_factory) -> str:
+    """tests/support/topic_corpus.py's corpus through tupe-prep, a quarter of its documents held
+    out."""
+    from data_prep.pipeline import PrepConfig, prepare
+    from topic_corpus import DOCUMENTS, topic_documents
+
+    folder = tmp_path_factory.mktemp("topics")
+    text = folder / "topics.txt"
+    text.write_text("\n\n".join(topic_documents(DOCUMENTS)) + "\n")  # a blank line ends a document
+    manifest = prepare(PrepConfig(inputs=[str(text)], output=str(folder / "data"), vocab_size=512,
+                                  workers=1, valid_fraction=0.25, quiet=True))
+    assert manifest["documents_out"] == DOCUMENTS  # none dropped as a duplicate or as noise
+    return str(folder / "data")
+
+
+@pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """One novel of the bundled corpus through tupe-prep (vocabulary 1000): a data folder."""
     from data_prep.pipeline import PrepConfig, prepare

@@ -5,9 +5,10 @@ the training split's most frequent token): the measure the demo prints (masked_w
 [MASK] positions only), on the export the demo reads. Its validation loss falls too.
 
 On the bundled novels a tiny model needs about 2,500 steps to get past word frequencies (bench/
-README.md, "make demo"), so the check trains on a generated corpus instead: each document draws its
-words from one of TOPICS topics of WORDS_PER_TOPIC made-up words, so a masked word follows from the
-other words of its document (at best 1 / WORDS_PER_TOPIC right). What the model learns here is
+README.md, "make demo"), so the check trains on a generated corpus instead (conftest.py's
+`topic_data`, tests/support/topic_corpus.py): each document draws its words from one of TOPICS
+topics of WORDS_PER_TOPIC made-up words, so a masked word follows from the other words of its
+document (at best 1 / WORDS_PER_TOPIC right). What the model learns here is
 which words go together, not their order: order-dependent corpora (a word fixed by its neighbour)
 were not learned in 800 steps by this model.
 Measured (2 CPU cores, 2026-11-26): 25.9x to 28.3x for seeds 1 to 5 (the unigram guess 0.008, the
@@ -16,7 +17,6 @@ above the share of the most frequent held-out answer (0.028), which no one token
 mask beats: checked in the test.
 """
 
-import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from runs import CPU_CONFIG, environment
+from topic_corpus import WORDS_PER_TOPIC
 from tupe_ds.data.loader import Vocabulary
 from tupe_ds.data.masking import IGNORE_INDEX
 from tupe_ds.demo.report import (exported_model, held_out_batch, masked_word_accuracy,
@@ -33,39 +34,7 @@ from tupe_ds.demo.run import TINY_MODEL_SETTINGS
 STEPS = 60
 SEEDS = (1, 2, 3, 4, 5)
 MARGIN = 10.0  # times the unigram guess's accuracy; measured 25.9x at the least
-TOPICS, WORDS_PER_TOPIC, DOCUMENTS = 16, 4, 2000
 PARALLEL_RUNS = 2  # one per core
-
-
-def topic_words(rng: random.Random) -> list:
-    """TOPICS lists of WORDS_PER_TOPIC made-up words, the first of `rng`'s draws."""
-    words = set()
-    while len(words) < TOPICS * WORDS_PER_TOPIC:  # consonant-vowel-consonant: one token each
-        words.add(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") + rng.choice("bdfgklmnprstvz"))
-    words = sorted(words)
-    return [words[i::TOPICS] for i in range(TOPICS)]
-
-
-def topic_documents(count: int, seed: int = 0) -> list:
-    """`count` documents of 16 to 28 words, each drawn with repeats from one topic's words
-    (topic_words(random.Random(seed)))."""
-    rng = random.Random(seed)
-    topics = topic_words(rng)
-    return [" ".join(rng.choices(rng.choice(topics), k=rng.randint(16, 28))) for _ in range(count)]
-
-
-@pytest.fixture(scope="module")
-def topic_data(tmp_path_factory) -> str:
-    """The topic corpus through tupe-prep, a quarter of its documents held out."""
-    from data_prep.pipeline import PrepConfig, prepare
-
-    folder = tmp_path_factory.mktemp("topics")
-    text = folder / "topics.txt"
-    text.write_text("\n\n".join(topic_documents(DOCUMENTS)) + "\n")  # a blank line ends a document
-    manifest = prepare(PrepConfig(inputs=[str(text)], output=str(folder / "data"), vocab_size=512,
-                                  workers=1, valid_fraction=0.25, quiet=True))
-    assert manifest["documents_out"] == DOCUMENTS  # none dropped as a duplicate or as noise
-    return str(folder / "data")
 
 
 def pretrain(data: str, out: str, seed: int) -> subprocess.CompletedProcess:

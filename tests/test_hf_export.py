@@ -14,7 +14,7 @@ import torch
 
 import tupe_ds
 from runs import environment
-from test_demo_learns import topic_data, topic_words  # noqa: F401  (a fixture)
+from topic_corpus import topic_words
 from test_finetune import write_sentiment
 from tp_inputs import inputs
 from tupe_ds.data.loader import Vocabulary
@@ -118,7 +118,7 @@ def test_fill_mask_and_trainer_after_a_short_pretraining(topic_data, tmp_path):
     2026-12-03), and Trainer fine-tunes the export on a task in the corpus's words."""
     model = pretrained(topic_data, "tupe-r", steps=100, lr=3e-3, batch=32)
     export_with_logits(model, topic_data, tmp_path / "model")
-    topics = topic_words(random.Random(0))  # test_demo_learns' topics: its corpus's words
+    topics = topic_words(random.Random(0))  # topic_data's words
     # a sentiment task in the corpus's words: one word of topic 0 (positive) or 1 among filler
     filler = [word for words in topics[4:] for word in words]
     rng = random.Random(0)
