@@ -85,8 +85,9 @@ def main(argv=None) -> int:
                         "does, in fp32)")
     p.add_argument("--script", choices=["fresh-start", "resume-from"],
                    help="a consent the job's script keeps once given, repeated by every requeue: "
-                        "--fresh-start in every attempt, or --resume-from step2 in every attempt "
-                        "after step2 exists; checked to apply once at most")
+                        "--fresh-start in every attempt, or --resume-from stepK in every attempt "
+                        "after one found two complete checkpoints, K the older (a go-back); "
+                        "checked to apply once at most")
     p.add_argument("--json", help="write the reports here")
     args = p.parse_args(argv)
     kinds = args.kinds.split(",") if args.kinds else None

@@ -10,6 +10,7 @@ the end checked, by Checks (bench/chaos_report.py), into its Report.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -53,8 +54,9 @@ class Chaos(FaultInjection, Checks):
         drawn independently (0-2 file faults an attempt). `kinds`: the kinds drawn (default:
         all; another-split only with `split_changes`). `script`: a consent the job's script
         keeps once given, as a requeue repeats it: "fresh-start" (every attempt), "resume-from"
-        (--resume-from step2 in every attempt after one found step2 complete): each applies
-        once at most, the run ending as the uninterrupted one (`consents_spent`)."""
+        (--resume-from stepK in every attempt after one found two complete checkpoints, K the
+        older: a go-back that gives up the newer): each applies once at most, the run ending as
+        the uninterrupted one (`consents_spent`)."""
         self.data, self.root, self.steps, self.keep = data, root, steps, keep
         self.random = random.Random(seed)
         self.cover, self.tolerance = cover, tolerance
@@ -210,8 +212,10 @@ class Chaos(FaultInjection, Checks):
                 text, split = "", REFERENCE_SPLIT
             self.report.faults.extend(faults)
             self.report.split_changed |= split != REFERENCE_SPLIT
-            if self.script == "resume-from" and not self.script_flags and 2 in self.complete():
-                self.script_flags = ["--resume-from", "step2"]  # kept by every later attempt
+            if self.script == "resume-from" and not self.script_flags and \
+                    len(complete := self.complete()) > 1:  # kept by every later attempt
+                self.script_flags = ["--resume-from", folders.tag_of(min(complete))]
+                self.going_back(faults, min(complete))
             listed = self.listing()
             outcome = self.attempt(number, split, text, faults)
             self.outputs.append(outcome.output)
@@ -240,6 +244,16 @@ class Chaos(FaultInjection, Checks):
         self.report.seconds = time.monotonic() - start
         self.consents_spent()
         return self.report
+
+    @staticmethod
+    def going_back(faults: List[Fault], step: int) -> None:
+        """The reaction to a fault in a checkpoint newer than `step`, which the attempt's
+        --resume-from gives up: that checkpoint set aside, unread."""
+        for fault in faults:
+            damaged = re.match(r"(step(\d+))/", fault.detail)
+            if damaged and int(damaged.group(2)) > step:
+                fault.expect = (f"tupe-pretrain: (step\\d+, )*{damaged.group(1)}(, step\\d+)* "
+                                f"\\(newer than {folders.tag_of(step)}, the checkpoint resumed")
 
     def consents_spent(self) -> None:
         """The script's consent applied once at most (--fresh-start: never, on a folder whose

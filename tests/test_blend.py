@@ -252,12 +252,15 @@ def test_a_folder_with_an_empty_split_is_refused_before_work(data, tmp_path):
 def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, tmp_path):
     """One process, 6 steps of 16 samples on 0.75 / 0.25, the second source named novel: valid/loss
     is the blend of the sources' validation losses, train/share/NAME the shares of each logged
-    step's samples; resuming with other weights is refused before work."""
+    step's samples; the same run on 2 ranks (each its share of every step's blend, and of each
+    source's validation) logs the same shares and, within fp32's summation order, the same
+    losses; resuming with other weights is refused before work."""
     from tupe_ds.train.config import CPU_CONFIG, load
 
     out = tmp_path / "run"
-    stdout = train(None, 1, data, out, "--steps", "6", "--global-batch", "16",
-                   "--eval-interval", "6", "--data", "0.75", data, "0.25", f"novel={second}")
+    flags = ["--steps", "6", "--global-batch", "16", "--eval-interval", "6", "--dropout", "0",
+             "--data", "0.75", data, "0.25", f"novel={second}"]
+    stdout = train(None, 1, data, out, *flags)
     first, other = os.path.basename(data), "novel"
     assert f"train samples: {first} " in stdout and f"(75%), {other} " in stdout
     entries = log(out)
@@ -269,6 +272,13 @@ def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, t
     assert final["valid/loss"] == pytest.approx(
         0.75 * final[f"valid/{first}/loss"] + 0.25 * final[f"valid/{other}/loss"], rel=1e-6)
     assert final[f"valid/{first}/loss"] != final[f"valid/{other}/loss"]
+    train("torchrun", 2, data, tmp_path / "two-ranks", *flags)
+    for step, entry in log(tmp_path / "two-ranks").items():
+        for metric, value in entry.items():
+            if metric.startswith("train/share/"):
+                assert value == entries[step][metric], (step, metric)
+            elif metric.endswith("loss"):
+                assert value == pytest.approx(entries[step][metric], rel=1e-5), (step, metric)
     description = json.loads((out / "run.json").read_text())
     assert [(s["folder"], s["weight"], s["name"]) for s in description["sources"]] == [
         (data, 0.75, first), (second, 0.25, "novel")]

@@ -7,13 +7,16 @@ damaged manifest, layout, `latest`, run.json and lock; a lock of a dead process;
 one rank), then compared with the uninterrupted run: weights, optimizer state and logged losses
 equal (bit for bit, random state included, with dropout on, when the split never changed; else
 within 1e-6 without dropout), each step logged once, every fault fired and reported by the line
-only its reaction prints, nothing complete lost, no planted code run. bench/chaos.py runs
-hundreds of faults (bench/README.md, "chaos.py")."""
+only its reaction prints, nothing complete lost, no planted code run. The schedule that keeps
+the split is a job script that keeps a `--resume-from` once given, as a requeue repeats it: on
+2 ranks the consent goes back to the older of two checkpoints, giving up the newer, once, and
+never again. bench/chaos.py runs hundreds of faults (bench/README.md, "chaos.py")."""
 
 import pytest
 
 from bench.chaos_faults import FILE_FAULTS, PROCESS_FAULTS
 from bench.chaos_harness import Chaos
+from tupe_ds.train.checkpoint import history
 
 STEPS = 26
 
@@ -27,16 +30,20 @@ def references(data, tmp_path_factory):
             for split_changes in (True, False)}
 
 
-@pytest.mark.parametrize("seed, split_changes, attempts", [(11, True, 16), (12, False, 4)])
+@pytest.mark.parametrize("seed, split_changes, attempts, script",
+                         [(11, True, 16, ""), (12, False, 4, "resume-from")])
 @pytest.mark.slow
 def test_a_run_through_random_faults_ends_as_the_uninterrupted_one(data, references, tmp_path,
                                                                    seed, split_changes,
-                                                                   attempts):
+                                                                   attempts, script):
     chaos = Chaos(data, str(tmp_path), seed, steps=STEPS, split_changes=split_changes,
-                  cover=True)
+                  cover=True, script=script)
     chaos.run(attempts)
     report = chaos.check(references[split_changes])
-    assert report.problems == [], "\n".join(report.problems)
+    assert report.problems == [], "\n".join(report.problems)  # a consent applied twice too
+    if script:  # applied once (consents_spent), on 2 ranks, giving up a newer checkpoint
+        consent = next(r for r in history.read(chaos.out) if r["kind"] == "consent")
+        assert consent["outcome"] == "applied" and consent["gives_up"], consent
     triggered = {fault.kind for fault in report.faults if fault.triggered}
     if split_changes:  # the long schedule holds every kind of fault
         assert set(FILE_FAULTS + PROCESS_FAULTS) <= triggered, \

@@ -86,9 +86,10 @@ def largest_difference(state, reference) -> float:
 
 
 def assert_micro_batches_differ(data, objective, layouts):
-    """The test's premise: in every step, each layout's micro-batches hold numbers of the tokens
-    its loss terms count that differ by 20% or more (a mean of means weighs their tokens
-    differently)."""
+    """The test's premise: in every step, each layout's micro-batches, and its dp ranks' shares
+    of the global batch (contiguous, data/loader.py's TrainBatches), hold numbers of the tokens
+    its loss terms count that differ by 20% or more (a mean of means, or of the ranks' means,
+    weighs their tokens differently)."""
     vocab = Vocabulary.from_data_dir(data)
     packed = PackedSentences(os.path.join(data, "train"), SEQ_LEN, vocab.cls, vocab.sep, data)
     samples = MaskedSamples(packed, vocab, OBJECTIVES[objective].default_masking,
@@ -98,10 +99,10 @@ def assert_micro_batches_differ(data, objective, layouts):
         batch = samples.global_samples(sum(sizes[:step]), size)
         rows = [OBJECTIVES[objective].token_counts({k: v[i:i + 1] for k, v in batch.items()})
                 for i in range(size)]
-        for micro in [LAYOUTS[name][0] for name in layouts]:
-            if micro < size:
-                counts = np.add.reduceat(np.array(rows), np.arange(0, size, micro))
-                assert np.all(counts.max(0) >= 1.2 * counts.min(0)), (step, micro, counts)
+        parts = {part for name in layouts for part in (LAYOUTS[name][0], size // LAYOUTS[name][2])}
+        for part in sorted(part for part in parts if part < size):  # samples per micro-batch, rank
+            counts = np.add.reduceat(np.array(rows), np.arange(0, size, part))
+            assert np.all(counts.max(0) >= 1.2 * counts.min(0)), (step, part, counts)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from runs import ROOT, environment, free_port, log, train
+import slurm_cluster
 from slurm_cluster import Network, SlurmCluster, install_packages
 from test_index_cache import index_files, write_corpus
 from test_slurm import TINY, logged_steps
@@ -312,3 +313,51 @@ def test_srun_tasks_meet_without_scontrol_on_the_cpus_the_job_asked_for(two_node
             assert report["master"] == master and report["sum"] == 3.0
             assert len(report["cpus"]) == cpus, (report, output)
             assert report["srun_cpus_per_task"] == passed_on
+
+
+LEFT_BEHIND = """\
+import sys, time
+from pathlib import Path
+sys.path[:0] = sys.argv[2:]
+from slurm_cluster import Network, SlurmCluster
+network = Network({"ctl": 100, "n1": 101})
+cluster = SlurmCluster(Path(sys.argv[1]), network)
+job = cluster.sbatch("--wrap", "sleep 600", "--output=/dev/null")
+cluster.wait(job, lambda job: job["JobState"] == "RUNNING", timeout=60)
+print(network.namespaces["ctl"], network.bridge, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_what_a_killed_tests_cluster_left_the_next_one_removes(tmp_path):
+    """A process that made a cluster (namespaces, a bridge, veths, daemons, a job's step and
+    task) and was killed without its teardown, as a SIGINT to pytest's controller alone ends
+    the xdist workers: the next cluster's remove_leftovers removes all of it, and nothing of a
+    process that still holds its cluster."""
+    reason = Network.unavailable() or install_packages()
+    if reason:
+        pytest.skip(f"no cluster here: {reason}")
+    root = tmp_path / "cluster"
+    owner = subprocess.Popen([sys.executable, "-c", LEFT_BEHIND, str(root),
+                              os.path.join(ROOT, "tests", "support"), ROOT],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        namespace, bridge = owner.stdout.readline().split()
+        assert slurm_cluster.remove_leftovers() == []  # its owner holds it
+        assert slurm_cluster.naming(str(root)) and namespace in ip("netns", "list")
+    finally:
+        owner.kill()
+        owner.wait()
+    with pytest.warns(UserWarning, match=f"process {owner.pid}, which ended before"):
+        assert len(slurm_cluster.remove_leftovers()) == 1
+    deadline = time.monotonic() + 10  # slurmctld's slurmscriptd ends after it
+    while slurm_cluster.naming(str(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slurm_cluster.naming(str(root)) == []  # daemons, the job's step and its task
+    assert namespace not in ip("netns", "list") and bridge not in ip("link", "show")
+    assert not list(slurm_cluster.RECORDS.glob(f"{owner.pid}-*"))
+
+
+def ip(*arguments) -> str:
+    return subprocess.run(["ip", *arguments], capture_output=True, text=True, check=True).stdout

@@ -9,8 +9,15 @@ when missing, as root), configured in a temporary folder, stopped by PID.
 
 Cgroups are not available on this kind of machine: processes are tracked by proctrack/linuxproc
 and tasks are not confined (task/none).
+
+What a cluster makes (namespaces, the bridge, veths, daemons) is recorded while its process holds
+it (RECORDS). A process that ends before its teardown (SIGKILL; a SIGINT to pytest's controller
+alone ends the xdist workers without their fixtures' teardowns; a CI job's timeout) leaves all of
+it running, and the next cluster made on the machine removes it first, with a warning that says
+what it removed (remove_leftovers).
 """
 
+import json
 import os
 import random
 import shutil
@@ -19,8 +26,9 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, List, Optional
 
 from tupe_ds.distributed.launch import SRUN_PORTS
 from tupe_ds.distributed.launchers import free_port
@@ -50,6 +58,94 @@ def install_packages() -> Optional[str]:
     return f"{', '.join(missing)} still missing after apt-get install" if missing else None
 
 
+RECORDS = Path("/run/tupe-ds-test-clusters")  # a tmpfs: gone with what it records at a reboot
+RECORDED_AS = {"netns": "namespaces", "link": "links"}
+
+
+def started(pid: int) -> Optional[str]:
+    """When process `pid` started (its /proc stat), which tells it from a later process given the
+    same PID; None when no process has it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def record(change: Callable[[dict], None]) -> None:
+    """Applies `change` to this process's record in RECORDS ({"namespaces": [...], "links":
+    [...], "folders": [...]}), written atomically; removed once it holds nothing."""
+    path = RECORDS / f"{os.getpid()}-{started(os.getpid())}.json"
+    try:
+        held = json.loads(path.read_text())
+    except FileNotFoundError:
+        held = {}
+    change(held)
+    if not any(held.values()):
+        path.unlink(missing_ok=True)
+        return
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    written = path.with_suffix(".part")
+    written.write_text(json.dumps(held))
+    os.replace(written, path)
+
+
+def remove_leftovers() -> List[str]:
+    """Removes what the clusters of each process that ended before its teardown left running:
+    the processes that name a cluster's folder (daemons, job steps, tasks) and those in its
+    namespaces, its namespaces and links; a warning names them. The records removed."""
+    removed = []
+    for path in sorted(RECORDS.glob("*.json")):
+        owner, start = path.stem.split("-", 1)
+        if started(int(owner)) == start:  # its process holds it still
+            continue
+        try:
+            held = json.loads(path.read_text())
+        except (OSError, ValueError):
+            held = {}
+        for folder in held.get("folders", []):
+            for pid in naming(folder):
+                kill(pid, signal.SIGKILL)
+        for namespace in held.get("namespaces", []):
+            for pid in namespace_pids(namespace):
+                kill(pid, signal.SIGKILL)
+            subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
+        for link in held.get("links", []):
+            subprocess.run(["ip", "link", "delete", link], capture_output=True)
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+        warnings.warn(f"removed what the test clusters of process {owner}, which ended before "
+                      f"their teardown, left: {json.dumps(held)}")
+    return removed
+
+
+def kill(pid: int, signal_number: int) -> None:
+    try:
+        os.kill(pid, signal_number)
+    except ProcessLookupError:
+        pass
+
+
+def naming(folder: str) -> List[int]:
+    """The processes whose command line or environment names a path in `folder`: a cluster's
+    daemons (their configuration), its job steps and their tasks (SLURM_CONF). slurmctld's
+    slurmscriptd names none, and ends with slurmctld."""
+    path, found = os.path.join(folder, "").encode(), []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and any(path in Path("/proc", entry, part).read_bytes()
+                                       for part in ("cmdline", "environ")):
+                found.append(int(entry))
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def namespace_pids(namespace: str) -> List[int]:
+    """Every process running in network namespace `namespace`."""
+    result = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return [int(pid) for pid in result.stdout.split()]
+
+
 def memory_mb() -> int:
     with open("/proc/meminfo") as f:
         return int(f.readline().split()[1]) // 1024
@@ -75,9 +171,10 @@ class Network:
         self.addresses = {host: f"{self.SUBNET}.{last}" for host, last in hosts.items()}
         self.created = []  # what remove() takes down, newest first
         self.folder = Path(tempfile.mkdtemp(prefix="tupe-network-"))
+        remove_leftovers()
         try:
+            self._created("link", self.bridge)
             self._ip("link", "add", self.bridge, "type", "bridge")
-            self.created.append(("link", self.bridge))
             self._ip("link", "set", self.bridge, "up")
             for index, host in enumerate(hosts):
                 self._add_host(host, f"tupev{index}{tag}")
@@ -107,10 +204,16 @@ class Network:
         if result.returncode != 0:
             raise RuntimeError(f"ip {' '.join(arguments)}: {result.stderr.strip()}")
 
+    def _created(self, kind: str, name: str) -> None:
+        """Recorded before it is made: a kill between the two leaves nothing unrecorded."""
+        self.created.append((kind, name))
+        record(lambda held: held.setdefault(RECORDED_AS[kind], []).append(name))
+
     def _add_host(self, host: str, outer: str) -> None:
         namespace = self.namespaces[host]
+        self._created("netns", namespace)
         self._ip("netns", "add", namespace)
-        self.created.append(("netns", namespace))
+        self._created("link", outer)
         self._ip("link", "add", outer, "type", "veth", "peer", "name", self.INTERFACE,
                  "netns", namespace)
         self._ip("link", "set", outer, "master", self.bridge, "up")
@@ -128,21 +231,18 @@ class Network:
                 "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
                 str(self.folder / f"{host}.hosts")]
 
-    def pids(self, host: str) -> list:
+    def pids(self, host: str) -> List[int]:
         """Every process running in `host`'s namespace."""
-        result = subprocess.run(["ip", "netns", "pids", self.namespaces[host]],
-                                capture_output=True, text=True)
-        return [int(pid) for pid in result.stdout.split()]
+        return namespace_pids(self.namespaces[host])
 
     def remove(self) -> None:
         for kind, name in reversed(self.created):
             if kind == "netns":
-                for pid in self.pids(next(h for h, n in self.namespaces.items() if n == name)):
-                    try:  # what a failed test left running there
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                for pid in namespace_pids(name):  # what a failed test left running there
+                    kill(pid, signal.SIGKILL)
             subprocess.run(["ip", kind, "delete", name], capture_output=True)
+            record(lambda held: held.update({RECORDED_AS[kind]: [
+                other for other in held.get(RECORDED_AS[kind], []) if other != name]}))
         self.created = []
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -166,6 +266,8 @@ class SlurmCluster:
         for name in ("state", "spool", "munge"):
             (root / name).mkdir(parents=True, exist_ok=True)
         self.pid_files = []
+        remove_leftovers()
+        record(lambda held: held.setdefault("folders", []).append(str(root)))
         try:
             self._start_daemons()
         except BaseException:
@@ -252,7 +354,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
         subprocess.run([*self.on(host), *command], check=True, capture_output=True, timeout=60)
         self.pid_files.append(pid_file)
         deadline = time.time() + 30
-        while not pid_file.exists():
+        while not daemon_pid(pid_file):
             if time.time() > deadline:
                 raise RuntimeError(f"{command[0]} wrote no {pid_file}:\n{self.logs()}")
             time.sleep(0.1)
@@ -312,20 +414,25 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
         """SIGTERM to the Slurm daemons at once, then to munged once they are gone."""
         munged, daemons = [], []
         for pid_file in self.pid_files:
-            try:
-                pid = int(pid_file.read_text().split()[0])
-            except (FileNotFoundError, ValueError, IndexError):
-                continue
-            (munged if pid_file.name == "munged.pid" else daemons).append(pid)
+            if pid := daemon_pid(pid_file):
+                (munged if pid_file.name == "munged.pid" else daemons).append(pid)
         for group in (daemons, munged):
             for pid in group:
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    continue
+                kill(pid, signal.SIGTERM)
             deadline = time.time() + 20
             while time.time() < deadline and any(running(pid) for pid in group):
                 time.sleep(0.1)
+        if not any(running(pid) for pid in daemons + munged):  # else the next cluster's to end
+            record(lambda held: held.update(folders=[
+                folder for folder in held.get("folders", []) if folder != str(self.root)]))
+
+
+def daemon_pid(pid_file: Path) -> Optional[int]:
+    """The PID a daemon wrote in `pid_file`; None before it has."""
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (FileNotFoundError, ValueError, IndexError):
+        return None
 
 
 def running(pid: int) -> bool:
