@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--script", choices=["fresh-start", "resume-from"],
                    help="a consent the job's script keeps once given, repeated by every requeue: "
                         "--fresh-start in every attempt, or --resume-from stepK in every attempt "
-                        "after one found two complete checkpoints, K the older (a go-back); "
+                        "after one found two complete checkpoints, K the oldest (a go-back); "
                         "checked to apply once at most")
     p.add_argument("--json", help="write the reports here")
     args = p.parse_args(argv)

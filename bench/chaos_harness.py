@@ -22,6 +22,7 @@ from bench.chaos_faults import (FILE_FAULTS, NAN_RANK, NAN_STEP, PROCESS_FAULTS,
                                 READ_RETRY_SECONDS, REFERENCE_SPLIT, Fault, FaultInjection)
 from bench.chaos_report import Checks, Outcome, Report
 from tupe_ds.distributed import launchers
+from tupe_ds.tools.errors import HistoryDamaged
 from tupe_ds.tools.lock import this_holder
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import history, manifest
@@ -55,8 +56,8 @@ class Chaos(FaultInjection, Checks):
         all; another-split only with `split_changes`). `script`: a consent the job's script
         keeps once given, as a requeue repeats it: "fresh-start" (every attempt), "resume-from"
         (--resume-from stepK in every attempt after one found two complete checkpoints, K the
-        older: a go-back that gives up the newer): each applies once at most, the run ending as
-        the uninterrupted one (`consents_spent`)."""
+        oldest: a go-back that gives up the newer): each applies once at most, the run ending
+        as the uninterrupted one (`consents_spent`)."""
         self.data, self.root, self.steps, self.keep = data, root, steps, keep
         self.random = random.Random(seed)
         self.cover, self.tolerance = cover, tolerance
@@ -215,7 +216,8 @@ class Chaos(FaultInjection, Checks):
             if self.script == "resume-from" and not self.script_flags and \
                     len(complete := self.complete()) > 1:  # kept by every later attempt
                 self.script_flags = ["--resume-from", folders.tag_of(min(complete))]
-                self.going_back(faults, min(complete))
+            if self.script_flags[:1] == ["--resume-from"] and not self.consent_applied():
+                self.going_back(faults, folders.step_of(self.script_flags[1]))
             listed = self.listing()
             outcome = self.attempt(number, split, text, faults)
             self.outputs.append(outcome.output)
@@ -245,10 +247,19 @@ class Chaos(FaultInjection, Checks):
         self.consents_spent()
         return self.report
 
+    def consent_applied(self) -> bool:
+        """Whether the run's history records a consent applied (a damaged history: no)."""
+        try:
+            return any(r["kind"] == "consent" and r["outcome"] == "applied"
+                       for r in history.read(self.out) or [])
+        except HistoryDamaged:
+            return False
+
     @staticmethod
     def going_back(faults: List[Fault], step: int) -> None:
         """The reaction to a fault in a checkpoint newer than `step`, which the attempt's
-        --resume-from gives up: that checkpoint set aside, unread."""
+        --resume-from, not yet applied (an attempt that could not read stops before), gives
+        up: that checkpoint set aside, unread."""
         for fault in faults:
             damaged = re.match(r"(step(\d+))/", fault.detail)
             if damaged and int(damaged.group(2)) > step:

@@ -273,7 +273,10 @@ def test_a_blended_run_validates_each_source_and_logs_the_shares(data, second, t
         0.75 * final[f"valid/{first}/loss"] + 0.25 * final[f"valid/{other}/loss"], rel=1e-6)
     assert final[f"valid/{first}/loss"] != final[f"valid/{other}/loss"]
     train("torchrun", 2, data, tmp_path / "two-ranks", *flags)
-    for step, entry in log(tmp_path / "two-ranks").items():
+    two_ranks = log(tmp_path / "two-ranks")
+    assert {step: set(entry) for step, entry in two_ranks.items()} == {
+        step: set(entry) for step, entry in entries.items()}
+    for step, entry in two_ranks.items():
         for metric, value in entry.items():
             if metric.startswith("train/share/"):
                 assert value == entries[step][metric], (step, metric)

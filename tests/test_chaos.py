@@ -9,8 +9,8 @@ equal (bit for bit, random state included, with dropout on, when the split never
 within 1e-6 without dropout), each step logged once, every fault fired and reported by the line
 only its reaction prints, nothing complete lost, no planted code run. The schedule that keeps
 the split is a job script that keeps a `--resume-from` once given, as a requeue repeats it: on
-2 ranks the consent goes back to the older of two checkpoints, giving up the newer, once, and
-never again. bench/chaos.py runs hundreds of faults (bench/README.md, "chaos.py")."""
+2 ranks the consent goes back to the oldest of two checkpoints, giving up the newer, once,
+and never again. bench/chaos.py runs hundreds of faults (bench/README.md, "chaos.py")."""
 
 import pytest
 

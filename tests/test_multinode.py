@@ -324,15 +324,15 @@ network = Network({"ctl": 100, "n1": 101})
 cluster = SlurmCluster(Path(sys.argv[1]), network)
 job = cluster.sbatch("--wrap", "sleep 600", "--output=/dev/null")
 cluster.wait(job, lambda job: job["JobState"] == "RUNNING", timeout=60)
-print(network.namespaces["ctl"], network.bridge, flush=True)
+print(network.namespaces["ctl"], network.bridge, network.folder, flush=True)
 time.sleep(600)
 """
 
 
 @pytest.mark.slow
 def test_what_a_killed_tests_cluster_left_the_next_one_removes(tmp_path):
-    """A process that made a cluster (namespaces, a bridge, veths, daemons, a job's step and
-    task) and was killed without its teardown, as a SIGINT to pytest's controller alone ends
+    """A process that made a cluster (namespaces, a bridge, veths, hosts files, daemons, a job's
+    step and task) and was killed without its teardown, as a SIGINT to pytest's controller alone ends
     the xdist workers: the next cluster's remove_leftovers removes all of it, and nothing of a
     process that still holds its cluster."""
     reason = Network.unavailable() or install_packages()
@@ -343,7 +343,7 @@ def test_what_a_killed_tests_cluster_left_the_next_one_removes(tmp_path):
                               os.path.join(ROOT, "tests", "support"), ROOT],
                              stdout=subprocess.PIPE, text=True)
     try:
-        namespace, bridge = owner.stdout.readline().split()
+        namespace, bridge, hosts_files = owner.stdout.readline().split()
         assert slurm_cluster.remove_leftovers() == []  # its owner holds it
         assert slurm_cluster.naming(str(root)) and namespace in ip("netns", "list")
     finally:
@@ -356,6 +356,7 @@ def test_what_a_killed_tests_cluster_left_the_next_one_removes(tmp_path):
         time.sleep(0.2)
     assert slurm_cluster.naming(str(root)) == []  # daemons, the job's step and its task
     assert namespace not in ip("netns", "list") and bridge not in ip("link", "show")
+    assert not os.path.exists(hosts_files)
     assert not list(slurm_cluster.RECORDS.glob(f"{owner.pid}-*"))
 
 

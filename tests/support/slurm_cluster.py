@@ -17,18 +17,21 @@ it running, and the next cluster made on the machine removes it first, with a wa
 what it removed (remove_leftovers).
 """
 
+import fcntl
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 from tupe_ds.distributed.launch import SRUN_PORTS
 from tupe_ds.distributed.launchers import free_port
@@ -59,7 +62,9 @@ def install_packages() -> Optional[str]:
 
 
 RECORDS = Path("/run/tupe-ds-test-clusters")  # a tmpfs: gone with what it records at a reboot
+RECORD = re.compile(r"^(\d+)-(\d+)\.(json|part)$")  # OWNER-START: its owner's PID, start time
 RECORDED_AS = {"netns": "namespaces", "link": "links"}
+_recording = threading.Lock()
 
 
 def started(pid: int) -> Optional[str]:
@@ -71,50 +76,66 @@ def started(pid: int) -> Optional[str]:
         return None
 
 
-def record(change: Callable[[dict], None]) -> None:
-    """Applies `change` to this process's record in RECORDS ({"namespaces": [...], "links":
-    [...], "folders": [...]}), written atomically; removed once it holds nothing."""
+def record(kind: str, name: str, held: bool = True) -> None:
+    """Adds `name` to this process's record in RECORDS (not `held`: removes it) as one of `kind`:
+    "namespaces" and "links" (made by `ip`), "folders" (a cluster's, which its processes name),
+    "trees" (removed whole). Written atomically; the record removed once it holds nothing."""
     path = RECORDS / f"{os.getpid()}-{started(os.getpid())}.json"
-    try:
-        held = json.loads(path.read_text())
-    except FileNotFoundError:
-        held = {}
-    change(held)
-    if not any(held.values()):
-        path.unlink(missing_ok=True)
-        return
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    written = path.with_suffix(".part")
-    written.write_text(json.dumps(held))
-    os.replace(written, path)
+    with _recording:
+        try:
+            entries = json.loads(path.read_text())
+        except FileNotFoundError:
+            entries = {}
+        names = [other for other in entries.get(kind, []) if other != name]
+        entries[kind] = names + [name] if held else names
+        if not any(entries.values()):
+            path.unlink(missing_ok=True)
+            return
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        written = path.with_suffix(".part")
+        written.write_text(json.dumps(entries))
+        os.replace(written, path)
 
 
 def remove_leftovers() -> List[str]:
     """Removes what the clusters of each process that ended before its teardown left running:
     the processes that name a cluster's folder (daemons, job steps, tasks) and those in its
-    namespaces, its namespaces and links; a warning names them. The records removed."""
+    namespaces, its namespaces, links and temporary folders; a warning names them. One sweep at
+    a time on the machine. The records removed."""
+    RECORDS.mkdir(parents=True, exist_ok=True)
     removed = []
-    for path in sorted(RECORDS.glob("*.json")):
-        owner, start = path.stem.split("-", 1)
-        if started(int(owner)) == start:  # its process holds it still
-            continue
-        try:
-            held = json.loads(path.read_text())
-        except (OSError, ValueError):
-            held = {}
-        for folder in held.get("folders", []):
-            for pid in naming(folder):
-                kill(pid, signal.SIGKILL)
-        for namespace in held.get("namespaces", []):
-            for pid in namespace_pids(namespace):
-                kill(pid, signal.SIGKILL)
-            subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
-        for link in held.get("links", []):
-            subprocess.run(["ip", "link", "delete", link], capture_output=True)
-        path.unlink(missing_ok=True)
-        removed.append(path.name)
-        warnings.warn(f"removed what the test clusters of process {owner}, which ended before "
-                      f"their teardown, left: {json.dumps(held)}")
+    with open(RECORDS / ".sweeping", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for path in sorted(RECORDS.iterdir()):
+            match = RECORD.match(path.name)
+            if not match or started(int(match.group(1))) == match.group(2):
+                continue  # not a record, or one its process holds still
+            try:
+                held = json.loads(path.read_text()) if match.group(3) == "json" else {}
+            except (OSError, ValueError):  # a write a kill cut short
+                held = {}
+
+            def names(kind: str) -> List[str]:
+                listed = held.get(kind, []) if isinstance(held, dict) else []
+                return [name for name in listed if isinstance(name, str) and name]
+
+            # a folder that would name half the machine's processes is no cluster's
+            for folder in [f for f in names("folders") if len(Path(f).parts) > 3]:
+                for pid in naming(folder):
+                    kill(pid, signal.SIGKILL)
+            for namespace in names("namespaces"):
+                for pid in namespace_pids(namespace):
+                    kill(pid, signal.SIGKILL)
+                subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
+            for link in names("links"):
+                subprocess.run(["ip", "link", "delete", link], capture_output=True)
+            for tree in [t for t in names("trees") if len(Path(t).parts) > 2]:
+                shutil.rmtree(tree, ignore_errors=True)
+            path.unlink(missing_ok=True)
+            if held:
+                removed.append(path.name)
+                warnings.warn(f"removed what the test clusters of process {match.group(1)}, "
+                              f"which ended before their teardown, left: {json.dumps(held)}")
     return removed
 
 
@@ -165,16 +186,16 @@ class Network:
 
     def __init__(self, hosts: dict):
         """hosts: name -> last byte of its address, e.g. {"ctl": 100, "n1": 101}."""
-        tag = str(os.getpid() % 100000)
+        tag = str(os.getpid())  # no running process's names are another's (15 bytes at most)
         self.bridge = f"tupebr{tag}"
         self.namespaces = {host: f"tupe-{host}-{tag}" for host in hosts}
         self.addresses = {host: f"{self.SUBNET}.{last}" for host, last in hosts.items()}
         self.created = []  # what remove() takes down, newest first
-        self.folder = Path(tempfile.mkdtemp(prefix="tupe-network-"))
         remove_leftovers()
+        self.folder = Path(tempfile.mkdtemp(prefix="tupe-network-"))
+        record("trees", str(self.folder))
         try:
-            self._created("link", self.bridge)
-            self._ip("link", "add", self.bridge, "type", "bridge")
+            self._make("link", self.bridge, "link", "add", self.bridge, "type", "bridge")
             self._ip("link", "set", self.bridge, "up")
             for index, host in enumerate(hosts):
                 self._add_host(host, f"tupev{index}{tag}")
@@ -204,18 +225,22 @@ class Network:
         if result.returncode != 0:
             raise RuntimeError(f"ip {' '.join(arguments)}: {result.stderr.strip()}")
 
-    def _created(self, kind: str, name: str) -> None:
-        """Recorded before it is made: a kill between the two leaves nothing unrecorded."""
+    def _make(self, kind: str, name: str, *arguments) -> None:
+        """`ip ARGUMENTS`, which makes `name`: recorded first (a kill between the two leaves
+        nothing unrecorded), unrecorded if it fails (a name in use is not this network's)."""
+        record(RECORDED_AS[kind], name)
+        try:
+            self._ip(*arguments)
+        except BaseException:
+            record(RECORDED_AS[kind], name, held=False)
+            raise
         self.created.append((kind, name))
-        record(lambda held: held.setdefault(RECORDED_AS[kind], []).append(name))
 
     def _add_host(self, host: str, outer: str) -> None:
         namespace = self.namespaces[host]
-        self._created("netns", namespace)
-        self._ip("netns", "add", namespace)
-        self._created("link", outer)
-        self._ip("link", "add", outer, "type", "veth", "peer", "name", self.INTERFACE,
-                 "netns", namespace)
+        self._make("netns", namespace, "netns", "add", namespace)
+        self._make("link", outer, "link", "add", outer, "type", "veth", "peer", "name",
+                   self.INTERFACE, "netns", namespace)
         self._ip("link", "set", outer, "master", self.bridge, "up")
         self._ip("-n", namespace, "addr", "add", f"{self.addresses[host]}/24", "dev",
                  self.INTERFACE)
@@ -241,10 +266,10 @@ class Network:
                 for pid in namespace_pids(name):  # what a failed test left running there
                     kill(pid, signal.SIGKILL)
             subprocess.run(["ip", kind, "delete", name], capture_output=True)
-            record(lambda held: held.update({RECORDED_AS[kind]: [
-                other for other in held.get(RECORDED_AS[kind], []) if other != name]}))
+            record(RECORDED_AS[kind], name, held=False)
         self.created = []
         shutil.rmtree(self.folder, ignore_errors=True)
+        record("trees", str(self.folder), held=False)
 
 
 def daemon_port() -> int:
@@ -267,7 +292,7 @@ class SlurmCluster:
             (root / name).mkdir(parents=True, exist_ok=True)
         self.pid_files = []
         remove_leftovers()
-        record(lambda held: held.setdefault("folders", []).append(str(root)))
+        record("folders", os.path.abspath(root))
         try:
             self._start_daemons()
         except BaseException:
@@ -423,8 +448,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
             while time.time() < deadline and any(running(pid) for pid in group):
                 time.sleep(0.1)
         if not any(running(pid) for pid in daemons + munged):  # else the next cluster's to end
-            record(lambda held: held.update(folders=[
-                folder for folder in held.get("folders", []) if folder != str(self.root)]))
+            record("folders", os.path.abspath(self.root), held=False)
 
 
 def daemon_pid(pid_file: Path) -> Optional[int]:
