@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -79,9 +80,15 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    # the Slurm files first, the one unit made of two files; the rest as collected, each to
-    # whichever process is free (no durations kept: docs/development.md, "Tiers")
-    items.sort(key=lambda item: work_unit(item.nodeid) not in ONE_AT_A_TIME.values())
+    # The Slurm files first, the one unit made of two files; then the unit with the most slow
+    # tests, which, handed out last as collected, ended the suite alone; the rest as collected,
+    # each to whichever process is free (no durations kept: docs/development.md, "Tiers")
+    slow = collections.Counter(work_unit(item.nodeid) for item in items
+                               if item.get_closest_marker("slow"))
+    most = max(slow, key=lambda unit: (unit not in ONE_AT_A_TIME.values(), slow[unit]),
+               default=None)
+    items.sort(key=lambda item: (work_unit(item.nodeid) not in ONE_AT_A_TIME.values(),
+                                 work_unit(item.nodeid) != most))
 
 
 @pytest.hookimpl(optionalhook=True)
