@@ -35,7 +35,7 @@ pickle's code ever ran.
 
 Dropout (hidden and attention) is DROPOUT where the split never changes. Where it may, dropout
 is 0 and the end is compared within a tolerance, random state aside: a resume on another layout
-derives each rank's generators anew from (seed, step, rank) (tupe_ds/train/checkpoint/rng.py),
+derives each rank's generators anew from (seed, step, rank) (tupe_ds/train/checkpoint/loading.py),
 so with dropout the run would draw other masks than the uninterrupted one from then on.
 
     python bench/chaos.py --attempts 120 --seeds 1 --out build/chaos   # a few hundred faults

@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 import tupe_ds.tools.third_party_warnings  # noqa: F401,E402  (first: filters import warnings)
 from tupe_ds.tools.files import make_durable, sync_folder, write_atomically  # noqa: E402
-from tupe_ds.train.checkpoint.rng import file_name, rng_state  # noqa: E402
+from tupe_ds.train.checkpoint.loading import file_name, rng_state  # noqa: E402
 
 PARAMETERS = {"bert-base": 110_000_000, "small": 11_800_000}
 TENSOR = 4_000_000  # parameters a tensor: BERT-Base's are 0.6M-23M

@@ -96,7 +96,7 @@ def test_ranks_of_a_new_layout_derive_distinct_reproducible_random_states():
     import torch
     from megatron.core import tensor_parallel
 
-    from tupe_ds.train.checkpoint.rng import derive_rng_state
+    from tupe_ds.train.checkpoint.loading import derive_rng_state
 
     def draws(step, dp, pp, tp):
         derive_rng_state(1234, step, dp, pp, tp)

@@ -132,9 +132,9 @@ def lineage(records: List[dict]) -> Optional[str]:
                  if r["kind"] == kind), None)
 
 
-def recorded_settings(records: List[dict]) -> Optional[Tuple[dict, int]]:
-    """(The settings of the last attempt, its sequence number.)"""
-    return next(((r["settings"], r.get("seq")) for r in reversed(records)
+def recorded_settings(records: List[dict]) -> Optional[dict]:
+    """The settings of the last attempt."""
+    return next((r["settings"] for r in reversed(records)
                  if r["kind"] == "attempt" and isinstance(r.get("settings"), dict)), None)
 
 

@@ -6,7 +6,7 @@ import os
 
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train import schedule
-from tupe_ds.train.checkpoint import folder as folders, loading, manifest, reshard, rng, same_run
+from tupe_ds.train.checkpoint import folder as folders, loading, manifest, reshard, same_run
 from tupe_ds.train.flags import fail
 from tupe_ds.train.run_folder import recorded_settings
 
@@ -80,7 +80,7 @@ def branch_from(engine, plan: InitPlan) -> dict:
     """Collective: all the checkpoint holds into a new run's engine; returns its client state."""
     state = load(engine, plan, load_lr_scheduler_states=loading.holds_schedule(plan.step_dir))
     loading.confirm_loaded(os.path.basename(plan.step_dir), state["step"])
-    rng.load_rng_state(os.path.join(plan.step_dir, rng.file_name(engine.global_rank)))
+    loading.load_rng_state(os.path.join(plan.step_dir, loading.file_name(engine.global_rank)))
     return state
 
 

@@ -17,7 +17,7 @@ from tupe_ds.tools.errors import FolderTakenOver, HistoryDamaged, NonFiniteWeigh
 from tupe_ds.tools.files import make_durable, sync_folder, write_atomically
 from tupe_ds.train.checkpoint import folder as folders
 from tupe_ds.train.checkpoint import history, manifest, reads, reshard, safe_load
-from tupe_ds.train.checkpoint.rng import file_name, rng_state
+from tupe_ds.train.checkpoint.loading import file_name, rng_state
 from tupe_ds.tools.waits import announced
 
 logger = logging.getLogger(__name__)

@@ -39,14 +39,13 @@ def of_run_folder(args: argparse.Namespace, quiet: bool = False) -> tuple | None
     if not args.out:
         return None
     try:
-        found = history.recorded_settings(history.read(args.out) or [])
+        settings = history.recorded_settings(history.read(args.out) or [])
     except history.HistoryDamaged as error:
         if not quiet:
             logger.warning(f"tupe-pretrain: the run's settings cannot be taken from it: {error}")
         return None
-    if found is not None:
-        where, settings = os.path.join(args.out, history.FILE), found[0]
-    else:
+    where = os.path.join(args.out, history.FILE)
+    if settings is None:
         directory = os.path.join(args.out, "checkpoints")
         step, newest = max(folder.survey(directory)[0].items(), default=(0, {}))
         where = os.path.join(directory, folder.tag_of(step), "manifest.json")
