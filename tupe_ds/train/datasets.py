@@ -37,10 +37,9 @@ def datasets(run: RunConfig, vocab: Vocabulary, objective, newest: Optional[str]
 
     first, folders = dist.get_rank() == 0, ", ".join(source.folder for source in run.sources)
     packed = folder_files.on_every_rank(open_sources if first else lambda: None, "open the data",
-                                     folders, newest, "rank 0 to open the data")
-    later = folder_files.on_every_rank(lambda: None if first else open_sources(), "open the data",
-                                    folders, newest, "every rank to open the data")
-    packed = packed if first else later
+                                        folders, newest, "rank 0 to open the data")
+    packed = folder_files.on_every_rank(lambda: packed or open_sources(), "open the data",
+                                        folders, newest, "every rank to open the data")
     return {"train": BlendedSamples([stream(p["train"]) for p in packed],
                                     [source.weight for source in run.sources]),
             "valid": [stream(p["valid"]) for p in packed]}

@@ -210,7 +210,7 @@ def set_schedule(args: argparse.Namespace, ds_config: dict) -> dict:
     schedule."""
     if args.lr_schedule is not None:
         warmup = config_warmup(ds_config)
-        ds_config["scheduler"] = scheduler_config(args.lr_schedule, args.steps, warmup, args)
+        ds_config["scheduler"] = scheduler_config(args, warmup)
         if args.lr_schedule == "cosine":  # WarmupCosineLR scales the optimizer's own rate
             ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = \
                 warmup["peak_lr"]

@@ -101,13 +101,22 @@ def train(run: RunConfig, launcher: str) -> None:
     if state and "tokens_seen" not in state:  # a checkpoint of a tupe_ds before they were counted
         logger.info(f"tupe-pretrain: counting the tokens of the {batches.consumed:,} samples "
                     "trained before, from the data's index (about a second a million samples)")
+    monitor = Monitor(run.out, run.models, run.seq_len, run.world_size, rank,
+                      resumed_at=step, times=state.get("times") if state else None,
+                      settings={"train/mask_rate": run.masking.probability,
+                                "train/mask_split/mask": run.masking.mask,
+                                "train/mask_split/random": run.masking.random}, lock=run.lock,
+                      steps=run.steps, device=device, precision=dtype,
+                      tokens_seen=batches.tokens_seen())
+    if engine.monitor.enabled:  # DeepSpeed's own writes fail as the monitor's do
+        monitor.watch(engine.monitor)
     training = Training(
         objective, model, engine, steps, data, batches,
         layout=saved_layout(run, engine),
         record=checkpoint_record(run, start.lineage, start.plan),
         guard=NonFiniteGuard(engine, run.max_nonfinite_steps,
                              state.get("nonfinite") if state else None),
-        monitor=run_monitor(run, engine, step, state, device, dtype, rank, batches.tokens_seen()))
+        monitor=monitor)
     logger.info(start_line(run, step, start.plan, branched, launcher, data["train"]))
     outcome = step_loop(run, training, stop, step, last_checkpoint, device, rank)
     finish(run, training, outcome, device)
@@ -159,28 +168,11 @@ def built_engine(run: RunConfig, objective, device, rank: int) -> tuple:
         model = build_model(run, objective)
         run = micro_batch.settled(run, model, objective, device)  # the last run.json's
         model, engine, steps = build_engine(run, objective, device, model)
-    if run.lock is not None and engine.monitor.enabled:
-        run.lock.guard(engine.monitor)
     kept = run.optimizer_boundary == "foreach" and optimizer_boundary.unsupported(engine.optimizer)
     if kept:
         logger.info(f"tupe-pretrain: the foreach optimizer boundary does not apply ({kept}): "
                     "DeepSpeed's own overflow check and norm")
     return run, model, engine, steps
-
-
-def run_monitor(run: RunConfig, engine, step: int, state: Optional[dict], device, dtype: str,
-                rank: int, tokens_seen: int) -> Monitor:
-    """The run's Monitor, going on from the resumed `state`'s times and `tokens_seen` (None:
-    from step 0), which also notes the failed writes of the `engine`'s own monitor."""
-    monitor = Monitor(run.out, run.models, run.seq_len, run.world_size, rank,
-                      resumed_at=step, times=state.get("times") if state else None,
-                      settings={"train/mask_rate": run.masking.probability,
-                                "train/mask_split/mask": run.masking.mask,
-                                "train/mask_split/random": run.masking.random}, lock=run.lock,
-                      steps=run.steps, device=device, precision=dtype, tokens_seen=tokens_seen)
-    if engine.monitor.enabled:
-        monitor.watch(engine.monitor)
-    return monitor
 
 
 def step_loop(run: RunConfig, training: Training, stop: StopSignal, step: int,

@@ -1,39 +1,27 @@
 """--micro-batch auto: the largest micro-batch that divides each rank's share of the global batch
-and fits in memory, found at a run's first start by probing the model the run then trains. This
-module holds, in order, one probe (the forward and backward of a synthetic micro-batch, and the
-memory it takes on a GPU or a CPU with the model states DeepSpeed adds), the search over the sizes
-(the figures every rank agrees on, and the texts that say why a size was chosen or what to change
-when none fits), and the choice, kept in OUT/run.json or probed again.
+and fits in memory, found at a run's first start by probing the model the run then trains.
 
-A probe is the forward and backward of a synthetic micro-batch at the run's seq-len through the
-objective (BERT: the masked-LM head on the labelled positions at the run's mask rate; ELECTRA:
-generator and discriminator), in the run's precision (the model is built in it), with dropout
-as trained, before the DeepSpeed engine exists (ZeRO-2 hooks every gradient once it does). It
-runs eagerly where the model compiles its layers: nothing is compiled or recompiled for the
-sizes probed, and an eager pass holds at least what a compiled one does. Each probe ends with the
-gradients dropped and the allocator's cache emptied, and the random generators are as they were
-before the first, so the run trains exactly as with that --micro-batch given.
+A probe is the forward and backward of a synthetic micro-batch (`synthetic_batch`) through the
+objective, in the run's precision, with dropout as trained, before the DeepSpeed engine exists
+(ZeRO-2 hooks every gradient once it does). It runs eagerly where the model compiles its layers:
+nothing is compiled or recompiled for the sizes probed, and an eager pass holds at least what a
+compiled one does. The random generators end as they were before the first probe, so the run
+trains exactly as with that --micro-batch given. A size fits when the pass's peak (DeviceMemory,
+HostMemory) plus the model states the engine adds (`model_state_bytes`) stays within the memory
+this process may use, less HEADROOM.
 
-A micro-batch fits when the pass's peak (on a GPU torch's peak of allocated bytes, weights
-included; on a CPU the allocations torch's profiler records during the pass) plus the model
-states the engine adds (DeepSpeed's own estimators) stays within the memory this process may
-use, less HEADROOM.
+Activation memory grows linearly with the micro-batch, so the search (`largest_fitting`) probes
+1, 2, then the largest predicted to fit, each choice measured. No probe of a size predicted not
+to fit runs: an out-of-memory inside a pass would leave tensor-parallel partners waiting in a
+collective (on a GPU it still only means "does not fit"). Every rank takes the tightest rank's
+figures (`agreed`), so all probe the same sizes in the same order and end with the same
+micro-batch, the largest that fits on all of them, which DeepSpeed needs.
 
-Activation memory grows linearly with the micro-batch: after two probes the line through the two
-largest that fit predicts the rest, so the search goes 1, 2, then straight to the largest predicted
-to fit, each choice measured. No probe of a size predicted not to fit runs: an out-of-memory inside
-a pass would leave tensor-parallel partners waiting in a collective (on a GPU it still only means
-"does not fit"). Every probe's figures are gathered from all ranks and each takes the tightest
-rank's (the most over, or the least under, its memory), so every rank probes the same sizes in the
-same order and ends with the same micro-batch, the largest that fits on all of them, which
-DeepSpeed needs.
-
-OUT/run.json records the choice with the layout it was made for (models, objective, the split of
-the work, the device); a later start that resumes a checkpoint of the run on the same layout
-keeps it without probing; a start with no checkpoint behind the choice (its first step ran out
-of memory, or the folder held another model) or on another layout probes again and says why. An
-explicit --micro-batch N skips all of this. With --pp > 1 `auto` is refused before any work
-(ds_config.py): a pipeline stage's memory depends on the micro-batches its schedule holds.
+OUT/run.json records the choice with the layout it was made for; a later start that resumes a
+checkpoint of the run on that layout keeps it without probing, any other start probes again and
+says why (`not_kept_because`). An explicit --micro-batch N skips all of this. With --pp > 1
+`auto` is refused before any work (ds_config.py): a pipeline stage's memory depends on the
+micro-batches its schedule holds.
 """
 
 import contextlib
@@ -84,9 +72,6 @@ class DeviceMemory:
         work()
         return torch.accelerator.max_memory_allocated(self.device)
 
-    def empty_cache(self) -> None:
-        torch.accelerator.empty_cache()
-
 
 class HostMemory:
     """A CPU's: torch keeps no peak for its CPU allocator, so the peak is the running sum of the
@@ -111,9 +96,6 @@ class HostMemory:
             key=lambda event: event.start_time_ns)
         return max(itertools.accumulate(event.extra_fields.alloc_size for event in allocations),
                    default=0)
-
-    def empty_cache(self) -> None:
-        pass
 
 
 def allocation_events(events) -> list:
@@ -307,7 +289,8 @@ def probed_choice(run, model, objective, device: torch.device,
             needed = math.inf
         # outside the handler: its traceback holds the pass's tensors until it ends
         model.zero_grad(set_to_none=True)
-        meter.empty_cache()
+        if device.type != "cpu":
+            torch.accelerator.empty_cache()
         return agreed(micro_batch, needed, budget, device)
 
     started = time.perf_counter()

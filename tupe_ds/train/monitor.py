@@ -80,8 +80,8 @@ def keep_log_until(path: str, step: int) -> int:
         lines.pop()  # the empty piece after the last newline
     kept, redone = [], []
     for line in lines:
-        entry = entry_step(line)
-        (kept if entry is not None and entry <= step else redone).append(line)
+        entry = log_entry(line)
+        (kept if entry is not None and entry["step"] <= step else redone).append(line)
     if redone:
         appended(path[:-len(".jsonl")] + ".redone.jsonl", b"".join(redone))
     if redone or not data.endswith(b"\n") and data:  # the next entry starts on a line of its own
@@ -89,15 +89,19 @@ def keep_log_until(path: str, step: int) -> int:
     return len(redone)
 
 
-def entry_step(line: bytes):
-    """The step of a log line; None when it is not a log entry (a JSON object in UTF-8 with an
-    int step, as `Monitor.scalars` writes it)."""
+def log_entry(line: bytes) -> Optional[dict]:
+    """A log line's entry; None when it is not one (a JSON object in UTF-8 with an int step, as
+    `Monitor.scalars` writes it)."""
     try:
         entry = json.loads(line.decode("utf-8"))
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
-    step = entry.get("step") if isinstance(entry, dict) else None
-    return step if type(step) is int else None
+    return entry if isinstance(entry, dict) and type(entry.get("step")) is int else None
+
+
+def log_entries(path: str) -> list:
+    """The entries of the log `path`, in its order."""
+    return [entry for entry in map(log_entry, read_log(path).split(b"\n")) if entry is not None]
 
 
 def logged_times(path: str, resumed_at: int) -> dict:
@@ -106,15 +110,11 @@ def logged_times(path: str, resumed_at: int) -> dict:
     tupe_ds has none: its training seconds are estimated (`estimated_training_seconds`) for the
     `resumed_at` steps it trained."""
     found, step_times = {}, {}
-    for line in read_log(path).split(b"\n"):
-        step = entry_step(line)
-        if step is None:
-            continue
-        entry = json.loads(line)
+    for entry in log_entries(path):
         found.update({name: entry[f"time/{name}_seconds"] for name in Monitor.TIMED
                       if isinstance(entry.get(f"time/{name}_seconds"), float)})
         if "throughput/seconds_per_step" in entry:
-            step_times[step] = entry["throughput/seconds_per_step"]
+            step_times[entry["step"]] = entry["throughput/seconds_per_step"]
         if isinstance(entry.get("time/elapsed_seconds"), float):
             found["elapsed"] = max(found.get("elapsed", 0.0), entry["time/elapsed_seconds"])
     if "training" not in found and step_times:
@@ -124,14 +124,8 @@ def logged_times(path: str, resumed_at: int) -> dict:
 
 def validations(path: str) -> list:
     """The (step, valid/loss) pairs of the log `path`, in its order."""
-    found = []
-    for line in read_log(path).split(b"\n"):
-        step = entry_step(line)
-        if step is not None:
-            loss = json.loads(line).get("valid/loss")
-            if isinstance(loss, float):
-                found.append((step, loss))
-    return found
+    return [(entry["step"], entry["valid/loss"]) for entry in log_entries(path)
+            if isinstance(entry.get("valid/loss"), float)]
 
 
 def best_validation(path: str, final: tuple) -> tuple:
@@ -209,7 +203,6 @@ class Monitor:
                 # TensorBoard hides what earlier attempts wrote for the steps trained again
                 self.writer = SummaryWriter(self.events, purge_step=resumed_at + 1)
         self.sample_flops = run_flops_per_step(configs, 1, seq_len)
-        self.seq_len = seq_len
         self.world_size = world_size
         self.steps, self.first_step = steps, resumed_at + 1
         self.last_step = resumed_at
@@ -239,8 +232,9 @@ class Monitor:
             self.writer = None
 
     def watch(self, deepspeed_monitor) -> None:
-        """DeepSpeed's own TensorBoard writes (its MonitorMaster, once per step on rank 0) fail
-        as this monitor's do: noted, said at the next agreement."""
+        """DeepSpeed's own TensorBoard, CSV and W&B writes (its MonitorMaster, once per step on
+        rank 0) check the lock first and fail as this monitor's do: noted, said at the next
+        agreement."""
         write_events = deepspeed_monitor.write_events
         events = os.path.join(self.out, "tensorboard")
 
@@ -251,6 +245,7 @@ class Monitor:
                           (name, value, x) for name, value, x in event_list]
             if self.failure is None:
                 with self.writing(events):
+                    self.stop_unless_held()
                     write_events(event_list)
 
         deepspeed_monitor.write_events = write_events_noting_failure

@@ -1,22 +1,17 @@
 """Steps whose loss or gradient is not finite: not applied, counted, and a run that keeps making
 them stops before it writes anything from them.
 
-DeepSpeed skips such a step itself wherever it checks for overflow, with the check all-reduced
-so that every rank skips the same step: ZeRO stages 1-3 in every precision (in bf16 through
-`bf16.check_grad_overflow`, on by default), and the fp16 and bf16 optimizers of stage 0 (which
-the pipeline engine uses too). A loss that is not finite makes gradients that are not, so the
-same check catches it. Stage 0 in fp32 hands the gradients to torch's optimizer unchecked, and
-`config_problem` refuses it. tupe_ds counts the skips (`engine.skipped_steps`) and stops after
---max-nonfinite-steps in a row, with the step and the last good checkpoint.
-
-In bf16 and fp32 every skip counts. In fp16 a dynamic loss scaler skips steps as it finds its
-scale (65536, 32768, ...): a skip counts only when the scale was already at its minimum before
-the step, so that the scaler could not lower it any more. `scaler_state` reads the scaler
-wherever DeepSpeed keeps it: stage 0's FP16_Optimizer and FP16_UnfusedOptimizer in
-`loss_scale_config` (every overflow halves the scale, down to the minimum, where they go on
-skipping), ZeRO's optimizers in `loss_scaler` (a DynamicLossScaler: with `hysteresis` an
-overflow may skip without lowering the scale, and at the minimum it raises an exception, which
-the guard turns off to stop the run itself).
+DeepSpeed skips such a step itself wherever it checks for overflow, on every rank alike (a loss
+that is not finite makes gradients that are not); `config_problem` refuses the configs where it
+does not (docs/reliability.md, "Steps that are not finite are not applied"). tupe_ds counts the
+skips (`engine.skipped_steps`) and stops after --max-nonfinite-steps in a row, with the step and
+the last good checkpoint. In fp16 a skip counts only when the loss scale was already at its
+minimum before the step: a dynamic scaler skips steps as it finds its scale (65536, 32768, ...).
+`scaler_state` reads the scaler wherever DeepSpeed keeps it: stage 0's FP16_Optimizer and
+FP16_UnfusedOptimizer in `loss_scale_config` (every overflow halves the scale, down to the
+minimum), ZeRO's optimizers in `loss_scaler` (a DynamicLossScaler: with `hysteresis` an overflow
+may skip without lowering the scale, and at the minimum it raises an exception, which the guard
+turns off to stop the run itself).
 """
 
 from typing import NamedTuple, Optional

@@ -1,20 +1,13 @@
 """--loss-normalization: what the summed token losses of a step are divided by.
 
-per-token (the default): a step's gradient is that of the sum of its token losses over every
-micro-batch, accumulation step, data-parallel rank and pipeline stage, divided by the step's
-global count of the tokens the term is over: masked tokens for the masked-LM loss (BERT's, and
-ELECTRA's generator's), real (non-padding) tokens for ELECTRA's discriminator, whose term is then
-weighted by 50. Every token weighs the same whatever the micro-batch x accumulation x dp split,
-so a run keeps its objective when its layout changes (Megatron-LM's calculate_per_token_loss,
-torchtitan and transformers' Trainer since its 2024 fix do the same). The counts are known on the
-host before the step's first forward and all-reduced over the data-parallel ranks: one small
-all-reduce per step.
-
-micro-batch: each micro-batch's own mean, averaged over the step's micro-batches and ranks, as
-BERT's and ELECTRA's original code did (a mean per TPU core, averaged over the cores): a token in
-a micro-batch with few counted tokens weighs more, and the objective changes with the split.
-
-Validation divides per token in both modes, over the same samples whatever the layout.
+per-token (the default): the step's global count of the tokens each loss term is over (masked
+tokens for the masked-LM loss, real tokens for ELECTRA's discriminator), whatever the micro-batch
+x accumulation x dp split, so that a run keeps its objective when its layout changes; the counts
+are known on the host before the step's first forward and all-reduced over the data-parallel
+ranks once a step. micro-batch: each micro-batch's own mean, averaged over the step's
+micro-batches and ranks, as BERT's and ELECTRA's original code did. docs/pretraining.md, "Loss
+normalisation", says why per-token is the default. Validation divides per token in both modes,
+over the same samples whatever the layout.
 """
 
 import torch

@@ -2,41 +2,28 @@
 the gradient norm from one pass of `torch._foreach_norm`, read to the host once a step.
 
 DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.step) checks each
-gradient tensor of the step for inf/NaN (`has_inf_or_nan`: amax, amin, two isfinite, and, not,
-and the add to a counter), all-reduces the flag and reads it (`.item()`); then it takes each
-tensor's norm (a copy to fp64 and a vector_norm), all-reduces the sum of squares per parameter
-group and reads the combined norm again (`is_invalid_grad_norm`: `bool`), and once more per
-parameter group to clip (`unscale_and_clip_grads`). That is 11 operators per gradient tensor
+gradient tensor for inf/NaN and takes each one's norm apart: 11 operators per gradient tensor
 (BERT-Large has 303) and, with 2 parameter groups, 4 host reads a step, each waiting for the
-device to drain its queue (tests/test_optimizer_boundary.py counts them). torch's GradScaler
-and clip_grad_norm_ do the same with one foreach pass and one read.
+device to drain its queue (docs/pretraining.md, "The optimizer boundary and bf16"). torch's
+GradScaler and clip_grad_norm_ do the same with one foreach pass and one read.
 
-Here (`--optimizer-boundary foreach`, the default): one `torch._foreach_norm` over the step's
-gradients (fp32 results, whatever the gradients' dtype: an fp16 norm would overflow where the
-gradient does not), summed per parameter group with DeepSpeed's exclusions (`_zero_padding`
-gradients, pipeline-replicated parameters, parameters that are not model-parallel on tensor-
-parallel ranks other than 0), one all_reduce over the data-parallel group and one over the
-model-parallel group, as DeepSpeed's norm, and one read to the host. A gradient with inf or NaN
-makes that norm non-finite, and DeepSpeed counts a non-finite norm as an overflow in fp16, fp32
-and (with `check_grad_overflow`, its default) bf16: the read decides the overflow, and DeepSpeed
-gets the norm as a 0-dim tensor in host memory, so that its own checks of it
-(`is_invalid_grad_norm`) and its clipping (`unscale_and_clip_grads`, which multiplies the
-gradients by a host scalar) read no device memory. Everything else in the step stays
-DeepSpeed's: the skip, the loss scaler's update (hysteresis), clipping, `engine.skipped_steps`,
-`get_global_grad_norm()`. The excluded gradients still take part in the overflow decision, as in
-DeepSpeed's check (their norm times 0 is 0, or NaN where they are not finite). The norm's sum of
+Here (`--optimizer-boundary foreach`, the default) one `torch._foreach_norm` pass gives the norm
+(`scaled_norm`), with DeepSpeed's parameter groups, exclusions and process groups, and one read.
+A gradient with inf or NaN makes that norm non-finite, and DeepSpeed counts a non-finite norm as
+an overflow in fp16, fp32 and (with `check_grad_overflow`, its default) bf16: the read decides
+the overflow, and DeepSpeed gets the norm as a 0-dim tensor in host memory, so that its own
+checks of it (`is_invalid_grad_norm`) and its clipping (`unscale_and_clip_grads`) read no device
+memory. Everything else in the step stays DeepSpeed's: the skip, the loss scaler's update
+(hysteresis), clipping, `engine.skipped_steps`, `get_global_grad_norm()`. The norm's sum of
 squares is fp32 where DeepSpeed's is fp64: the norms agree to fp32 rounding, and both overflow
 where the sum of squares passes fp32's range (DeepSpeed casts it to fp32).
 
-Installed on the optimizer instance (its `check_overflow` and `scaled_global_norm`): DeepSpeed
-builds the optimizer inside `deepspeed.initialize` from the config (engine.py
-`_configure_zero_optimizer`), so a subclass could only take its place through a copy of that
-function; the two methods are the seam its `step` calls, and an instance attribute leaves the
-class, and every other engine in the process, as they are. Only DeepSpeedZeroOptimizer itself
-(ZeRO 1 and 2 in fp16, bf16 and fp32: every shipped config, and the pipeline engine's ZeRO 1),
-and neither with optimizer offload, MoE layers, Muon, torch autocast's GradScaler nor
-`compute_grad_norm` off: every other optimizer class and setting keeps DeepSpeed's own path
-(`unsupported` says why). `--optimizer-boundary deepspeed` keeps it everywhere: the reference
+Installed on the optimizer instance (its `check_overflow` and `scaled_global_norm`, the seam its
+`step` calls): DeepSpeed builds the optimizer inside `deepspeed.initialize` from the config, so a
+subclass could only take its place through a copy of that function, and an instance attribute
+leaves the class, and every other engine in the process, as they are. Only DeepSpeedZeroOptimizer
+itself; every other optimizer class and setting keeps DeepSpeed's own path (`unsupported` says
+why). `--optimizer-boundary deepspeed` keeps it everywhere: the reference
 (tests/test_optimizer_boundary.py compares the two).
 """
 

@@ -51,18 +51,14 @@ def bf16_advice(machines: Sequence[doctor.Machine], dtype: str) -> Optional[str]
             "measured")
 
 
-def every_rank_machine() -> list:
-    """Each rank's doctor.Machine, on every rank (its own GPUs, whatever the node)."""
-    machines = [None] * dist.get_world_size()
-    dist.all_gather_object(machines, doctor.probe())
-    return machines
-
-
 def of_run(ds_config: dict) -> str:
     """The run's precision (doctor.precision). Collective: in fp16 where every rank's GPU has
-    bf16, it first says the line that says so (bf16_advice)."""
+    bf16 (each rank probes its own), it first says the line that says so (bf16_advice)."""
     dtype = doctor.precision(ds_config)
-    advice = dtype == "fp16" and bf16_advice(every_rank_machine(), dtype)
-    if advice:
-        logger.info(advice)
+    if dtype == "fp16":
+        machines = [None] * dist.get_world_size()
+        dist.all_gather_object(machines, doctor.probe())
+        advice = bf16_advice(machines, dtype)
+        if advice:
+            logger.info(advice)
     return dtype

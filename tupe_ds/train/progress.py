@@ -113,14 +113,10 @@ class Line:
 def line(step: int, steps: Optional[int], values: dict) -> Line:
     """The progress line of Monitor.train's logged `values` at `step` of `steps` (the run's
     --steps), its fields between ` | ` as Megatron's and the step right-aligned to the width of
-    --steps, so that lines stack. Tokens are real tokens (padding not counted): per second of
-    training over every rank and per GPU (the rank's share), and seen by the run so far. The
-    GPU's figures (TFLOPS, MFU, rank 0's memory) where `values` has its memory; grad norm, loss
-    scale and ETA where they are known. Elapsed: the run's, over its starts. Skipped:
-    DeepSpeed's count of the steps it did not apply, over the run; with fp16 it counts the loss
-    scaler's overflows too, and the ones that count towards --max-nonfinite-steps follow in
-    brackets where fewer. On a terminal too narrow for all of it, the fields go from the end
-    of IMPORTANCE first."""
+    --steps, so that lines stack. Tokens are real tokens (padding not counted). Skipped:
+    DeepSpeed's count of the steps it did not apply (with fp16 the loss scaler's overflows
+    too), the ones that count towards --max-nonfinite-steps in brackets where fewer. On a
+    terminal too narrow for all of it, the fields go from the end of IMPORTANCE first."""
     width = len(str(steps or step))
     ms = 1000 * values["throughput/seconds_per_step"]
     skipped, nonfinite = values["train/skipped_steps"], values["train/nonfinite_steps"]
@@ -185,19 +181,16 @@ def processes(count: int) -> str:
     return "1 process" if count == 1 else f"{count} processes"
 
 
-def started_by(world_size: int, launcher: str) -> str:
-    return ("1 process, no launcher" if launcher == "single process" else
-            f"{processes(world_size)} from {launcher}")
-
-
 def start_line(run, step: int, plan, branched: bool, launcher: str, train) -> str:
     """The line that says what a start trains as its steps begin: from where (resumed at `step`
     of `plan`'s checkpoint, branched, or from step 0), the models, the processes, the batch,
     the samples, the loss, the masking, the learning rate, and the training stream `train`."""
     start = ("resumed at" if plan else f"branched from {run.init_plan.step_dir} at" if branched
              else "starting")
+    started_by = ("1 process, no launcher" if launcher == "single process" else
+                  f"{processes(run.world_size)} from {launcher}")
     return (f"{start} step {step} of {run.steps}: {run.objective} "
-            f"{run.model} {run.models[0].pos_encoding}, {started_by(run.world_size, launcher)} "
+            f"{run.model} {run.models[0].pos_encoding}, {started_by} "
             f"({run.layout}), {run.batch_split}, samples of {run.seq_len} tokens, loss normalised "
             f"{run.loss_normalization}, {run.masking}, learning rate "
             f"{schedule_text(run.ds_config)}, {train.description(run.sources)}")

@@ -65,11 +65,11 @@ class WarmupStableDecayLR(WarmupLR):
         return 1.0 - progress if self.decay_shape == "linear" else 1.0 - math.sqrt(progress)
 
 
-def scheduler_config(name: str, steps: int, warmup: dict, args: argparse.Namespace) -> dict:
-    """The DeepSpeed config's "scheduler" for --lr-schedule `name`, from `warmup` (peak_lr,
-    min_lr, warmup_num_steps, warmup_type)."""
-    peak, low = warmup["peak_lr"], warmup["min_lr"]
-    shared = {"total_num_steps": steps, "warmup_num_steps": warmup["warmup_num_steps"],
+def scheduler_config(args: argparse.Namespace, warmup: dict) -> dict:
+    """The DeepSpeed config's "scheduler" for --lr-schedule over --steps, from `warmup`
+    (peak_lr, min_lr, warmup_num_steps, warmup_type)."""
+    name, peak, low = args.lr_schedule, warmup["peak_lr"], warmup["min_lr"]
+    shared = {"total_num_steps": args.steps, "warmup_num_steps": warmup["warmup_num_steps"],
               "warmup_type": warmup["warmup_type"]}
     if name == "cosine":
         return {"type": "WarmupCosineLR",

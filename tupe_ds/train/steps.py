@@ -106,29 +106,23 @@ class PipelineSteps:
         self.engine, self.loss, self.device = engine, loss, device
         self.normalization = normalization
 
-    @staticmethod
-    def _pipeline_batches(micro_batches):
-        for batch in micro_batches:
-            yield (batch["input_ids"], batch["attention_mask"]), batch["labels"]
-
-    def _prepare_loss(self, micro_batches, totals: dict, per_token: bool):
-        """The last stage's loss_fn for these micro-batches (only that stage reads the labels);
-        the micro-batches, as a list where they were read."""
+    def _pipeline_batches(self, micro_batches, totals: dict, per_token: bool):
+        """`micro_batches` as the engine takes them, ((input_ids, attention_mask), labels), with
+        the last stage's loss_fn set for them (only that stage reads the labels)."""
         self.loss.totals = totals
-        if not self.engine.is_last_stage():
-            return micro_batches
-        micro_batches = list(micro_batches)
-        self.loss.denominators, self.loss.share = self.normalization.divisors(micro_batches,
-                                                                              per_token)
-        return micro_batches
+        if self.engine.is_last_stage():
+            micro_batches = list(micro_batches)
+            self.loss.denominators, self.loss.share = self.normalization.divisors(micro_batches,
+                                                                                  per_token)
+        return (((batch["input_ids"], batch["attention_mask"]), batch["labels"])
+                for batch in micro_batches)
 
     def train(self, micro_batches, totals: dict) -> None:
-        micro_batches = self._prepare_loss(micro_batches, totals, per_token=False)
-        self.engine.train_batch(self._pipeline_batches(micro_batches))
+        self.engine.train_batch(self._pipeline_batches(micro_batches, totals, per_token=False))
 
     def evaluate(self, micro_batches, totals: dict) -> None:
-        micro_batches = self._prepare_loss(list(micro_batches), totals, per_token=True)
-        self.engine.eval_batch(self._pipeline_batches(micro_batches),
+        micro_batches = list(micro_batches)
+        self.engine.eval_batch(self._pipeline_batches(micro_batches, totals, per_token=True),
                                num_micro_batches=len(micro_batches))
 
     def reduce(self, totals: dict) -> dict:

@@ -14,15 +14,11 @@ INTERRUPTED = (b"tupe-pretrain: SIGINT: stopping at the end of this step with a 
 
 
 class StopSignal:
-    """SIGUSR1 (Slurm's warning before preemption), SIGINT (Ctrl-C) and, once training begins,
-    SIGTERM ask the run to save and stop.
-
-    SIGUSR1 and SIGINT are heard from the start (a run warned or interrupted while it starts
+    """SIGUSR1 and SIGINT are heard from the start (a run warned or interrupted while it starts
     stops before its first step, with nothing new to save); SIGTERM only from
     `listen_for_sigterm` on, since a launcher ends the ranks of a run that failed to start with
     it. A second SIGINT ends the process at once, unsaved (`interrupt_handler`). Every rank
-    learns of a signal received by any rank at the next step boundary.
-    """
+    learns of a signal received by any rank at the next step boundary."""
 
     def __init__(self):
         # the signal's number, in a list the handlers hold rather than self: they stay

@@ -2,17 +2,13 @@
 
 Two jobs on one --out (a resubmission while the first still runs, a requeue that starts before
 the old step has died) would set aside each other's saves in progress and log the same steps
-twice. OUT/run.lock is a lock file of tupe_ds/tools/lock.py (a hard link to its holder's JSON
-record, a lease its thread renews, the rules by which a holder is gone and taken over, saying
-so). What is the run's own: a holder that may be alive refuses the run before any work, naming
-it and what to do (a live process of this machine holds it until it ends, however long it is
-stopped); so does anything at OUT/run.lock that no lock of ours leaves (a folder, a FIFO, which
-would hang whoever opens it: never removed, it may be someone's; a symbolic link is taken over
-as damaged). And a run whose lock another job took over (its node frozen beyond the lease, then
-back) writes nothing more: its renewal thread finds out within LEASE_SECONDS / 10, and rank 0
-checks the lock before each write to the run folder (`stop_unless_held`: each log line and
-TensorBoard event, each step of a checkpoint's commit), as a frozen process resumes with that
-thread asleep; before each save every rank stops alike (`lost_on_rank_0`).
+twice. OUT/run.lock is a lock file of tupe_ds/tools/lock.py, by its records and rules. What is
+the run's own: a holder that may be alive refuses the run before any work, naming it and what
+to do; so does anything at OUT/run.lock that no lock of ours leaves (a folder, a FIFO: never
+removed, it may be someone's). And a run whose lock another job took over (its node frozen
+beyond the lease, then back) writes nothing more: rank 0 checks the lock before each write to
+the run folder (`stop_unless_held`), as a frozen process resumes with the renewal thread asleep;
+before each save every rank stops alike (`lost_on_rank_0`).
 """
 
 import os
@@ -76,17 +72,6 @@ class RunLock(LinkLock):
         lost = self.still_held()
         if lost:
             raise FolderTakenOver(lost)
-
-    def guard(self, deepspeed_monitor) -> None:
-        """DeepSpeed's own TensorBoard, CSV and W&B writes (its MonitorMaster, once per step on
-        rank 0) check the lock first too."""
-        write_events = deepspeed_monitor.write_events
-
-        def write_events_if_held(events):
-            self.stop_unless_held()
-            write_events(events)
-
-        deepspeed_monitor.write_events = write_events_if_held
 
 
 def busy_message(path: str, holder: dict, age: float) -> str:
