@@ -29,11 +29,6 @@ REQUIRED = "required: give it"
 NOT_SETTINGS = ("help", "config", "print_config", "local_rank", "verbose")
 MAX_CONFIG_BYTES = 1 << 20
 
-# A layer of settings below the file's, filling all they do not give: (where they came from,
-# {dest: value}), from what the command line and the file give (tupe-pretrain: the run's history's,
-# found through --out).
-Recorded = Callable[[argparse.Namespace], Optional[tuple]]
-
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser, whose errors are what a busy user reads: one line, `PROG: error: ...`
@@ -49,12 +44,20 @@ class Parser(argparse.ArgumentParser):
             flags = [option for option in self._option_string_actions if option.startswith("--")]
             for given in message.split(": ", 1)[1].split():
                 name = given.split("=")[0]
-                close = difflib.get_close_matches(name, flags, n=1)
-                if name.replace("_", "-") in self.not_ours:  # --min_lr as Megatron-LM takes it
-                    message += f"; {name}: {self.not_ours[name.replace('_', '-')]}"
-                elif given.startswith("--") and close:
-                    message += f"; {name}: did you mean {close[0]}?"
+                if name.startswith("--") and (hint := instead(self, name, name, flags)):
+                    message += f"; {name}: {hint}"
         self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+
+
+def instead(parser: argparse.ArgumentParser, flag: str, name: str, names: list) -> str:
+    """What to give in place of `name`, which `parser` does not have (`flag`: it as a flag):
+    for a name other tools give another meaning (not_ours; --min_lr as Megatron-LM takes it),
+    what it says, else the closest of `names` ("did you mean"); "" when none is close."""
+    not_ours = getattr(parser, "not_ours", {})
+    if flag.replace("_", "-") in not_ours:
+        return not_ours[flag.replace("_", "-")]
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"did you mean {close[0]}?" if close else ""
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -179,27 +182,26 @@ def merged_flags(first: list, then: list, parser: argparse.ArgumentParser) -> li
             if action is None or action.dest not in given for token in group] + list(then)
 
 
-def parse(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Recorded] = None,
-          unset: Optional[Callable] = None, rest_into: Optional[str] = None) -> argparse.Namespace:
-    """`parser`'s namespace from `argv` (default: sys.argv[1:]), its --config FILE and the
-    `recorded` layer, flags first; with --print-config, prints the settings (`unset`: as
-    resolve's) and exits 0. `rest_into`: the list setting that the arguments the parser does not
-    know go into, after its --config file's (tupe-compare's flags for tupe-pretrain)."""
-    return resolve(parser, argv, recorded, unset=unset, rest_into=rest_into)[0]
+def parse(parser: argparse.ArgumentParser, argv=None, **options) -> argparse.Namespace:
+    """`resolve`'s namespace."""
+    return resolve(parser, argv, **options)[0]
 
 
-UNKNOWN = "_unknown_arguments"
-
-
-def resolve(parser: argparse.ArgumentParser, argv=None,
-            recorded: Optional[Recorded] = None, unset: Optional[Callable] = None,
-            rest_into: Optional[str] = None) -> tuple:
-    """`parse`, and {dest: where its value came from}. `unset(namespace)`: {dest: (value,
-    where)} of the flags left unset whose value comes from elsewhere (tupe-pretrain: the
-    DeepSpeed config's), for --print-config."""
+def resolve(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Callable] = None,
+            unset: Optional[Callable] = None, rest_into: Optional[str] = None) -> tuple:
+    """(`parser`'s namespace, {dest: where its value came from}) from `argv` (default:
+    sys.argv[1:]), its --config FILE and the `recorded` layer, flags first; with
+    --print-config, prints the settings and exits 0. `recorded(namespace)`: (where they came
+    from, {dest: value}) of settings below the file's, filling all that the command does not
+    give (tupe-pretrain: the run's history's, found through --out). `unset(namespace)`: {dest:
+    (value, where)} of the flags left unset whose value comes from elsewhere (tupe-pretrain: the
+    DeepSpeed config's), for --print-config. `rest_into`: the list setting that the arguments the
+    parser does not know go into, after its --config file's (tupe-compare's flags for
+    tupe-pretrain)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    flags = settable_flags(parser)
-    refuse_two_names(parser, argv)
+    flags = {action.dest: action for action in parser._actions  # what a --config file may set
+             if action.option_strings and action.dest not in NOT_SETTINGS}
+    on_command_line = command_line_flags(parser, argv) & flags.keys()
     defaults = {dest: action.default for dest, action in flags.items()}
     required = [action for action in flags.values() if action.required]
     for action in required:  # checked below, once every layer is in
@@ -211,16 +213,18 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
     config_path = config_file(parser, argv)
     layers = [(config_path, read_config(parser, flags, config_path))] if config_path else []
     known = rest_into is not None
-    args = parse_over(parser, defaults, layers, argv, known)
+    args, rest = parse_over(parser, defaults, layers, argv, known)
     layer = recorded(args) if recorded else None  # fills every setting the command leaves
     if layer:
-        given = {dest for dest, where in setting_sources(flags, layers, argv).items()
-                 if where != DEFAULT}  # what the command gives is not taken from the layer
+        given = on_command_line.union(*(values for _, values in layers))  # not taken from it
         layers.insert(0, (layer[0], checked_layer(parser, flags, layer[0], {
             dest: value for dest, value in layer[1].items() if dest not in given})))
-        args = parse_over(parser, defaults, layers, argv, known)
-    sources = setting_sources(flags, layers, argv)
-    if known and (rest := args.__dict__.pop(UNKNOWN)):
+        args, rest = parse_over(parser, defaults, layers, argv, known)
+    sources = {dest: DEFAULT for dest in flags}
+    for where, values in layers:
+        sources.update({dest: where for dest in values})
+    sources.update(dict.fromkeys(on_command_line, COMMAND_LINE))
+    if rest:
         to = getattr(flags[rest_into], "passes_to", None)
         before = getattr(args, rest_into)
         setattr(args, rest_into, merged_flags(before, rest, to()) if to else [*before, *rest])
@@ -240,9 +244,10 @@ def resolve(parser: argparse.ArgumentParser, argv=None,
     return args, sources
 
 
-def refuse_two_names(parser: argparse.ArgumentParser, argv: list) -> None:
-    """A setting given under two of its names (`--seq-len 32 --seq-length 128`, Megatron-LM's
-    name beside ours) is an error, as in a --config file: argparse would keep the last."""
+def command_line_flags(parser: argparse.ArgumentParser, argv: list) -> set:
+    """The dests of the flags `argv` gives. A setting given under two of its names (`--seq-len 32
+    --seq-length 128`, Megatron-LM's name beside ours) is an error, as in a --config file:
+    argparse would keep the last."""
     names = {option: action for action in parser._actions for option in action.option_strings
              if option.startswith("--")}
     first = {}
@@ -253,6 +258,7 @@ def refuse_two_names(parser: argparse.ArgumentParser, argv: list) -> None:
         if option in names and first.setdefault(names[option].dest, option) != option:
             parser.error(f"{first[names[option].dest]} and {option} are one setting: give it "
                          "once")
+    return set(first)
 
 
 def config_file(parser: argparse.ArgumentParser, argv: list) -> Optional[str]:
@@ -268,25 +274,13 @@ def config_file(parser: argparse.ArgumentParser, argv: list) -> Optional[str]:
     return paths[0] if paths else None
 
 
-def settable_flags(parser: argparse.ArgumentParser) -> dict:
-    """{dest: action} of the flags a --config file may set (not positionals, --help,
-    --config itself)."""
-    return {action.dest: action for action in parser._actions
-            if action.option_strings and action.dest not in NOT_SETTINGS}
-
-
-def parse_over(parser, defaults: dict, layers: list, argv: list,
-               known: bool = False) -> argparse.Namespace:
-    """argv parsed over the layers' values as defaults (the last layer wins over the first);
-    `known`: the arguments the parser does not know kept in its UNKNOWN."""
+def parse_over(parser, defaults: dict, layers: list, argv: list, known: bool) -> tuple:
+    """(argv parsed over the layers' values as defaults, the last layer winning over the first;
+    the arguments the parser does not know: with `known`, kept, else an error)."""
     parser.set_defaults(**defaults)
     for _, values in layers:
         parser.set_defaults(**values)
-    if not known:
-        return parser.parse_args(argv)
-    args, unknown = parser.parse_known_args(argv)
-    setattr(args, UNKNOWN, unknown)
-    return args
+    return parser.parse_known_args(argv) if known else (parser.parse_args(argv), [])
 
 
 def read_config(parser, flags: dict, path: str) -> dict:
@@ -310,22 +304,18 @@ def read_config(parser, flags: dict, path: str) -> dict:
         parser.error(f"--config {path}: not TOML ({error}){bom}")
     by_name = {option[2:]: action for action in flags.values()
                for option in action.option_strings if option.startswith("--")}
-    values = {}
+    values, folder = {}, os.path.dirname(os.path.abspath(path))
     for key, value in table.items():
         action = by_name.get(key) or by_name.get(key.replace("_", "-"))
         if action is None:
-            close = difflib.get_close_matches(key, by_name, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            other = "--" + key.replace("_", "-")
-            if other in getattr(parser, "not_ours", {}):
-                hint = f"; {parser.not_ours[other]}"
+            hint = instead(parser, "--" + key, key, list(by_name))
             parser.error(f"--config {path}: {key} is not a setting of {parser.prog} (keys are "
-                         f"its flags without the dashes: {parser.prog} --help){hint}")
+                         f"its flags without the dashes: {parser.prog} --help)"
+                         + (f"; {hint}" if hint else ""))
         if action.dest in values:
             parser.error(f"--config {path}: {key} sets {action.option_strings[0]} a second time "
                          "(under another of its names)")
         try:
-            folder = os.path.dirname(os.path.abspath(path))
             if hasattr(action, "path_kind"):
                 value = relative_to(folder, value, action.path_kind, expand=True)
             elif hasattr(action, "passes_to") and isinstance(value, list):
@@ -411,18 +401,6 @@ def converted_item(action: argparse.Action, where: str, item):
         raise ValueError(f"{where} = {item!r}: choose one of "
                          f"{', '.join(map(str, action.choices))}")
     return value
-
-
-def setting_sources(flags: dict, layers: list, argv: list) -> dict:
-    """{dest: where its value came from}: the command line, a layer, or the default."""
-    sources = {dest: DEFAULT for dest in flags}
-    for where, values in layers:
-        sources.update({dest: where for dest in values})
-    for dest, action in flags.items():
-        if any(token == option or token.startswith(option + "=")
-               for token in argv for option in action.option_strings):
-            sources[dest] = COMMAND_LINE
-    return sources
 
 
 def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dict,

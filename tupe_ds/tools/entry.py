@@ -7,9 +7,9 @@ tupe-prep and the demo) has its work in a function named for it, and
         return entry.run("tupe-export", lambda: export_command(argv), errors=(ExportError,))
 
 `run` resumes the collector the command's imports paused (startup.py), shows the loggers' lines
-(log_lines.py: information on stdout, warnings and errors on stderr, as the process's rank shows them),
-then returns what the command's work returns, its exit code; it turns the errors a person can act on into a message
-and an exit code, the same in every command:
+(log_lines.py: information on stdout, warnings and errors on stderr, as the process's rank shows
+them), then returns what the command's work returns, its exit code; it turns the errors a person
+can act on into a message and an exit code, the same in every command:
 
 - an error of `errors`, or CommandRefused (what the person gave, refused; the message says what to
   change): `PROG: error: MESSAGE` on stderr, exit 2;

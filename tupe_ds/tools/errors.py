@@ -2,11 +2,9 @@
 a command's entry point (its main()) turns one into a message and an exit code, so that no
 module below the commands ends a process.
 
-tupe-pretrain's codes: Refused is exit 2 (the command, or what its folders hold, is refused; the
-message says what to change), TrainingStopped exit 3 (the run stopped itself; the message says
-why, and where a file is at fault the newest intact checkpoint). Every command's main() is
-tools/entry.py's run: its own refusals (CompareError, ExportError, ...; CommandRefused) exit 2
-with `PROG: error: MESSAGE`, Unreadable exit 3 with `PROG: MESSAGE`."""
+Refused and TrainingStopped say tupe-pretrain's exit codes; every command's main() is
+tools/entry.py's `run`, which says how the others' refusals (CompareError, ExportError, ...;
+CommandRefused) and Unreadable end them."""
 
 import os
 from typing import Optional

@@ -93,24 +93,17 @@ def write_atomically(path: str, text: Union[str, bytes]) -> None:
 
 
 @contextlib.contextmanager
-def fresh_folder(path: str):
-    """An empty folder at `path` (what a killed run left there is removed first), removed again
-    if the block fails."""
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-    try:
-        yield path
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-
-
-@contextlib.contextmanager
 def replacing_folder(path: str):
-    """Yields an empty folder beside `path` to fill; when the block ends without an error it
-    replaces `path`, else it is removed."""
-    with fresh_folder(path.rstrip("/") + ".tmp") as temporary:
+    """Yields an empty folder beside `path` to fill (what a killed run left there removed
+    first); when the block ends without an error it replaces `path`, else it is removed."""
+    temporary = path.rstrip("/") + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    try:
         yield temporary
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     shutil.rmtree(path, ignore_errors=True)
     os.replace(temporary, path)
 

@@ -5,10 +5,7 @@ kernel when its holder dies). Where `flock` fails for want of support (FLOCK_UNS
 from Lustre mounted without `-o flock`, ENOLCK from NFS without its lock daemon, EOPNOTSUPP or
 EINVAL from some FUSE and network filesystems) it takes a LinkLock instead: PATH.holder, made as
 the run folder's lock OUT/run.lock is (tupe_ds/train/run_folder/lock.py), from the same records and
-rules. This module holds, in order, who holds a lock (the holder's record, read back, described,
-and judged alive or gone), the lock file on disk (its record hard-linked to the lock's name, read
-back, and taken over, and the probe of whether a folder's filesystem has `flock` and hard links),
-and LinkLock, which takes a lock, waits for it, renews it and gives it back.
+rules.
 
 The holder's record (host, boot, PID namespace, PID and its start time, Slurm job, step and restart
 count, when it started) is written as JSON to a file of its own and hard-linked to the lock's name,
@@ -127,10 +124,9 @@ MAX_PID = 2 ** 22  # Linux's largest pid_max: 0 and negative PIDs would name pro
 
 
 def parse_holder(data: bytes) -> Optional[dict]:
-    """The holder a lock file's bytes name; None when they are no lock record (damaged): not a
-    JSON object, a field of this module's records of another type (`pid` a bool or a string) or
-    a PID that names no single process (0 or less would ask the kernel about process groups,
-    and so always count as alive)."""
+    """The holder a lock file's bytes name; None when they are no lock record (damaged, the
+    module's last rule: a PID of 0 or less would ask the kernel about process groups, and so
+    always count as alive)."""
     try:
         record = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -161,9 +157,8 @@ def same_machine(holder: dict) -> bool:
 
 
 def alive_here(holder: dict) -> bool:
-    """Whether the holder is a live process of this machine (its PID, with its start time)."""
-    if not same_machine(holder):
-        return False
+    """Whether the holder, of this machine (same_machine), is a live process: its PID, with its
+    start time."""
     started = process_start(holder["pid"])
     if started is None:  # no such process, or /proc hides it (hidepid): ask the kernel
         try:
@@ -190,9 +185,7 @@ def gone_because(holder: Optional[dict], lease_age: float) -> Optional[str]:
     if holder is None:
         return "the lock file is damaged (not a lock record)"
     if same_machine(holder):
-        if not alive_here(holder):
-            return "its process has ended"
-        return None
+        return None if alive_here(holder) else "its process has ended"
     job = os.environ.get("SLURM_JOB_ID")
     if job is not None and holder.get("slurm_job_id") == job and \
             restarts(holder.get("slurm_restart_count")) < restarts(
@@ -230,8 +223,8 @@ def file_kind(mode: int) -> str:
 def lock_content(path: str) -> Optional[bytes]:
     """What judges a lock: the first 64 KiB of its bytes (a record is far smaller); for a
     symbolic link (no lock this module writes: damaged, taken over by removing the link) where
-    it points. None when there is none; NotALockFile when no regular file is there, checked
-    before it is opened: opening a FIFO would wait for a writer forever."""
+    it points. None when there is none; NotALockFile when no regular file is there (checked before
+    it is opened)."""
     try:
         mode = os.lstat(path).st_mode
         if stat.S_ISLNK(mode):
@@ -248,34 +241,19 @@ def lock_content(path: str) -> Optional[bytes]:
                        "then run the same command")
 
 
-def holds(path: str, token: str) -> bool:
-    """Whether the lock file `path` is the record with `token`."""
-    holder = parse_holder(lock_content(path) or b"")
-    return holder is not None and holder["token"] == token
-
-
 def link_exclusively(source: str, target: str, token: str) -> bool:
-    """Whether `target` is now a hard link to `source`, the record with `token`. Judged by
-    `source`'s link count, or else `target`'s content, whatever link() answered: over NFS a
-    retransmitted link() that was done answers EEXIST."""
+    """Whether `target` is now a hard link to `source`, the record with `token`: judged by
+    `source`'s link count, or else `target`'s content, never by what link() answered (above)."""
     links = os.stat(source).st_nlink
-    try:
+    with contextlib.suppress(FileExistsError):
         os.link(source, target)
-    except FileExistsError:
-        pass
     if os.stat(source).st_nlink > links:
         return True
     try:
-        return holds(target, token)
+        holder = parse_holder(lock_content(target) or b"")
     except NotALockFile:
         return False
-
-
-def renewed_ago(own: str, path: str) -> Optional[float]:
-    """Seconds since the lock `path` was last renewed, on the filesystem's clock (`own`: a file
-    of this process beside it, touched now); None when there is no lock."""
-    os.utime(own)
-    return lease_age(os.stat(own).st_mtime, path)
+    return holder is not None and holder["token"] == token
 
 
 def lease_age(now: float, path: str) -> Optional[float]:
@@ -314,46 +292,40 @@ def replace_lock(path: str, own: str, token: str, judged: bytes) -> bool:
 
 
 def remove_stale_breaker(breaker: str, own: str) -> None:
-    """A take-over cut short by a kill leaves PATH.break (its taker's record): removed at once
-    when the taker is gone by the lock's own rules, else once it is BREAK_STALE_SECONDS old."""
+    """PATH.break, left by a take-over cut short by a kill: removed by the module's rule."""
     age = lease_age(os.stat(own).st_mtime, breaker)
     if age is None:
         return
-    try:
+    with contextlib.suppress(FileNotFoundError):
         taker = parse_holder(lock_content(breaker) or b"")
         if gone_because(taker, 0.0) or age > BREAK_STALE_SECONDS:
             os.remove(breaker)
-    except FileNotFoundError:
-        pass
 
 
 def lock_support(folder: str) -> tuple:
     """(why `flock` fails in `folder`, why hard links fail there): each an error's text, None
     where it works; OSError when no file can be made there to try."""
     probe = os.path.join(folder, f".lock-probe-{uuid.uuid4().hex}")
-    failures = []
+
+    def failure(unsupported: tuple, call, *args) -> Optional[str]:
+        try:
+            call(*args)
+        except OSError as error:
+            if error.errno not in unsupported:
+                raise
+            return os.strerror(error.errno)
+        return None
+
     try:
         with open(probe, "w") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(f, fcntl.LOCK_UN)
-                failures.append(None)
-            except OSError as error:
-                if error.errno not in FLOCK_UNSUPPORTED:
-                    raise
-                failures.append(os.strerror(error.errno))
-        try:
-            os.link(probe, probe + ".link")
+            flock = failure(FLOCK_UNSUPPORTED, fcntl.flock, f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        link = failure(NO_HARD_LINKS, os.link, probe, probe + ".link")
+        if link is None:
             os.remove(probe + ".link")
-            failures.append(None)
-        except OSError as error:
-            if error.errno not in NO_HARD_LINKS:
-                raise
-            failures.append(os.strerror(error.errno))
     finally:
         if os.path.exists(probe):
             os.remove(probe)
-    return tuple(failures)
+    return flock, link
 
 
 WAIT_NOTICE_SECONDS = 30.0
@@ -371,6 +343,7 @@ class LinkLock:
         self.path = path
         self.holder = this_holder()
         self.lost = None
+        self.created, self.noticed = time.monotonic(), False  # for what `busy` says
         self._checking = threading.Lock()  # the renewal thread and the caller's checks
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew, name="tupe-lock-lease", daemon=True)
@@ -381,10 +354,8 @@ class LinkLock:
         filesystem without hard links is an error that ends with `fix`."""
         lock = cls(path)
         with lock.own_record() as own:
-            started, pause, noticed = time.monotonic(), 0.01, False
+            pause = 0.01
             while not lock.claim(own, fix):
-                if not noticed and time.monotonic() - started > WAIT_NOTICE_SECONDS:
-                    noticed = lock._say_what_it_waits_for(own)
                 time.sleep(pause)
                 pause = min(2 * pause, 1.0)  # many ranks wait on a shared filesystem
         lock._renewer.start()
@@ -412,7 +383,8 @@ class LinkLock:
                               f"nor with hard links ({error.strerror}); {fix}") from error
             raise
         judged = lock_content(self.path)
-        age = renewed_ago(own, self.path)
+        os.utime(own)  # its mtime is now on the filesystem's clock
+        age = lease_age(os.stat(own).st_mtime, self.path)
         if judged is None or age is None:
             return False
         holder = parse_holder(judged)
@@ -429,20 +401,16 @@ class LinkLock:
 
     def busy(self, holder: dict, age: float) -> None:
         """A holder that may be alive holds the lock `age` seconds after it renewed it: waited
-        for."""
-
-    def _say_what_it_waits_for(self, own: str) -> bool:
-        holder = parse_holder(lock_content(self.path) or b"")
-        age = renewed_ago(own, self.path)
-        if holder is None or age is None:
-            return False  # changed meanwhile: said at the next try
+        for, saying whom once the wait has lasted WAIT_NOTICE_SECONDS."""
+        if self.noticed or time.monotonic() - self.created < WAIT_NOTICE_SECONDS:
+            return
+        self.noticed = True
         state = ("a live process of this machine" if same_machine(holder) else
                  f"its lease renewed {age:.0f} s ago, taken over once not renewed for "
                  f"{LEASE_SECONDS:.0f} s")
         logger.warning(f"{self.speaker}: waiting for {self.path}, held by {describe(holder)} "
                        f"({state}); if that process is gone, remove {self.path}",
                        extra=EVERY_RANK)
-        return True
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_SECONDS / 10):
@@ -492,7 +460,5 @@ class LinkLock:
         except OSError:  # unreadable now: left to its lease, or to this machine's PID rule
             held = False
         if held:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
-            except FileNotFoundError:
-                pass

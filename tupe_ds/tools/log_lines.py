@@ -73,10 +73,8 @@ def show(rank: int) -> None:
         root.setLevel(logging.INFO)
         root.propagate = False
     for name, levels in LEVELS.items():
-        handler = next((h for h in roots[0].handlers
-                        if isinstance(h, _Stream) and h.stream_name == name), None)
-        if handler is None:
-            handler = _Stream(name, levels)
+        handler = next((h for h in roots[0].handlers if isinstance(h, _Stream)
+                        and h.stream_name == name), None) or _Stream(name, levels)
         for root in roots:
             if handler not in root.handlers:
                 root.addHandler(handler)

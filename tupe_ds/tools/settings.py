@@ -49,34 +49,34 @@ def _say_once(name: str, value: str, problem: str) -> None:
 def switched_on(name: str) -> bool:
     """Whether switch `name` is on (1, true, yes; any case); off when it is unset, off (0, false,
     no) or no such word (said once)."""
-    value = os.environ.get(name, "").strip()
-    if value.lower() not in ON + OFF:
-        _say_once(name, value, "neither on (1, true, yes) nor off (0, false, no); off used")
-    return value.lower() in ON
+    return _read(name)[0]
 
 
 def seconds(name: str) -> float:
     """Setting `name` in seconds, its least or more; its default when it is unset or no such
     number (said once)."""
-    setting, value = ENVIRONMENT[name], os.environ.get(name)
-    if value is None:
-        return setting.default
-    number = _seconds_in(value, setting.least)
-    if number is None:
-        _say_once(name, value, f"not a number of seconds of {setting.least:g} or more; "
-                               f"{setting.default:g} used")
-        return setting.default
-    return number
+    return _read(name)[0]
 
 
-def _seconds_in(value: str, least: float) -> Optional[float]:
+def _read(name: str) -> tuple:
+    """(the value of setting `name` used, whether the environment gives a valid one)."""
+    setting, given = ENVIRONMENT[name], os.environ.get(name)
+    if setting.default is None:  # a switch
+        word = (given or "").strip().lower()
+        if word not in ON + OFF:
+            _say_once(name, given.strip(), "neither on (1, true, yes) nor off (0, false, no); "
+                                           "off used")
+        return word in ON, given is not None and word in ON + OFF
     try:
-        number = float(value)
-    except ValueError:
-        return None
-    if not math.isfinite(number) or number < least:
-        return None
-    return min(number, threading.TIMEOUT_MAX)  # a wait longer is forever
+        number = float(given)
+    except (TypeError, ValueError):  # TypeError: unset
+        number = math.nan
+    if not math.isfinite(number) or number < setting.least:
+        if given is not None:
+            _say_once(name, given, f"not a number of seconds of {setting.least:g} or more; "
+                                   f"{setting.default:g} used")
+        return setting.default, False
+    return min(number, threading.TIMEOUT_MAX), True  # a wait longer is forever
 
 
 def used() -> list:
@@ -84,10 +84,7 @@ def used() -> list:
     lines = []
     for name, setting in ENVIRONMENT.items():
         given = os.environ.get(name)
-        switch = setting.default is None
-        value = switched_on(name) if switch else seconds(name)
-        valid = given is not None and (given.strip().lower() in ON + OFF if switch
-                                       else _seconds_in(given, setting.least) is not None)
+        value, valid = _read(name)
         where = "environment" if valid else "default" if given is None else \
             f"default, the environment's {given!r} being no value of it"
         if setting.flag in sys.argv[1:]:

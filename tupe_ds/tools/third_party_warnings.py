@@ -33,6 +33,9 @@ class Quieted:
     logger: bool = False  # a logging record (else a warnings.warn)
     applies: Callable[[], bool] = lambda: True  # where it says nothing; elsewhere it shows
 
+    def filter(self, record: logging.LogRecord) -> bool:  # as a logger's filter
+        return re.match(self.message, record.getMessage()) is None
+
 
 CPU_FALLBACK = Quieted(
     r"Setting accelerator to CPU", "DeepSpeed",
@@ -89,15 +92,6 @@ def verbose() -> bool:
     return settings.switched_on(VERBOSE)
 
 
-class MessageFilter(logging.Filter):
-    def __init__(self, quieted: Quieted):
-        super().__init__()
-        self.quieted = quieted
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return re.match(self.quieted.message, record.getMessage()) is None
-
-
 def quiet() -> None:
     """Installs the filters of QUIETED, unless verbose."""
     if verbose():
@@ -106,7 +100,7 @@ def quiet() -> None:
         if not quieted.applies():
             continue
         if quieted.logger:
-            logging.getLogger(quieted.origin).addFilter(MessageFilter(quieted))
+            logging.getLogger(quieted.origin).addFilter(quieted)
         else:
             warnings.filterwarnings("ignore", message=quieted.message, module=quieted.origin)
 

@@ -44,4 +44,3 @@ def announced(what: Union[str, Callable[[], str]], rank=None):
     finally:
         done.set()
         watcher.join()
-
