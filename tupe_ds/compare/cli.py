@@ -168,9 +168,9 @@ def make_plan(args, pretrain_flags: list) -> Plan:
                 processes=args.nproc, pretrain_flags=("--model", args.model, "--objective",
                                                       args.objective, *pretrain_flags),
                 **finetune_plan(args))
+    plan.check_flags()  # before tupe-pretrain reads the first run's flags (plan.check, a recipe)
     if args.recipe == "paper":
         return plan
-    plan.check_flags()  # before tupe-pretrain reads the first run's flags for its batch split
     machine = probe()
     # the batch split and the warmup as the user's flags give them, a schedule they name left
     # out (--lr-schedule wsd without the --decay-steps the recipe adds would be refused)
@@ -215,13 +215,14 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_and_index(command: str, rest: list, count) -> tuple:
-    """(Plan, INDEX) of `tupe-compare COMMAND OUT INDEX`, INDEX below count(plan)."""
+def plan_and_item(command: str, rest: list, kind: str) -> tuple:
+    """(Plan, item INDEX of its `kind`, runs or finetunes) of `tupe-compare COMMAND OUT INDEX`."""
     plan = read_plan(os.path.abspath(rest[0])) if rest else None
-    if plan is None or len(rest) != 2 or not rest[1].isdigit() or int(rest[1]) >= count(plan):
-        below = f", INDEX below {count(plan)}" if plan else ""
+    items = getattr(plan, kind, ())
+    if plan is None or len(rest) != 2 or not rest[1].isdigit() or int(rest[1]) >= len(items):
+        below = f", INDEX below {len(items)}" if plan else ""
         raise CompareError(f"usage: tupe-compare {command} OUT INDEX{below}")
-    return plan, int(rest[1])
+    return plan, items[int(rest[1])]
 
 
 def main(argv=None) -> int:
@@ -246,20 +247,20 @@ def compare(argv) -> int:
                         + ", ".join(plan.tasks))
         return 0
     if command == "run-flags":  # OUT INDEX: one Slurm array task's tupe-pretrain flags
-        plan, index = plan_and_index(command, rest, lambda plan: len(plan.runs))
-        print("\n".join(plan.pretrain_argv(plan.runs[index])))
+        plan, run = plan_and_item(command, rest, "runs")
+        print("\n".join(plan.pretrain_argv(run)))
         return 0
     if command == "finetune-flags":  # OUT INDEX: a fine-tune array task's, after the export
-        plan, index = plan_and_index(command, rest, lambda plan: len(plan.finetunes))
+        plan, (run, task) = plan_and_item(command, rest, "finetunes")
         with contextlib.redirect_stdout(sys.stderr):  # the export's messages: not flags
-            flags = finetune_flags(plan, index)
+            flags = finetune_flags(plan, run, task)
         print("\n".join(flags))
         return 0
     if command == "finetune-ended":  # OUT INDEX EXIT LOG: a fine-tune array task's end
-        plan, index = plan_and_index(command, rest[:2], lambda plan: len(plan.finetunes))
+        plan, finetune = plan_and_item(command, rest[:2], "finetunes")
         if len(rest) != 4 or not rest[2].isdigit():
             raise CompareError("usage: tupe-compare finetune-ended OUT INDEX EXIT LOG")
-        record_status(plan.out, status_name(*plan.finetunes[index]), int(rest[2]), rest[3])
+        record_status(plan.out, status_name(*finetune), int(rest[2]), rest[3])
         return 0
     if command == "report":
         if len(rest) != 1:

@@ -13,13 +13,10 @@ import json
 import logging
 import os
 import re
-import sys
 
-from tqdm import tqdm
-
-from tupe_ds.compare.launching import follow, read_status, record_status
+from tupe_ds.compare.launching import launched, read_status, record_status
 from tupe_ds.compare.plan import Plan, Run
-from tupe_ds.distributed.launchers import launcher_command, on_a_free_port
+from tupe_ds.distributed.launchers import launcher_command
 from tupe_ds.export.read import read_export_description
 from tupe_ds.finetune import run as tupe_finetune
 from tupe_ds.finetune.flags import global_batch_size
@@ -115,33 +112,26 @@ def finetune_run(plan: Plan, run: Run, launcher: str, position: str) -> dict:
         if is_finished(plan, run, task):
             logger.info(f"{position} {name}: fine-tuned before, not started again")
             continue
-        log = os.path.join(plan.out, "logs", f"{run.name}.{task}.log")
         argv = plan.finetune_argv(run, task)
         args = finetune_args(plan, run, task)
         epochs = args.epochs or TASKS[task].epochs
-        bar = tqdm(total=len(args.lr) * len(args.seeds) * epochs, unit="epoch",
-                   desc=f"{position} {name}", file=sys.stdout, dynamic_ncols=True)
 
-        def epochs_done(line: str):
+        def epochs_done(line: str, done: int):
             if EPOCH_LINE.match(line):
-                return bar.n + 1
-            return bar.n + epochs if REUSED_LINE.match(line) else None
+                return done + 1
+            return done + epochs if REUSED_LINE.match(line) else None
 
-        exits[name] = on_a_free_port(lambda port: follow(
-            launcher_command(launcher, plan.processes, "tupe_ds.finetune.run", argv, port), log,
-            bar, epochs_done))
-        bar.close()
-        record_status(plan.out, name, exits[name], log)
-        if exits[name]:
-            logger.error(f"{position} {name}: FAILED with exit code {exits[name]}; see {log}; "
-                         "going on with the others")
+        exits[name] = launched(
+            plan.out, name, os.path.join(plan.out, "logs", f"{run.name}.{task}.log"),
+            lambda port: launcher_command(launcher, plan.processes, "tupe_ds.finetune.run", argv,
+                                          port), epochs_done, position,
+            total=len(args.lr) * len(args.seeds) * epochs, unit="epoch")
     return exits
 
 
-def finetune_flags(plan: Plan, index: int) -> list:
-    """tupe-finetune's flags for fine-tune INDEX of the plan (a Slurm array task), after its run
-    is exported; CompareError when the run is not complete or its export fails."""
-    run, task = plan.finetunes[index]
+def finetune_flags(plan: Plan, run: Run, task: str) -> list:
+    """tupe-finetune's flags for a fine-tune of the plan (a Slurm array task), after its run is
+    exported; CompareError when the run is not complete or its export fails."""
     steps = plan.trained_steps(run)
     if steps < plan.steps:
         raise CompareError(f"{run.name} has {steps} of {plan.steps} steps: not fine-tuned on "

@@ -2,15 +2,15 @@
 (glue_scores.py), and its differences from the baseline encoding with 95% intervals
 (glue_intervals.py); as text: glue_markdown.py.
 
-The average is GLUE's: over the tasks, MNLI's m and mm averaged first (the paper's Table 1
-averages the columns). The paper chooses the learning rate on the seeds and dev examples it
-reports, which favours the score (the best of several noisy medians wins), so each encoding also
-gets a held-out row. Per encoding: the mean over pretraining seeds and their standard deviation.
+The paper chooses the learning rate on the seeds and dev examples it reports, which favours the
+score (the best of several noisy medians wins), so each encoding also gets a held-out row. Per
+encoding: the mean over pretraining seeds and their standard deviation.
 """
 
 import statistics
 
-from tupe_ds.compare.glue_intervals import LEVEL, over_fine_tuning_seeds, over_pretraining_seeds
+from tupe_ds.compare.glue_intervals import (LEVEL, PRETRAINING_SEEDS, over_fine_tuning_seeds,
+                                            paired)
 from tupe_ds.compare.glue_scores import columns, glue_average, held_out_scores, scores
 
 
@@ -57,19 +57,14 @@ def table(finetunes: dict, baseline: str, tasks) -> dict:
     for encoding, seeds in per_seed.items():
         if encoding == baseline:
             continue
-        found, one_seed = {}, {}  # {pretraining seed: every column's interval}
+        found = result["differences"][encoding] = dict.fromkeys(everything)
         for name in everything:
             common = [s for s in seeds if name in seeds[s] and name in base.get(s, {})]
             if len(common) >= 2:
-                found[name] = over_pretraining_seeds(
-                    [seeds[s][name] - base[s][name] for s in common])
-            elif len(common) == 1:
+                found[name] = paired([seeds[s][name] - base[s][name] for s in common],
+                                     PRETRAINING_SEEDS)
+            elif common:  # one pretraining seed: over its fine-tuning seeds
                 seed = common[0]
-                if seed not in one_seed:
-                    one_seed[seed] = over_fine_tuning_seeds(
-                        finetunes[encoding][seed], finetunes[baseline][seed], tasks)
-                found[name] = one_seed[seed].get(name)
-            else:
-                found[name] = None
-        result["differences"][encoding] = found
+                found[name] = over_fine_tuning_seeds(finetunes[encoding][seed],
+                                                     finetunes[baseline][seed], tasks).get(name)
     return result

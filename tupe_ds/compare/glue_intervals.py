@@ -22,6 +22,7 @@ import scipy.stats
 from tupe_ds.compare.glue_scores import columns, glue_average, per_fine_tuning_seed
 
 LEVEL = 0.95
+PRETRAINING_SEEDS = "pretraining seeds (pretraining and fine-tuning noise)"
 ONE_PRETRAINING_SEED = ("fine-tuning seeds of one pretraining seed, the mean at each "
                         "encoding's chosen learning rate (fine-tuning noise only)")
 
@@ -41,10 +42,6 @@ def paired(differences: list, what: str) -> dict:
     """Student's t interval of the mean of per-seed differences."""
     return interval(statistics.fmean(differences), f"paired t over {len(differences)} {what}",
                     scipy.stats.ttest_1samp, differences, 0)
-
-
-def over_pretraining_seeds(differences: list) -> dict:
-    return paired(differences, "pretraining seeds (pretraining and fine-tuning noise)")
 
 
 def welch(encoding: list, baseline: list) -> dict:

@@ -3,17 +3,38 @@ tupe_ds/distributed/launchers.py): their output appended to a log and followed b
 and the exit code of each attempt kept in OUT/status.json."""
 
 import json
+import logging
 import os
 import subprocess
+import sys
 
+from tqdm import tqdm
+
+from tupe_ds.distributed.launchers import on_a_free_port
 from tupe_ds.tools.files import locked, write_atomically
+
+logger = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
 
 
+def launched(out: str, name: str, log: str, command, progress, where: str, **bar) -> int:
+    """`command(port)` on a free port, followed (`follow`, `progress` its position) under a tqdm
+    bar of `bar`'s settings named `where` `name`; its exit code recorded under `name` in
+    OUT/status.json, and said where it failed (the next one starts all the same)."""
+    bar = tqdm(desc=f"{where} {name}", file=sys.stdout, dynamic_ncols=True, **bar)
+    exit_code = on_a_free_port(lambda port: follow(command(port), log, bar, progress))
+    bar.close()
+    record_status(out, name, exit_code, log)
+    if exit_code:
+        logger.error(f"{where} {name}: FAILED with exit code {exit_code}; see {log}; going on "
+                     "with the others")
+    return exit_code
+
+
 def follow(command: list, log: str, bar, position) -> int:
-    """Runs `command`, its output appended to `log`; `position(line)` (a number or None) moves
-    the tqdm `bar`. The exit code."""
+    """Runs `command`, its output appended to `log`; `position(line, bar.n)` (a number or None)
+    moves the tqdm `bar`. The exit code."""
     os.makedirs(os.path.dirname(log), exist_ok=True)
     with open(log, "a") as f:
         f.write(" ".join(command) + "\n")
@@ -23,7 +44,7 @@ def follow(command: list, log: str, bar, position) -> int:
         for line in process.stdout:
             f.write(line)
             f.flush()
-            reached = position(line)
+            reached = position(line, bar.n)
             if reached is not None:
                 bar.update(reached - bar.n)
         return process.wait()

@@ -113,26 +113,31 @@ class Plan:
             raise CompareError(f"--baseline {self.baseline} is not one of --encodings "
                                f"{','.join(self.encodings)}")
 
+    def load_run(self, run: Run, argv: list, machine, scratch: dict):
+        """tupe-pretrain's RunConfig of `run` from `argv` for `processes` processes; its refusal
+        a CompareError, each scratch path in it named as {scratch path: the run's} says."""
+        try:
+            return load(argv, world_size=self.processes, machine=machine)
+        except Refused as error:
+            message = str(error)
+            for path, meant in scratch.items():
+                message = message.replace(path, meant)
+            raise CompareError(f"run {run.name}: {message}") from None
+
     def first_run_config(self, machine):
-        """tupe-pretrain's RunConfig of the first run on `machine`, for `processes` processes
-        (the batch split and warmup a recipe scales to), in a scratch run folder: the run's own
-        checkpoints, trained with the recipe's flags, would refuse a command without them."""
+        """tupe-pretrain's RunConfig of the first run on `machine` (the batch split and warmup a
+        recipe scales to), in a scratch run folder: the run's own checkpoints, trained with the
+        recipe's flags, would refuse a command without them."""
         run = self.runs[0]
         argv = self.pretrain_argv(run)
         with tempfile.TemporaryDirectory() as scratch:
             argv[argv.index("--out") + 1] = scratch
-            try:
-                return load(argv, world_size=self.processes, machine=machine)
-            except Refused as error:
-                message = str(error)
-                raise CompareError(f"run {run.name}: "
-                                   f"{message.replace(scratch, self.run_dir(run))}") from None
+            return self.load_run(run, argv, machine, {scratch: self.run_dir(run)})
 
     def check(self) -> None:
-        """tupe-pretrain's own checks on every run's flags, for `processes` processes; a
-        DeepSpeed config the recipe makes is checked from a scratch copy (OUT is written by
-        save() only). First, a comparison already in OUT that this one may not go on with."""
-        self.check_flags()
+        """tupe-pretrain's own checks on every run's flags (check_flags' done), a DeepSpeed config
+        the recipe makes checked from a scratch copy (OUT is written by save() only). First, a
+        comparison already in OUT that this one may not go on with."""
         self.refuse_another_plan()
         for task in self.tasks:
             try:
@@ -149,13 +154,7 @@ class Plan:
             for run in self.runs:
                 argv = [copy if made is not None and flag == made else flag
                         for flag in self.pretrain_argv(run)]
-                try:
-                    load(argv, world_size=self.processes, machine=machine)
-                except Refused as error:
-                    message = str(error)
-                    if made is not None:
-                        message = message.replace(copy, made)
-                    raise CompareError(f"run {run.name}: {message}") from None
+                self.load_run(run, argv, machine, {copy: made} if made is not None else {})
 
     def save(self) -> None:
         """OUT/compare.json (and the recipe's DeepSpeed config); a folder planned with another
@@ -208,11 +207,15 @@ def read_plan(out: str) -> Plan:
     except FileNotFoundError:
         raise CompareError(f"{path}: no such file; start the comparison with tupe-compare run "
                            f"(or plan) --out {out}") from None
-    data = fields["data"]  # a plan of an earlier version holds one folder
-    fields.update(out=out, data=(data,) if isinstance(data, str) else tuple(data),
-                  encodings=tuple(fields["encodings"]), seeds=tuple(fields["seeds"]),
-                  pretrain_flags=tuple(fields["pretrain_flags"]),
-                  tasks=tuple(fields.get("tasks", ())),
-                  finetune_flags=tuple(fields.get("finetune_flags", ())),
-                  recipe=Recipe.from_json(fields.get("recipe")))
+    if isinstance(fields["data"], str):  # a plan of an earlier version holds one folder
+        fields["data"] = [fields["data"]]
+    fields = tuples(fields)
+    recipe = fields.get("recipe")  # None: a plan written before recipes, the paper's
+    fields.update(out=out, recipe=Recipe(**tuples(recipe)) if recipe else Recipe())
     return Plan(**fields)
+
+
+def tuples(fields: dict) -> dict:
+    """compare.json's `fields` with their lists as the tuples of a Plan or Recipe."""
+    return {name: tuple(value) if isinstance(value, list) else value
+            for name, value in fields.items()}

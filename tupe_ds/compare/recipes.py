@@ -44,14 +44,6 @@ class Recipe:
     notes: tuple = ()  # what it set and what it left, one sentence each (the report's)
     ds_config: Optional[dict] = None  # the DeepSpeed config its --ds-config names (OUT/...)
 
-    @classmethod
-    def from_json(cls, fields: Optional[dict]) -> "Recipe":
-        """From compare.json; a plan written before recipes existed is the paper's."""
-        if fields is None:
-            return cls()
-        return cls(name=fields["name"], flags=tuple(fields["flags"]),
-                   notes=tuple(fields["notes"]), ds_config=fields.get("ds_config"))
-
     @property
     def ds_config_file(self) -> Optional[str]:
         """The DeepSpeed config file it makes the runs take; None: the user's --ds-config."""
@@ -228,7 +220,7 @@ def precision(ds_config: dict, path: str, machine: doctor.Machine, out: str) -> 
     half = machine.half_precision
     if half != "bf16":
         why = ("no GPU: bf16 is for GPUs that all have it, as make demo chooses"
-               if half is None and (machine.accelerator != "cuda" or not machine.gpus)
+               if machine.accelerator != "cuda" or not machine.gpus
                else "these GPUs lack bf16, which needs compute capability "
                     f"{doctor.BF16_CAPABILITY[0]}.{doctor.BF16_CAPABILITY[1]} or newer")
         return (), f"precision {dtype}, the --ds-config's ({why})", None

@@ -52,11 +52,9 @@ def build(plan: Plan) -> dict:
     os.makedirs(os.path.join(plan.out, "figures"), exist_ok=True)
     status = read_status(plan.out)
     records = [run_record(plan, run, status) for run in plan.runs]
-    curves = {}
-    for encoding in plan.encodings:
-        curve = encoding_curve([r for r in records if r["encoding"] == encoding])
-        if curve:
-            curves[encoding] = curve
+    curves = {encoding: encoding_curve([r for r in records if r["encoding"] == encoding])
+              for encoding in plan.encodings}
+    curves = {encoding: curve for encoding, curve in curves.items() if curve}
     race = race_to_baseline(curves, plan.baseline)
     loss_figure = os.path.join("figures", "valid_loss.png")
     if curves:
@@ -112,13 +110,13 @@ def hours(seconds) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:.0f} s"
 
 
-def number(value, digits=4) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+def number(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def recipe_lines(report: dict) -> list:
     """The recipe the runs trained under: its name, the flags it added, what it set."""
-    recipe = report.get("recipe") or {"name": "paper", "flags": [], "notes": []}
+    recipe = report["recipe"]
     if recipe["name"] == "paper":
         return ["Recipe: paper (`--recipe paper`): the runs trained as the flags and --ds-config "
                 "say, nothing added.", ""]

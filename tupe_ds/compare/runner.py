@@ -10,14 +10,11 @@ OUT/status.json and the next one starts. Each run's output goes to OUT/logs/NAME
 import logging
 import os
 import re
-import sys
-
-from tqdm import tqdm
 
 from tupe_ds.compare.finetuning import finetune_run
-from tupe_ds.compare.launching import follow, record_status
+from tupe_ds.compare.launching import launched
 from tupe_ds.compare.plan import Plan, Run
-from tupe_ds.distributed.launchers import launcher_command, on_a_free_port
+from tupe_ds.distributed.launchers import launcher_command
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +28,9 @@ def launch_command(plan: Plan, run: Run, launcher: str, port: int) -> list:
                             port)
 
 
-def steps_logged(line: str):
+def steps_logged(line: str, done: int):
     step = STEP_LINE.match(line) or RESUMED_LINE.match(line)
     return int(step.group(1)) if step else None
-
-
-def train_run(plan: Plan, run: Run, launcher: str, position: str) -> int:
-    """One run under the launcher, its output appended to OUT/logs/NAME.log and shown as a
-    progress bar over the steps; the launcher's exit code."""
-    log = os.path.join(plan.out, "logs", f"{run.name}.log")
-    bar = tqdm(total=plan.steps, initial=plan.trained_steps(run), unit="step",
-               desc=f"{position} {run.name}", file=sys.stdout, dynamic_ncols=True)
-    exit_code = on_a_free_port(
-        lambda port: follow(launch_command(plan, run, launcher, port), log, bar, steps_logged))
-    bar.close()
-    record_status(plan.out, run.name, exit_code, log)
-    return exit_code
 
 
 def run_all(plan: Plan, launcher: str) -> dict:
@@ -60,11 +44,10 @@ def run_all(plan: Plan, launcher: str) -> dict:
         if done >= plan.steps:
             logger.info(f"{position} {run.name}: done ({done} steps), not started again")
         else:
-            exits[run.name] = train_run(plan, run, launcher, position)
-            if exits[run.name]:
-                logger.error(f"{position} {run.name}: FAILED with exit code {exits[run.name]}; "
-                             f"see {os.path.join(plan.out, 'logs', run.name + '.log')}; going on "
-                             "with the others")
+            exits[run.name] = launched(
+                plan.out, run.name, os.path.join(plan.out, "logs", f"{run.name}.log"),
+                lambda port: launch_command(plan, run, launcher, port), steps_logged, position,
+                total=plan.steps, initial=done, unit="step")
         if plan.tasks and plan.trained_steps(run) >= plan.steps:
             exits.update(finetune_run(plan, run, launcher, position))
     return exits

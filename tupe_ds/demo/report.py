@@ -8,7 +8,6 @@ would learn. Its guess is always the most frequent token."""
 import argparse
 import contextlib
 import io
-import json
 import os
 import sys
 from typing import NamedTuple
@@ -23,6 +22,7 @@ from tupe_ds.data.masking import BERT_MASKING, IGNORE_INDEX, MaskedSamples
 from tupe_ds.data.packing import PackedSentences
 from tupe_ds.export.read import load_exported
 from tupe_ds.export.write import export
+from tupe_ds.train import monitor
 from tupe_ds.train.data_folders import index_cache
 
 SENTENCES = 3  # held-out sentences filled
@@ -34,14 +34,9 @@ LEARNED = 1.5  # times the unigram's accuracy below which the report says to tra
 
 
 def validations(out: str) -> list:
-    """[(step, loss)] of the run's validations, in order (a resumed run's too)."""
-    found = {}
-    with open(os.path.join(out, "train_log.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "valid/loss" in row:
-                found[row["step"]] = row["valid/loss"]
-    return sorted(found.items())
+    """[(step, loss)] of the run's validations by step, a step validated again (after a resume)
+    by its last."""
+    return sorted(dict(monitor.validations(os.path.join(out, "train_log.jsonl"))).items())
 
 
 def unigram_counts(data: str) -> torch.Tensor:

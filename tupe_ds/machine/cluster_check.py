@@ -8,16 +8,23 @@ table and the ephemeral port range of this node, and tries the locks a run takes
 """
 
 import os
+from dataclasses import dataclass
 from typing import List, Optional
 
 from tupe_ds.distributed.launch import first_host, srun_port
 from tupe_ds.distributed.launchers import PORT_RANGE_FILE, ephemeral_ports
 from tupe_ds.machine.extension_locks import (LOCAL_FILESYSTEMS, SHARED_FILESYSTEMS,
                                              extensions_root, filesystem_type)
-from tupe_ds.machine.findings import Finding
 from tupe_ds.tools.lock import HOLDER_SUFFIX, lock_support
 
 NETWORK_VARIABLES = ("NCCL_", "GLOO_", "UCX_", "FI_")  # prefixes of the interface settings
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a check of the machine found: tupe-doctor's and the Slurm check's findings."""
+    fatal: bool  # the run would fail; else a warning
+    text: str  # what is wrong and what to change
 
 
 def slurm_report(environ, backend: str, data: Optional[str], out: Optional[str],
@@ -34,6 +41,7 @@ def slurm_report(environ, backend: str, data: Optional[str], out: Optional[str],
     address = environ.get("MASTER_ADDR") or (first_host(nodelist) if nodelist != "?" else "?")
     port = int(environ.get("MASTER_PORT") or srun_port(int(environ["SLURM_JOB_ID"])))
     extensions = extensions_root(environ)
+    kind = filesystem_type(extensions, mounts)
     lines = [f"nodes: {nodes} ({nodelist}); tasks: {environ.get('SLURM_NTASKS', '?')} "
              f"({environ.get('SLURM_NTASKS_PER_NODE', '?')} per node)",
              f"CPUs per task: {cpus or 'not set'} (the step gets {step_cpus or 'one'} through "
@@ -42,7 +50,7 @@ def slurm_report(environ, backend: str, data: Optional[str], out: Optional[str],
              "network: " + (", ".join(f"{k}={v}" for k, v in sorted(environ.items())
                                       if k.startswith(NETWORK_VARIABLES)) or "no NCCL_/GLOO_ "
                             "variable set (interfaces chosen from the hostname)"),
-             f"torch extensions: {extensions} ({filesystem_type(extensions, mounts) or '?'})"]
+             f"torch extensions: {extensions} ({kind or '?'})"]
     found: List = []
     if not step_cpus:
         found.append(Finding(False, "no --cpus-per-task in this job: where Slurm binds tasks to "
@@ -55,7 +63,6 @@ def slurm_report(environ, backend: str, data: Optional[str], out: Optional[str],
         found.append(Finding(False, f"MASTER_PORT={port} is in this node's ephemeral port range "
                                     f"({first}-{last}, {port_range}), where another process may "
                                     f"hold it; set MASTER_PORT to a free port below {first}"))
-    kind = filesystem_type(extensions, mounts)
     if nodes > 1 and kind in SHARED_FILESYSTEMS:
         found.append(Finding(False, f"torch extensions are built in {extensions}, on a {kind} "
                                     "filesystem every node shares: a build's lock on one node is "

@@ -4,15 +4,9 @@
     tupe-doctor --ds-config ds_configs/bert_large_fp16.json --nproc 8
     tupe-doctor --slurm --data DATA --out RUN_DIR     # inside a Slurm allocation
 
-Prints the accelerator, GPU count and compute capabilities, the versions of torch, CUDA, NCCL,
-DeepSpeed and megatron-core, then each finding with what to change: a precision the GPUs lack, an
-optimizer that needs a compiler that is not there, more processes than GPUs, environment
-variables known to break DeepSpeed, a lock in the torch extensions folder that no live build
-holds (every run would wait on it forever). `tupe-pretrain --check-only` prints the same. With
---slurm, also what the ranks of a job in this allocation will use and what will go wrong across
-its nodes: the filesystem of --data and --out (shared or of this node) and the lock a run takes
-there (flock, or lock files where flock fails), the rendezvous port against this node's
-ephemeral range (tupe_ds/machine/cluster_check.py). Exit code 1 when a finding would stop the
+Prints the accelerator, its GPUs and the libraries' versions, then each finding (the
+*_findings checks below; with --slurm, cluster_check.py's across the job's nodes) with what to
+change; `tupe-pretrain --check-only` prints the same. Exit code 1 when a finding would stop the
 run.
 """
 
@@ -25,10 +19,9 @@ import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from tupe_ds.machine.cluster_check import slurm_report
+from tupe_ds.machine.cluster_check import Finding, slurm_report
 from tupe_ds.machine.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, is_stale, lock_text
-from tupe_ds.machine.findings import Finding
 from tupe_ds.tools import command_line, entry
 from tupe_ds.tools.errors import CommandRefused
 
