@@ -29,8 +29,9 @@ from typing import List, Sequence
 import numpy as np
 from tupe_ds.tools.progress_bar import Bar
 
-from data_prep.band_index import BAND_KEYS, BAND_ORDER, BandTables
-from data_prep.near import SHINGLE_OFFSETS, SHINGLES, ShingleFile, band_keys, jaccards, to_verify
+from data_prep.band_index import BAND_KEYS, BAND_ORDER, BandTables, write_band_index
+from data_prep.near import (SHINGLE_OFFSETS, SHINGLES, ShingleFile, band_keys, jaccards,
+                            to_verify, write_shingles)
 
 SIGNATURES = "minhash.npy"
 NEAR_FILES = (SIGNATURES, SHINGLES, SHINGLE_OFFSETS, BAND_KEYS, BAND_ORDER)
@@ -72,6 +73,25 @@ class Removed:
     @property
     def any(self) -> np.ndarray:
         return self.exact | self.near
+
+
+def write_near_files(prefix: str, signatures: list, shingles, shingle_total: int,
+                     threshold: float, num_perm: int, chunk: int = 1 << 16) -> None:
+    """PREFIX's near-duplicate files: its signatures (the `rows` of each (signatures, rows) of
+    `signatures`, in order, copied a chunk at a time), its shingles (`shingles`: each document's
+    hashes, `shingle_total` in all, streamed) and its band index."""
+    count = sum(len(rows) for _, rows in signatures)
+    written = np.lib.format.open_memmap(f"{prefix}.{SIGNATURES}", mode="w+", dtype=np.uint32,
+                                        shape=(count, num_perm))
+    at = 0
+    for theirs, rows in signatures:
+        for start in range(0, len(rows), chunk):
+            block = rows[start:start + chunk]
+            written[at:at + len(block)] = theirs[block]
+            at += len(block)
+    written.flush()
+    write_shingles(prefix, shingles, shingle_total, count)
+    write_band_index(prefix, written, threshold, num_perm)
 
 
 def check_near_files(parts: Sequence[Part], num_perm: int, bands: int) -> None:

@@ -16,6 +16,7 @@ order, compiled once, and skips a rule when a text lacks a substring every match
 `moses="sacremoses"` calls the library's own normalize().
 """
 
+import functools
 import re
 import unicodedata
 
@@ -119,12 +120,8 @@ def remove_format(text: str) -> str:
     neighbours."""
     if text.isascii():
         return text
-    found = {}  # whether the text is bidi text, Braille text: asked once, when first needed
-
-    def holds(pattern: regex.Pattern) -> bool:
-        if pattern not in found:
-            found[pattern] = pattern.search(text) is not None
-        return found[pattern]
+    # whether the text is bidi text, Braille text: asked once, when first needed
+    holds = functools.cache(lambda pattern: pattern.search(text) is not None)
 
     def kept(run: regex.Match) -> str:
         start, end = run.span()
@@ -192,11 +189,11 @@ class Cleaner:
     moses: "gated" (default, GatedMoses) or "sacremoses" (the library's normalize, the
     reference); both give the same text."""
 
-    def __init__(self, lowercase: bool = False, lang: str = "en", moses: str = "gated"):
+    def __init__(self, lowercase: bool = False, moses: str = "gated"):
         if moses not in MOSES:
             raise ValueError(f"Moses normalizer: choose {' or '.join(MOSES)}, not {moses!r}")
         self.lowercase = lowercase
-        self.moses = MosesPunctNormalizer(lang=lang)
+        self.moses = MosesPunctNormalizer(lang="en")
         if moses == "gated":
             self.moses = GatedMoses(self.moses)
 

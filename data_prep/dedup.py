@@ -73,10 +73,9 @@ class Deduplicator:
             tagged = absorb(np.asarray(bands, np.uint64), np.arange(self.bands))
             queries, members = self.buckets.in_runs(tagged.ravel())
             counts = np.bincount(queries, minlength=tagged.size).reshape(tagged.shape)
-            document_of = queries // self.bands
-            starts = np.searchsorted(document_of, np.arange(len(keys) + 1))
+            starts = np.searchsorted(queries // self.bands, np.arange(len(keys) + 1))
+            recent = self.buckets.recent
         verdicts = []
-        recent = self.buckets.recent if near else None
         for i, key in enumerate(keys.tolist()):
             if seen_before[i] or key in self.seen.recent:
                 self.exact_removed += 1
@@ -88,9 +87,8 @@ class Deduplicator:
                 verdicts.append(KEPT)
                 continue
             own_keys = tagged[i].tolist()
-            buckets = [recent.get(k) for k in own_keys]
             older = members[starts[i]:starts[i + 1]]
-            candidates = [d for bucket in buckets if bucket for d in bucket]
+            candidates = [d for k in own_keys for d in recent.get(k, ())]
             own = np.asarray(shingles[i], np.uint32)
             if (candidates or len(older)) and self._near_copy(
                     np.unique(np.concatenate([older, candidates]).astype(np.int64)),

@@ -19,8 +19,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from tupe_ds.tools.progress_bar import Bar
 
 from data_prep import across
-from data_prep.band_index import write_band_index
-from data_prep.near import ShingleFile, lsh_shape, write_shingles
+from data_prep.near import ShingleFile, lsh_shape
 from data_prep.output import (SPLITS, check_cleaning_versions, cleaning_version, publish,
                               read_manifest, work_folder)
 from tupe_ds.tools.files import file_digest
@@ -118,9 +117,8 @@ def write_deduplicated(folders, work, dtype, against, near, quiet):
     work/SPLIT.*: (per part of `folders`: (part, what it lost, its counts kept)), each split's
     counts)."""
     parts = parts_of(folders, against, near)
-    threshold = near[0] if near is not None else 0.0
-    removed = across.duplicates(parts, threshold, near[1] if near else 0, near=near is not None,
-                                quiet=quiet)
+    threshold, num_perm = near or (0.0, 0)
+    removed = across.duplicates(parts, threshold, num_perm, near=near is not None, quiet=quiet)
     mine = [(part, gone) for part, gone in zip(parts, removed) if not part.fixed]
     kept, split_counts = [], {}
     for split in SPLITS:
@@ -136,8 +134,7 @@ def write_deduplicated(folders, work, dtype, against, near, quiet):
 def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
     """The documents of each (source prefix, kept mask), in order, as one indexed dataset at
     `prefix` with its .keys.npy (and, with `near` settings, its near-duplicate files); returns
-    each source's counts
-    of what it gave (documents, sentences, tokens)."""
+    each source's counts of what it gave (documents, sentences, tokens)."""
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype.type)
     keys, kept_rows, counts = [], [], []
     progress = Bar(total=sum(int(kept.sum()) for _, kept in sources), unit=" docs",
@@ -154,7 +151,7 @@ def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
             builder.add_index(source)
             progress.update(len(kept))
         else:
-            for doc in np.flatnonzero(kept):
+            for doc in kept_rows[-1]:
                 first, last = documents[doc], documents[doc + 1]
                 tokens = np.concatenate([dataset[i] for i in range(first, last)])
                 # the array as it is: megatron-core converts it to the builder's dtype (a
@@ -166,10 +163,17 @@ def write_kept(sources, prefix: str, dtype, near, quiet: bool) -> list:
         counts[-1]["tokens"] = int(sum(int(lengths[a:b].sum()) for a, b in zip(starts, ends)))
     progress.close()
     builder.finalize(f"{prefix}.idx")
-    np.save(f"{prefix}.keys.npy", np.concatenate(keys).astype(np.uint64) if keys
-            else np.zeros(0, np.uint64))
-    if near is not None:
-        write_kept_near_files(sources, kept_rows, prefix, *near, quiet=quiet)
+    np.save(f"{prefix}.keys.npy", np.concatenate(keys).astype(np.uint64))
+    if near is not None:  # the shingles, a document at a time, take most of it: a progress bar
+        shingles = [(ShingleFile(source), rows) for (source, _), rows in zip(sources, kept_rows)]
+        across.write_near_files(
+            prefix, [(np.load(f"{source}.{across.SIGNATURES}", mmap_mode="r"), rows)
+                     for (source, _), rows in zip(sources, kept_rows)],
+            Bar((file[row] for file, rows in shingles for row in rows),
+                total=sum(count["documents"] for count in counts),
+                desc=f"{os.path.basename(prefix)} shingles", unit=" docs", disable=quiet),
+            sum(int((file.offsets[rows + 1] - file.offsets[rows]).sum())
+                for file, rows in shingles), *near)
     return counts
 
 
@@ -188,31 +192,6 @@ def filter_against(work: str, against: Sequence[str], near, dtype, quiet: bool) 
     return counts, {os.path.basename(part.prefix): gone for part, gone, _ in kept}
 
 
-def write_kept_near_files(sources, kept_rows, prefix: str, threshold: float, num_perm: int,
-                          quiet: bool, chunk: int = 1 << 16) -> None:
-    """PREFIX's signatures and shingles (the kept rows of each source's, streamed) and its band
-    index (data_prep/across.py). The shingles, a document at a time, take most of it: they show
-    a progress bar unless `quiet`."""
-    total = sum(len(rows) for rows in kept_rows)
-    signatures = np.lib.format.open_memmap(f"{prefix}.{across.SIGNATURES}", mode="w+",
-                                           dtype=np.uint32, shape=(total, num_perm))
-    at = 0
-    for (source, _), rows in zip(sources, kept_rows):
-        theirs = np.load(f"{source}.{across.SIGNATURES}", mmap_mode="r")
-        for start in range(0, len(rows), chunk):
-            block = rows[start:start + chunk]
-            signatures[at:at + len(block)] = theirs[block]
-            at += len(block)
-    signatures.flush()
-    shingles = [(ShingleFile(source), rows) for (source, _), rows in zip(sources, kept_rows)]
-    write_shingles(prefix, Bar((file[row] for file, rows in shingles for row in rows),
-                               total=total, desc=f"{os.path.basename(prefix)} shingles",
-                               unit=" docs", disable=quiet),
-                   sum(int((file.offsets[rows + 1] - file.offsets[rows]).sum())
-                       for file, rows in shingles), total)
-    write_band_index(prefix, signatures, threshold, num_perm)
-
-
 def across_counts(kept, split_counts, against, near) -> dict:
     """The manifest's counts of what the de-duplication across folders removed: in total, and
     per folder (its documents in, what it lost as exact or near duplicates of an earlier
@@ -223,10 +202,10 @@ def across_counts(kept, split_counts, against, near) -> dict:
             "documents_in": 0, "cross_shard_exact_removed": 0, "cross_shard_near_removed": 0,
             "cross_corpus_exact_removed": 0, "cross_corpus_near_removed": 0,
             "documents_out": 0, "sentences": 0, "tokens": 0})
-        by_corpus = {"exact": gone.exact_by_fixed, "near": gone.near_by_fixed}
-        for kind, mask in (("exact", gone.exact), ("near", gone.near)):
-            counts[f"cross_corpus_{kind}_removed"] += by_corpus[kind]
-            counts[f"cross_shard_{kind}_removed"] += int(mask.sum()) - by_corpus[kind]
+        for kind, mask, by_corpus in (("exact", gone.exact, gone.exact_by_fixed),
+                                      ("near", gone.near, gone.near_by_fixed)):
+            counts[f"cross_corpus_{kind}_removed"] += by_corpus
+            counts[f"cross_shard_{kind}_removed"] += int(mask.sum()) - by_corpus
         counts["documents_in"] += len(gone.exact)
         counts["documents_out"] += given["documents"]
         counts["sentences"] += given["sentences"]

@@ -157,9 +157,8 @@ def publish(work: str, output: str, manifest: dict) -> None:
 
     An output folder is complete when it has a manifest.json; an older one goes first.
     """
-    old_manifest = os.path.join(output, "manifest.json")
-    if os.path.exists(old_manifest):
-        os.remove(old_manifest)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(output, "manifest.json"))
     with open(os.path.join(work, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     names = sorted(n for n in os.listdir(work)

@@ -9,7 +9,7 @@ Pass 2 encodes the spool in batches (tokenizers' own threads) into megatron-core
 work again from the start.
 """
 
-import collections
+import itertools
 import json
 import os
 import sys
@@ -54,8 +54,6 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     os.makedirs(os.path.join(work, DEDUP_STATE))
     dedup = Deduplicator(config.dedup, config.jaccard_threshold, config.num_perm,
                          os.path.join(work, DEDUP_STATE))
-    counts = {"documents_in": 0, "empty_dropped": 0, "short_dropped": 0, "documents_out": 0,
-              "sentences": 0}
     source_of = {path: given for given in config.inputs for path in expand_inputs([given])}
     per_source = {given: dict.fromkeys(SOURCE_COUNTS, 0) for given in config.inputs
                   if any(source_of.get(path) == given for path in files)}
@@ -66,16 +64,18 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
         """Pass 1: spools the kept documents and yields their sentences (a list per batch), so
         that BPE training counts words while the workers clean and split."""
         with open(spool_path, "w", encoding="utf-8") as spool:
-            waiting = collections.deque()  # each batch's sources, until its results are back
             progress = Bar(desc="clean, dedup, split", unit=" docs", disable=config.quiet)
-            for packed in _map(pool, config.workers, _batches(files, reader, source_of, waiting)):
-                results, sources = packed["results"], waiting.popleft()
-                progress.update(len(results))
-                live = _count_results(results, sources, counts, per_source, seconds)
+            for sources, packed in _map(pool, config.workers, _batches(files, reader, source_of)):
+                progress.update(len(packed["results"]))
+                live = _count_results(packed["results"], sources, per_source, seconds)
                 start = time.perf_counter()
-                verdicts = _judge(dedup, packed, live)
+                shingles = packed.get("shingles")  # as workers._process_batch packed them
+                verdicts = dedup.judge(
+                    [result["key"] for _, result in live], packed.get("signatures"),
+                    None if shingles is None else np.split(shingles, packed["shingle_ends"][:-1]),
+                    packed.get("bands"))
                 seconds["dedup"] += time.perf_counter() - start
-                yield _spool_kept(live, verdicts, spool, counts, per_source)
+                yield _spool_kept(live, verdicts, spool, per_source)
             progress.close()
         seconds["read_clean_dedup_split_wall"] = time.perf_counter() - pass_start
         if not config.tokenizer and not config.quiet:  # what the wait after the pass is
@@ -94,7 +94,9 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                                         config.min_frequency, show_progress=False)
     seconds["train_bpe_after_pass"] = time.perf_counter() - pass_start - seconds[
         "read_clean_dedup_split_wall"]
-    if counts["documents_out"] == 0:
+    counts = {name: sum(source[name] for source in per_source.values())
+              for name in ("documents_in", "empty_dropped", "short_dropped")}
+    if dedup.kept == 0:
         raise InputError(f"no document left to write from {len(files)} input file(s) "
                          f"({counts['documents_in']} read, {counts['empty_dropped']} empty, "
                          f"{counts['short_dropped']} shorter than --min-words {config.min_words})")
@@ -105,8 +107,7 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     vocab = tokenizer.get_vocab_size()
     dtype = DType.optimal_dtype(vocab)
     sources = {name: index for index, name in enumerate(per_source)}
-    written = encode_spool(spool_path, tokenizer, dtype, config, work, sources,
-                           counts["documents_out"])
+    written = encode_spool(spool_path, tokenizer, dtype, config, work, sources, dedup.kept)
     if config.dedup == "minhash":
         write_near_files(work, dedup, written, config)
     seconds["encode_write"] = time.perf_counter() - start
@@ -119,21 +120,17 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
                                           config.quiet)
         seconds["dedup_against"] = time.perf_counter() - start
     split_counts = count_written(written, sources, per_source, removed)
-    counts["documents_out"] = sum(c["documents"] for c in split_counts.values())
-    counts["sentences"] = sum(c["sentences"] for c in split_counts.values())
     seconds["total"] = time.perf_counter() - started
 
     manifest.update(
         counts,
-        bytes_in=reader.stats.bytes_in,
+        **asdict(reader.stats),
         exact_duplicates_removed=dedup.exact_removed + against.get(
             "cross_corpus_exact_duplicates_removed", 0),
         near_duplicates_removed=dedup.near_removed + against.get(
             "cross_corpus_near_duplicates_removed", 0),
-        invalid_utf8_lines=reader.stats.invalid_utf8_lines,
-        invalid_utf8_examples=reader.stats.invalid_utf8_examples,
-        bad_lines_skipped=reader.stats.bad_lines_skipped,
-        empty_files=reader.stats.empty_files,
+        documents_out=sum(c["documents"] for c in split_counts.values()),
+        sentences=sum(c["sentences"] for c in split_counts.values()),
         tokens=sum(c["tokens"] for c in split_counts.values()),
         splits=split_counts,
         vocab_size=vocab,
@@ -146,58 +143,34 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
     return manifest
 
 
-def _batches(files: List[str], reader: Reader, source_of: dict, waiting: collections.deque):
-    """The texts of PASS1_BATCH_DOCS documents at a time (only texts go to the workers); each
-    batch's sources are appended to `waiting`."""
-    sources, texts = [], []
-    for path in files:
-        for document in reader.documents([path]):
-            sources.append(source_of[path])
-            texts.append(document.text)
-            if len(texts) == PASS1_BATCH_DOCS:
-                waiting.append(sources)
-                yield texts
-                sources, texts = [], []
-    if texts:
-        waiting.append(sources)
-        yield texts
+def _batches(files: List[str], reader: Reader, source_of: dict):
+    """(sources, texts) of PASS1_BATCH_DOCS documents at a time."""
+    documents = ((source_of[path], text) for path in files for text in reader.documents([path]))
+    while batch := list(itertools.islice(documents, PASS1_BATCH_DOCS)):
+        sources, texts = zip(*batch)
+        yield sources, texts
 
 
-def _count_results(results: list, sources: list, counts: dict, per_source: dict,
-                   seconds: dict) -> list:
-    """A batch's documents counted in, and dropped, in all and by source, with their stages'
-    seconds; returns the (source, result) of those left to de-duplicate."""
-    counts["documents_in"] += len(results)
+def _count_results(results: list, sources: list, per_source: dict, seconds: dict) -> list:
+    """A batch's documents counted in, and dropped, by source, with their stages' seconds;
+    returns the (source, result) of those left to de-duplicate."""
     for source, result in zip(sources, results):
         per_source[source]["documents_in"] += 1
         for stage, value in result["seconds"].items():
             seconds[stage] += value
         if "drop" in result:
-            counts[f"{result['drop']}_dropped"] += 1
             per_source[source][f"{result['drop']}_dropped"] += 1
     return [(source, result) for source, result in zip(sources, results) if "key" in result]
 
 
-def _judge(dedup: Deduplicator, packed: dict, live: list) -> list:
-    """The de-duplicator's verdicts on the `live` documents of a batch that _process_batch
-    packed (workers.py)."""
-    return dedup.judge(
-        [result["key"] for _, result in live], packed.get("signatures"),
-        np.split(packed["shingles"], packed["shingle_ends"][:-1])
-        if "shingles" in packed else None, packed.get("bands"))
-
-
-def _spool_kept(live: list, verdicts: list, spool, counts: dict, per_source: dict) -> list:
-    """The kept documents written to the spool (a JSON line each) and counted, and the removed
-    ones counted by source; returns the kept documents' sentences: one item for the BPE
-    trainer."""
+def _spool_kept(live: list, verdicts: list, spool, per_source: dict) -> list:
+    """The kept documents written to the spool (a JSON line each), and the removed ones counted
+    by source; returns the kept documents' sentences: one item for the BPE trainer."""
     kept = []
     for (source, result), verdict in zip(live, verdicts):
         if verdict != KEPT:
             per_source[source][f"{verdict}_duplicates_removed"] += 1
             continue
-        counts["documents_out"] += 1
-        counts["sentences"] += len(result["sentences"])
         spool.write(json.dumps({"key": result["key"], "source": source,
                                 "sentences": result["sentences"]}) + "\n")
         kept += result["sentences"]

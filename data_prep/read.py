@@ -1,10 +1,10 @@
 """Stage 0, reading: documents out of .txt, .jsonl[.gz], .parquet files and saved HF datasets.
 
 Everything streams: a file is never loaded whole, so inputs larger than memory are fine.
-Each document carries where it came from (file and first line) for error messages.
 """
 
 import gzip
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -13,12 +13,6 @@ from typing import Iterator, List
 
 class InputError(Exception):
     """Bad input that stops the run; the message names the file (and line)."""
-
-
-@dataclass
-class Document:
-    text: str
-    source: str  # "path:line" (or "path:row N")
 
 
 @dataclass
@@ -31,10 +25,8 @@ class ReadStats:
 
 
 def is_hf_dataset(path: str) -> bool:
-    return os.path.isdir(path) and (
-        os.path.exists(os.path.join(path, "dataset_info.json"))
-        or os.path.exists(os.path.join(path, "dataset_dict.json"))
-    )
+    return any(os.path.exists(os.path.join(path, name))
+               for name in ("dataset_info.json", "dataset_dict.json"))
 
 
 def expand_inputs(paths: List[str]) -> List[str]:
@@ -59,7 +51,8 @@ def expand_inputs(paths: List[str]) -> List[str]:
 
 
 class Reader:
-    """Iterates the documents of input files, counting what it had to repair or skip."""
+    """Iterates the texts of the documents of input files, counting what it had to repair or
+    skip."""
 
     def __init__(self, text_key: str = "text", txt_documents: str = "blank-line",
                  skip_bad_lines: bool = False):
@@ -68,20 +61,20 @@ class Reader:
         self.skip_bad_lines = skip_bad_lines
         self.stats = ReadStats()
 
-    def documents(self, paths: List[str]) -> Iterator[Document]:
+    def documents(self, paths: List[str]) -> Iterator[str]:
         for path in paths:
-            count = 0
-            for document in self._read(path):
-                count += 1
-                yield document
-            if count == 0:
+            empty = True
+            for text in self._read(path):
+                empty = False
+                yield text
+            if empty:
                 self.stats.empty_files.append(path)
 
-    def _read(self, path: str) -> Iterator[Document]:
+    def _read(self, path: str) -> Iterator[str]:
         if is_hf_dataset(path):
             return self._hf_dataset(path)
         name = path[:-3] if path.endswith(".gz") else path
-        if name.endswith(".jsonl") or name.endswith(".json"):
+        if name.endswith((".jsonl", ".json")):
             return self._jsonl(path)
         if name.endswith(".parquet"):
             return self._parquet(path)
@@ -108,30 +101,23 @@ class Reader:
         except (EOFError, gzip.BadGzipFile) as error:
             raise InputError(f"{path}: truncated or corrupt gzip file ({error})") from None
 
-    def _txt(self, path: str) -> Iterator[Document]:
+    def _txt(self, path: str) -> Iterator[str]:
+        lines = (line for _, line in self._lines(path))
         if self.txt_documents == "file":
-            lines = [line for _, line in self._lines(path)]
-            if any(line.strip() for line in lines):
-                yield Document("".join(lines), f"{path}:1")
+            text = "".join(lines)
+            if text.strip():
+                yield text
             return
-        paragraph, start = [], 0
-        for number, line in self._lines(path):
-            if line.strip():
-                if not paragraph:
-                    start = number
-                paragraph.append(line)
-            elif paragraph:
-                yield Document("".join(paragraph), f"{path}:{start}")
-                paragraph = []
-        if paragraph:
-            yield Document("".join(paragraph), f"{path}:{start}")
+        for blank, paragraph in itertools.groupby(lines, key=lambda line: not line.strip()):
+            if not blank:
+                yield "".join(paragraph)
 
     def _bad(self, where: str, message: str) -> None:
         if not self.skip_bad_lines:
             raise InputError(f"{where}: {message} (use --skip-bad-lines to skip such lines)")
         self.stats.bad_lines_skipped += 1
 
-    def _jsonl(self, path: str) -> Iterator[Document]:
+    def _jsonl(self, path: str) -> Iterator[str]:
         for number, line in self._lines(path):
             if not line.strip():
                 continue
@@ -145,9 +131,9 @@ class Reader:
             if not isinstance(text, str):
                 self._bad(where, f"no string field {self.text_key!r} (set --text-key)")
                 continue
-            yield Document(text, where)
+            yield text
 
-    def _records(self, path: str, batches) -> Iterator[Document]:
+    def _records(self, path: str, batches) -> Iterator[str]:
         row = 0
         for batch in batches:
             if self.text_key not in batch:
@@ -158,9 +144,9 @@ class Reader:
                     self._bad(f"{path}:row {row}", f"{self.text_key!r} is not a string")
                     continue
                 self.stats.bytes_in += len(text.encode("utf-8"))
-                yield Document(text, f"{path}:row {row}")
+                yield text
 
-    def _parquet(self, path: str) -> Iterator[Document]:
+    def _parquet(self, path: str) -> Iterator[str]:
         import pyarrow.parquet as pq
 
         try:
@@ -172,7 +158,7 @@ class Reader:
         batches = (b.to_pydict() for b in parquet.iter_batches(columns=[self.text_key]))
         return self._records(path, batches)
 
-    def _hf_dataset(self, path: str) -> Iterator[Document]:
+    def _hf_dataset(self, path: str) -> Iterator[str]:
         import datasets
 
         dataset = datasets.load_from_disk(path)

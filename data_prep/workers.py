@@ -88,16 +88,19 @@ def worker_pool(config: PrepConfig):
 
 
 def _map(pool, workers: int, batches):
-    """_process_batch of each batch of texts, in order. At most 2 x workers + 2 batches are in
-    the workers or waiting to be read here, so memory does not grow with the corpus when this
-    process (de-duplication, BPE counting) is slower than the workers."""
+    """(tag, _process_batch(texts)) of each (tag, texts) of `batches`, in order: only the texts
+    go to the workers. At most 2 x workers + 2 batches are in the workers or waiting to be read
+    here, so memory does not grow with the corpus when this process (de-duplication, BPE
+    counting) is slower than the workers."""
     if pool is None:
-        yield from map(_process_batch, batches)
+        yield from ((tag, _process_batch(texts)) for tag, texts in batches)
         return
     in_flight = collections.deque()
-    for batch in batches:
+    for tag, texts in batches:
         if len(in_flight) == 2 * workers + 2:
-            yield in_flight.popleft().get()
-        in_flight.append(pool.apply_async(_process_batch, (batch,)))
+            done_tag, result = in_flight.popleft()
+            yield done_tag, result.get()
+        in_flight.append((tag, pool.apply_async(_process_batch, (texts,))))
     while in_flight:
-        yield in_flight.popleft().get()
+        done_tag, result = in_flight.popleft()
+        yield done_tag, result.get()

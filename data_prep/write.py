@@ -2,6 +2,7 @@
 was written (`Written`) for the counts and the near-duplicate files of each split."""
 
 import array
+import itertools
 import json
 import os
 
@@ -9,11 +10,9 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from tupe_ds.tools.progress_bar import Bar
 
-from data_prep.across import SIGNATURES
-from data_prep.band_index import write_band_index
+from data_prep import across
 from data_prep.config import PrepConfig
 from data_prep.dedup import Deduplicator
-from data_prep.near import write_shingles
 from data_prep.output import SPLITS
 
 ENCODE_BATCH_DOCS = 256
@@ -24,25 +23,15 @@ def encode_spool(spool_path: str, tokenizer, dtype, config: PrepConfig, work: st
     """Pass 2: the spooled documents encoded, ENCODE_BATCH_DOCS at a time, into each split's
     indexed dataset and its keys (WORK/{split}.bin, .idx, .keys.npy); returns each split's
     `Written`."""
-
-    def spooled():
-        with open(spool_path, encoding="utf-8") as f:
-            for row, line in enumerate(f):
-                yield {**json.loads(line), "row": row}
-
     builders = {split: IndexedDatasetBuilder(os.path.join(work, f"{split}.bin"), dtype=dtype)
                 for split in SPLITS}
     written = {split: Written() for split in SPLITS}
     progress = Bar(total=total, desc="encode", unit=" docs", disable=config.quiet)
-    batch = []
-    for document in spooled():
-        batch.append(document)
-        if len(batch) == ENCODE_BATCH_DOCS:
+    with open(spool_path, encoding="utf-8") as spool:
+        documents = ({**json.loads(line), "row": row} for row, line in enumerate(spool))
+        while batch := list(itertools.islice(documents, ENCODE_BATCH_DOCS)):
             _encode(batch, tokenizer, config, builders, sources, written)
             progress.update(len(batch))
-            batch = []
-    _encode(batch, tokenizer, config, builders, sources, written)
-    progress.update(len(batch))
     progress.close()
     for split in SPLITS:
         builders[split].finalize(os.path.join(work, f"{split}.idx"))
@@ -50,24 +39,17 @@ def encode_spool(spool_path: str, tokenizer, dtype, config: PrepConfig, work: st
     return written
 
 
-def write_near_files(work: str, dedup: Deduplicator, written: dict, config: PrepConfig,
-                     chunk: int = 4096) -> None:
+def write_near_files(work: str, dedup: Deduplicator, written: dict, config: PrepConfig) -> None:
     """Each split's signatures, shingles and band index (data_prep/across.py), from the
     deduplicator's files of every kept document's signature and shingles."""
     spooled, ends = dedup.signatures.sync(), dedup.shingle_ends.sync()
     starts = np.concatenate([[0], ends[:-1]])
     for split in SPLITS:
         order = written[split].column("rows")
-        prefix = os.path.join(work, split)
-        signatures = np.lib.format.open_memmap(f"{prefix}.{SIGNATURES}", mode="w+",
-                                               dtype=np.uint32, shape=(len(order), config.num_perm))
-        for start in range(0, len(order), chunk):
-            signatures[start:start + chunk] = spooled[order[start:start + chunk]]
-        signatures.flush()
-        write_shingles(prefix, (dedup.shingles_of(row) for row in order),
-                       int((ends[order] - starts[order]).sum()), len(order))
-        write_band_index(prefix, signatures, config.jaccard_threshold, config.num_perm)
-        del signatures
+        across.write_near_files(os.path.join(work, split), [(spooled, order)],
+                                (dedup.shingles_of(row) for row in order),
+                                int((ends[order] - starts[order]).sum()),
+                                config.jaccard_threshold, config.num_perm)
 
 
 class Written:

@@ -28,7 +28,7 @@ def splitters():
 
 @pytest.fixture(scope="module")
 def sample():
-    return [document.text for document in Reader().documents(expand_inputs([SAMPLE]))]
+    return list(Reader().documents(expand_inputs([SAMPLE])))
 
 
 @pytest.mark.slow

@@ -18,11 +18,6 @@ import torch
 _END = object()
 
 
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
 def pinned(item):
     """`item` (a tensor, or dicts/lists of them) in pinned host memory."""
     if isinstance(item, torch.Tensor):
@@ -60,18 +55,16 @@ class Prefetched:
                     return
             self._put(_END)
         except BaseException as error:  # raised again in the consumer, with its traceback
-            self._put(_Failed(error))
+            self._put(error)
 
     def __iter__(self):
         return self
 
     def __next__(self):
         item = self.queue.get()
-        if item is _END or isinstance(item, _Failed):
+        if item is _END or isinstance(item, BaseException):
             self.queue.put(item)  # the producer has stopped: a later call ends the same way
-            if item is _END:
-                raise StopIteration
-            raise item.error
+            raise StopIteration if item is _END else item
         return item
 
     def close(self) -> None:
@@ -80,14 +73,8 @@ class Prefetched:
         self.thread.join()
 
 
-@contextlib.contextmanager
 def made_ahead(items: Iterator, depth: int, pin: bool):
     """`items` made by a Prefetched thread while the block runs (as they are if depth is 0)."""
     if depth == 0:
-        yield items
-        return
-    prefetched = Prefetched(items, depth, pin)
-    try:
-        yield prefetched
-    finally:
-        prefetched.close()
+        return contextlib.nullcontext(items)
+    return contextlib.closing(Prefetched(items, depth, pin))
