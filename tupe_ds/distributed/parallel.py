@@ -271,12 +271,10 @@ def seed_tensor_parallel_rng(seed: int, tp_rank: Optional[int] = None) -> None:
 
 
 def tensor_parallel_rng():
-    """The context in which this rank draws dropout for its own heads."""
+    """The context in which this rank draws dropout for its own heads (tensor parallelism)."""
     tracker = tensor_parallel.get_cuda_rng_tracker()
     if tracker.is_initialized():
         return tracker.fork()
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return contextlib.nullcontext()
     raise RuntimeError("dropout under tensor parallelism needs a generator per tensor-parallel "
                        "rank: build the model with tupe_ds.build_model, or call "
                        "tupe_ds.distributed.parallel.seed_tensor_parallel_rng(seed) "

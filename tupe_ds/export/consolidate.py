@@ -76,15 +76,6 @@ def pipeline_layer_files(step_dir: str, tensor_rank: int, states: dict) -> Dict[
     return state
 
 
-def model_names(state: Dict[str, Tensor], layer_indices: list) -> Dict[str, Tensor]:
-    """BertForMaskedLM names for a pipeline stage's parameters; `layer_indices` lists the pipeline
-    indices of the transformer layers of the whole model, in order."""
-    renamed = {bert_name(name, layer_indices, copies=False): tensor
-               for name, tensor in state.items()}
-    renamed.pop(None, None)  # the last stage's copy of the tied word embedding
-    return renamed
-
-
 def join_tensor_parallel(shards: list, reference: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """One state dict from the tensor-parallel ranks' ones: each parameter is concatenated along
     the one dimension where its shard is 1/tp of the tp=1 model's, or taken from rank 0."""
@@ -135,11 +126,14 @@ def consolidated_state(run: dict, step_dir: str) -> tuple:
         raise ExportError(f"{os.path.dirname(os.path.dirname(step_dir))}/run.json: its models "
                           f"are not model configs of this tupe_ds ({error})") from None
     slices = [slice_state(step_dir, rank, tp) for rank in range(tp * pp)]
-    if pp > 1:
+    if pp > 1:  # the pipeline's names mapped back to BertForMaskedLM's
         layer_indices = sorted({int(name.split(".")[0]) for state in slices for name in state
                                 if name.split(".")[0].isdigit()})
         by_tp = [{} for _ in range(tp)]
         for rank, state in enumerate(slices):  # rank = stage * tp + tensor rank
-            by_tp[rank % tp].update(model_names(state, layer_indices))
+            for name, tensor in state.items():
+                name = bert_name(name, layer_indices, copies=False)
+                if name is not None:  # None: the last stage's copy of the tied word embedding
+                    by_tp[rank % tp][name] = tensor
         slices = by_tp
     return configs, join_tensor_parallel(slices, reference_state(configs))

@@ -58,15 +58,22 @@ def find_checkpoint(path: str) -> tuple:
     return os.path.dirname(os.path.dirname(path)), path
 
 
-def check_files(step_dir: str) -> None:
-    """Before DeepSpeed's zero_to_fp32 unpickles anything: the manifest's sizes and checksums,
-    and every .pt read with weights_only (a checkpoint of an earlier version, without a
-    manifest, only the latter)."""
-    if manifest.exists(step_dir):
-        try:
-            files = manifest.read(step_dir)["files"]
-        except ValueError as error:
-            raise ExportError(str(error)) from None
+def read_manifest(step_dir: str) -> Optional[dict]:
+    """The checkpoint's manifest; None for a checkpoint of an earlier version, which has none."""
+    if not manifest.exists(step_dir):
+        return None
+    try:
+        return manifest.read(step_dir)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
+
+
+def check_files(step_dir: str, record: Optional[dict]) -> None:
+    """Before DeepSpeed's zero_to_fp32 unpickles anything: the manifest's (`record`'s) sizes and
+    checksums, and every .pt read with weights_only (a checkpoint of an earlier version, without
+    a manifest, only the latter)."""
+    if record is not None:
+        files = record["files"]
         problems = manifest.check_files(step_dir, files) + manifest.unlisted(step_dir, files)
     else:
         files = files_named(step_dir, "*.pt")
@@ -90,18 +97,25 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
         raise ExportError(f"--electra-network {network}: only an ELECTRA run's generator, in "
                           "--format hf, can be exported; leave the flag out")
     tokenizer = tokenizer or os.path.join(run["data"], "tokenizer.json")
-    check_tokenizer(tokenizer, step_dir)
+    if not os.path.isfile(tokenizer):
+        raise ExportError(f"{tokenizer}: no tokenizer there (run.json's data folder); give the "
+                          "one the run was trained with: --tokenizer PATH")
+    record = read_manifest(step_dir)
     masking = None  # a checkpoint of an earlier version records none
-    if manifest.exists(step_dir):  # run.json says the layout of the run's last start
+    if record is not None:  # run.json says the layout of the run's last start
+        vocabulary = record["identity"].get("vocabulary")
+        if vocabulary is not None and file_digest(tokenizer) != vocabulary:
+            raise ExportError(f"{tokenizer} is not the tokenizer {step_dir} was trained with (its "
+                              "manifest records another vocabulary); give that one: --tokenizer "
+                              "PATH")
         try:
-            record = manifest.read(step_dir)
             layout = saved_layout(record)
         except ValueError as error:
             raise ExportError(str(error)) from None
         run = {**run, "tp": layout.tp, "pp": layout.pp}
         masking = record["identity"].get("masking")
     with safe_load.weights_only_loads():  # zero_to_fp32's loads included
-        check_files(step_dir)
+        check_files(step_dir, record)
         configs, state = consolidated_state(run, step_dir)
     state = network_state(state, network if electra else None)
     if format == "tupe":  # a BertForMaskedLM's parameters only, as earlier versions read
@@ -111,23 +125,6 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
                   tokenizer, source=step_dir, format=format,
                   embedding_size=configs[0].hidden_size, masking=masking)
     return step_dir
-
-
-def check_tokenizer(path: str, step_dir: str) -> None:
-    """ExportError unless `path` is a tokenizer file and, where the checkpoint's manifest records
-    the vocabulary it was trained with, that one."""
-    if not os.path.isfile(path):
-        raise ExportError(f"{path}: no tokenizer there (run.json's data folder); give the one the "
-                          "run was trained with: --tokenizer PATH")
-    if not manifest.exists(step_dir):
-        return  # a checkpoint of an earlier version records none
-    try:
-        recorded = manifest.read(step_dir)["identity"].get("vocabulary")
-    except ValueError as error:
-        raise ExportError(str(error)) from None
-    if recorded is not None and file_digest(path) != recorded:
-        raise ExportError(f"{path} is not the tokenizer {step_dir} was trained with (its "
-                          "manifest records another vocabulary); give that one: --tokenizer PATH")
 
 
 def main(argv=None) -> int:

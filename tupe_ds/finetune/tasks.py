@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 from tokenizers import Tokenizer
+from torch.nn.utils.rnn import pad_sequence
 from tupe_ds.tools.errors import TaskDataError
 
 csv.field_size_limit(2**31 - 1)
@@ -158,8 +159,6 @@ class ExampleTokenizer:
         return result
 
     def batch(self, sequences: list) -> tuple:
-        n = max(map(len, sequences))
-        ids = torch.full((len(sequences), n), self.pad, dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, :len(sequence)] = torch.tensor(sequence)
+        ids = pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences],
+                           batch_first=True, padding_value=self.pad)
         return ids, (ids != self.pad).long()

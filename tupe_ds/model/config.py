@@ -134,8 +134,13 @@ class ModelConfig:
             value = getattr(self, field)
             require(isinstance(value, int) and value > 0, field,
                     f"must be a positive integer, got {value!r}")
-        require(self.pos_encoding in ENCODINGS, "pos_encoding",
-                f"unknown encoding {self.pos_encoding!r}; choose one of {', '.join(ENCODINGS)}")
+        for field, noun, choices in (("pos_encoding", "encoding", ENCODINGS),
+                                     ("dtype", "dtype", DTYPES),
+                                     ("attention", "attention", ATTENTION),
+                                     ("key_padding", "key_padding", KEY_PADDING)):
+            value = getattr(self, field)
+            require(value in choices, field,
+                    f"unknown {noun} {value!r}; choose one of {', '.join(choices)}")
         require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
                 f"{self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}")
@@ -162,13 +167,6 @@ class ModelConfig:
         for field in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, field)
             require(0.0 <= value < 1.0, field, f"must be in [0, 1), got {value!r}")
-        require(self.dtype in DTYPES, "dtype",
-                f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        require(self.attention in ATTENTION, "attention",
-                f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTION)}")
-        require(self.key_padding in KEY_PADDING, "key_padding",
-                f"unknown key_padding {self.key_padding!r}; choose one of "
-                f"{', '.join(KEY_PADDING)}")
         require(self.attention == "fast" or self.key_padding == "auto", "key_padding",
                 f"{self.key_padding!r} applies to attention='fast' only (the dense reference "
                 "puts padding into its mask)")

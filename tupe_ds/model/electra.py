@@ -168,8 +168,7 @@ def build_electra(model: Union[str, tuple] = "electra-base", **overrides) -> Ele
         discriminator, generator = (ModelConfig.from_preset(name, **overrides) for name in PAIRS[model])
     else:
         discriminator, generator = (dataclasses.replace(c, **overrides) for c in model)
-    if generator.vocab_size != discriminator.vocab_size:
-        generator = dataclasses.replace(generator, vocab_size=discriminator.vocab_size)
+    generator = dataclasses.replace(generator, vocab_size=discriminator.vocab_size)
     ensure_model_parallel(discriminator.tensor_parallel_size)
     seed_tensor_parallel_rng(torch.initial_seed())
     return ElectraForPretraining(discriminator, generator).to(accelerator_device())

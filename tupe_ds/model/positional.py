@@ -136,6 +136,8 @@ NO_POSITIONAL_LOGITS = {  # why an encoding has no content-free logits v, for th
     "mask-nope": "positions come only from the causal mask of the first layers",
     "rope": "rotary embeddings rotate q and k, so every logit depends on content",
 }
+
+
 def reset_cls(v: Tensor, theta1: Tensor, theta2: Tensor) -> Tensor:
     """Eq. 9, in place: row 0 ([CLS] to all) becomes theta1, column 0 below it (all to [CLS])
     theta2. v: [heads, n, n], theta: [heads]."""
@@ -165,8 +167,7 @@ class PositionalEncoding(nn.Module):
         if not self.encoding.has_positional_logits:
             raise ValueError(
                 f"pos_encoding={self.config.pos_encoding!r} has no content-free positional logits: "
-                + NO_POSITIONAL_LOGITS.get(self.config.pos_encoding,
-                                           "no term of its logits depends on positions only")
+                + NO_POSITIONAL_LOGITS[self.config.pos_encoding]
             )
         v = None
         if self.untied is not None:

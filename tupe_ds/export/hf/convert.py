@@ -47,6 +47,14 @@ NAMES = [  # tupe_ds's BertForMaskedLM (or ELECTRA network) <-> modeling_tupe.py
     ("discriminator_head.{p}", "discriminator_head.{p}"),
 ]
 QKV = ("query", "key", "value")
+CONFIG_NAMES = {  # TupeConfig's name: ModelConfig's
+    **{name: name for name in ("vocab_size", "hidden_size", "num_attention_heads",
+                               "max_position_embeddings", "seq_length", "pos_encoding",
+                               "causal_layers", "relative_buckets", "relative_max_distance")},
+    "num_hidden_layers": "num_layers", "intermediate_size": "ffn_hidden_size",
+    "hidden_dropout_prob": "hidden_dropout", "attention_probs_dropout_prob": "attention_dropout",
+    "layer_norm_eps": "layernorm_epsilon", "initializer_range": "init_std",
+}
 
 
 def pattern(template: str) -> re.Pattern:
@@ -110,24 +118,10 @@ def transformers_config(model: dict, encoding: dict, kind: str, embedding_size: 
                      "AutoModelForSequenceClassification":
                          "modeling_tupe.TupeForSequenceClassification",
                      "AutoModelForTokenClassification": "modeling_tupe.TupeForTokenClassification"},
-        "vocab_size": model["vocab_size"],
-        "hidden_size": model["hidden_size"],
-        "num_hidden_layers": model["num_layers"],
-        "num_attention_heads": model["num_attention_heads"],
-        "intermediate_size": model["ffn_hidden_size"],
+        **{name: model[ours] for name, ours in CONFIG_NAMES.items()},
         "embedding_size": embedding_size,
-        "max_position_embeddings": model["max_position_embeddings"],
-        "seq_length": model["seq_length"],
         "tokenizer_vocab_size": tokenizer_vocab_size,
-        "pos_encoding": model["pos_encoding"],
         "encoding": encoding,
-        "causal_layers": model["causal_layers"],
-        "relative_buckets": model["relative_buckets"],
-        "relative_max_distance": model["relative_max_distance"],
-        "hidden_dropout_prob": model["hidden_dropout"],
-        "attention_probs_dropout_prob": model["attention_dropout"],
-        "layer_norm_eps": model["layernorm_epsilon"],
-        "initializer_range": model["init_std"],
         "pad_token_id": 0,
         "tie_word_embeddings": kind != "electra-discriminator",
         "dtype": "float32",
