@@ -65,6 +65,9 @@ class PrepConfig:
             fail("--dedup-against", f"needs --dedup minhash (the signatures it compares), not "
                  f"{self.dedup}")
         for folder in self.dedup_against:
+            if not os.path.exists(os.path.join(folder, "manifest.json")):
+                fail("--dedup-against", f"{folder}: no manifest.json; name folders written by "
+                     "tupe-prep")
             if os.path.realpath(folder) == os.path.realpath(self.output):
                 fail("--dedup-against", f"{folder} is this run's --out: its documents would all "
                      "be found there and removed; name the other corpora's folders")

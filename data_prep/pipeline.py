@@ -124,13 +124,17 @@ def _prepare(config: PrepConfig, files: List[str], work: str) -> dict:
 
     manifest.update(
         counts,
-        **asdict(reader.stats),
+        documents_out=sum(c["documents"] for c in split_counts.values()),
+        sentences=sum(c["sentences"] for c in split_counts.values()),
+        bytes_in=reader.stats.bytes_in,
         exact_duplicates_removed=dedup.exact_removed + against.get(
             "cross_corpus_exact_duplicates_removed", 0),
         near_duplicates_removed=dedup.near_removed + against.get(
             "cross_corpus_near_duplicates_removed", 0),
-        documents_out=sum(c["documents"] for c in split_counts.values()),
-        sentences=sum(c["sentences"] for c in split_counts.values()),
+        invalid_utf8_lines=reader.stats.invalid_utf8_lines,
+        invalid_utf8_examples=reader.stats.invalid_utf8_examples,
+        bad_lines_skipped=reader.stats.bad_lines_skipped,
+        empty_files=reader.stats.empty_files,
         tokens=sum(c["tokens"] for c in split_counts.values()),
         splits=split_counts,
         vocab_size=vocab,

@@ -674,6 +674,11 @@ def test_dedup_against_at_other_settings_and_wordless_documents(tmp_path):
         run([source], tmp_path / "b95", jaccard_threshold=0.95,
             dedup_against=(str(tmp_path / "a94"),),
             tokenizer=str(tmp_path / "a94" / "tokenizer.json"))
+    # a folder tupe-prep did not write (raw text, a typo) is named as such, before any work
+    for folder in (tmp_path, tmp_path / "no-such-folder"):
+        with pytest.raises(ValueError, match=f"--dedup-against: {folder}: no manifest.json; name "
+                           "folders written by tupe-prep"):
+            run([source], tmp_path / "c", dedup_against=(str(folder),))
     symbols = ["| --- | --- | --- | --- |", "*** *** *** *** *** ***", "→ ← ↑ ↓ ↔ ↕",
                "!!! ??? ... ;;; ,,,"]
     manifest = run([write_txt(tmp_path / "s.txt", symbols + texts)], tmp_path / "s",

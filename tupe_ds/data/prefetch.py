@@ -18,6 +18,11 @@ import torch
 _END = object()
 
 
+class _Failed:  # the producer's error (an item itself may be an exception object)
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
 def pinned(item):
     """`item` (a tensor, or dicts/lists of them) in pinned host memory."""
     if isinstance(item, torch.Tensor):
@@ -55,16 +60,16 @@ class Prefetched:
                     return
             self._put(_END)
         except BaseException as error:  # raised again in the consumer, with its traceback
-            self._put(error)
+            self._put(_Failed(error))
 
     def __iter__(self):
         return self
 
     def __next__(self):
         item = self.queue.get()
-        if item is _END or isinstance(item, BaseException):
+        if item is _END or isinstance(item, _Failed):
             self.queue.put(item)  # the producer has stopped: a later call ends the same way
-            raise StopIteration if item is _END else item
+            raise StopIteration if item is _END else item.error
         return item
 
     def close(self) -> None:
