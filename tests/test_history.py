@@ -81,17 +81,6 @@ class Job:
 class RunFolder(RuleBasedStateMachine):
     """One run folder through a random history of starts, saves, kills and damage."""
 
-    # known bugs of history.py (each one has an xfail example below): the machine stays off the
-    # paths that reach them, so that it keeps finding new ones; a test turns one on
-    lose_history_while_running = True
-    kill_first_append = True
-    garble_whole_last_line = True
-    # and one of resume.choose, which the mirror below has mended (False: as it is)
-    fresh_start_taken_when_live = True
-    # bug 2 (consent_of): a command "FLAG --giving-up ID" counts as spent by any earlier FLAG
-    # given when ID was the newest, so the command a line suggests can be spent already
-    tolerate_bug_2 = False
-
     def __init__(self):
         super().__init__()
         # fsync is what an append costs: on a memory filesystem where there is one
@@ -262,7 +251,7 @@ class RunFolder(RuleBasedStateMachine):
         if plan["fresh_start"]:
             live = [c.id for c in history.live([*records, *new])]
             taken = chosen is None and bool(plan["candidates"] or plan["passed_over"] or moved
-                                            or (live and self.fresh_start_taken_when_live))
+                                            or live)
             new.append({**plan["fresh_start"], "outcome": "applied" if taken else "not taken",
                         "gives_up": live if taken else []})
         durable = self.append(records, [*new, *moved], kill)
@@ -335,8 +324,6 @@ class RunFolder(RuleBasedStateMachine):
     def run_job(self, saves, kill, last):
         """A (re)queued job: its start, with the flags its script repeats (killed in its append:
         `kill`), then `saves` checkpoints every few steps, then one more cut short by `last`."""
-        if kill is not None and not self.kill_first_append and not os.path.exists(self.path):
-            kill = None
         self.log.append(f"start {self.script} kill={kill}")
         self.start_with(self.script, kill)
         for k in saves:
@@ -434,15 +421,7 @@ class RunFolder(RuleBasedStateMachine):
             resume_from=int(match.group(2)) if match.group(2) else None,
             fresh_start=match.group(2) is None, giving_up=match.group(3))
         self.log.append(f"follow {text}")
-        try:
-            records = self.read() or []
-        except history.HistoryDamaged:
-            records = []
-        bug_2 = any(r["kind"] == "consent" and r["flag"] == match.group(1)
-                    and r["given_on"] == match.group(3) for r in records)
         again = self.start_with(self.script)
-        if bug_2 and self.tolerate_bug_2:  # spent by the consent it was given on: bug 2
-            return
         assert again is None or refused is None or again != refused, \
             f"(e) the command the refusal suggested ({text}) is refused the same way: {again}"
 
@@ -482,8 +461,6 @@ class RunFolder(RuleBasedStateMachine):
     @precondition(lambda self: self.expected is not None or self.damaged_history)
     @rule()
     def lose_history(self):
-        if self.job is not None and not self.lose_history_while_running:
-            return
         self.log.append("lose history")
         os.remove(self.path)
         self.expected, self.damaged_history = None, False
@@ -505,13 +482,11 @@ class RunFolder(RuleBasedStateMachine):
     @rule()
     def move_damaged_history_aside(self):
         """What HistoryDamaged says to do (once a start said it: the job has ended)."""
-        if self.job is not None and not self.lose_history_while_running:
-            return
         os.replace(self.path, self.path + ".damaged")
         self.log.append("mv history.jsonl history.jsonl.damaged")
         self.damaged_history = False
 
-    @precondition(lambda self: self.garble_whole_last_line and self.expected)
+    @precondition(lambda self: self.expected)
     @rule()
     def power_loss_after_append(self):
         """A power loss that leaves the last line whole but not what was written (its blocks
