@@ -94,6 +94,42 @@ def test_export_errors_name_what_is_missing(tmp_path):
         export(str(step), str(tmp_path / "out"))
 
 
+def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
+    """--out a run folder, a folder of exports or notes, or a file: refused before the checkpoint
+    is read, nothing changed; an earlier export (either format) would be replaced."""
+    from tupe_ds.export.write import main as export_main
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step2").mkdir(parents=True)
+    (run / "history.jsonl").write_text("{}\n")
+    exports = tmp_path / "exports"
+    (exports / "other-model").mkdir(parents=True)
+    (exports / "notes.txt").write_text("important")
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    for name in ("model.safetensors", "config.json", "notes.txt"):
+        (beside / name).write_text("x")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for out, shown in ((run, "checkpoints, history.jsonl"), (exports, "notes.txt, other-model"),
+                       (beside, "notes.txt"), (a_file, "is a file")):
+        assert export_main([str(run / "checkpoints"), "--out", str(out)]) == 2
+        assert f"--out {out} " in capsys.readouterr().err
+        with pytest.raises(ExportError, match=shown):
+            export(str(run / "checkpoints"), str(out))
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    hf = ("README.md", "config.json", "configuration_tupe.py", "model.safetensors",
+          "modeling_tupe.py", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")
+    for files in (hf, ("model.safetensors", "config.json", "vocab-32k.json"), ()):
+        earlier = tmp_path / f"earlier-{len(files)}"
+        earlier.mkdir()
+        for name in files:
+            (earlier / name).write_text("x")
+        with pytest.raises(ExportError, match="not a complete DeepSpeed checkpoint"):
+            export(str(tmp_path / "a-file"), str(earlier))  # got past --out's check
+
+
 def test_exported_tokenizer_adds_cls_and_sep_as_the_samples_had_them(data, tmp_path):
     """AutoTokenizer on the exported tokenizer files: the pretraining tokenizer's ids inside
     "[CLS] a [SEP]" / "[CLS] a [SEP] b [SEP]" (b's part of type 1), and "[MASK]" taking the

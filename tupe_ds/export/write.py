@@ -28,7 +28,7 @@ from typing import Optional
 
 from tupe_ds.distributed.parallel import end_distributed
 from tupe_ds.export.consolidate import consolidated_state, files_named, network_state
-from tupe_ds.export.formats import FORMATS, save_exported
+from tupe_ds.export.formats import FORMATS, check_out, save_exported
 from tupe_ds.tools import command_line, entry
 from tupe_ds.tools.files import file_digest
 from tupe_ds.train.run_folder import description as folder_description
@@ -87,6 +87,7 @@ def export(checkpoint: str, out: str, format: str = "hf", network: str = "discri
     """`out` in FORMATS[format] from a checkpoint; ELECTRA runs export `network`. The tokenizer
     is `tokenizer`, else the run's (run.json's data folder), checked against the vocabulary the
     checkpoint's manifest records."""
+    check_out(out)
     run_dir, step_dir = find_checkpoint(checkpoint)
     try:
         run = folder_description.read(run_dir)
