@@ -110,12 +110,16 @@ def test_report_lists_the_machine_versions_and_findings():
     assert "no problem found" in doctor.report(machine, [])
 
 
-def test_doctor_command_on_this_machine(capsys):
+def test_doctor_command_on_this_machine(capsys, tmp_path):
     assert doctor.main(["--ds-config", CPU_CONFIG]) == 0
     out = capsys.readouterr().out
     assert "torch " in out and "deepspeed " in out and "megatron-core " in out
     assert doctor.main(["--ds-config", FP16_CONFIG]) == 1  # this machine has no CUDA
     assert "ERROR: " in capsys.readouterr().out
+    (tmp_path / "list.json").write_text("[]")  # tupe-pretrain's reader: test_run_config.py
+    assert doctor.main(["--ds-config", str(tmp_path / "list.json")]) == 2
+    assert capsys.readouterr().err == (f"tupe-doctor: error: --ds-config {tmp_path}/list.json: a "
+                                       "DeepSpeed config is a JSON object ({...}), not a list\n")
 
 
 def test_pretraining_config_fails_before_work_on_the_wrong_hardware(data, tmp_path, monkeypatch):

@@ -43,6 +43,17 @@ def test_errors_name_what_to_change(data, tmp_path, monkeypatch):
     broken = tmp_path / "broken.json"
     broken.write_text('{"train_batch_size": 16,\n oops}')
     assert "invalid JSON at line 2" in fails(base(data, tmp_path, ds_config=str(broken)), monkeypatch)
+    (tmp_path / "latin1.json").write_bytes(b'{"optimizer": "\xe9"}')
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "string.json").write_text('{"train_batch_size": 16, "optimizer": "AdamW"}')
+    (tmp_path / "params.json").write_text('{"scheduler": {"type": "WarmupLR", "params": [1]}}')
+    for name, problem in (("latin1.json", "not readable as a JSON file ('utf-8' codec"),
+                          ("list.json", "a DeepSpeed config is a JSON object ({...}), not a list"),
+                          ("string.json", "\"optimizer\" is 'AdamW', not an object"),
+                          ("params.json", "\"scheduler\" is an object whose \"params\" is [1]"),
+                          ("", "not readable as a JSON file (Is a directory)")):
+        assert f"--ds-config {tmp_path / name}: {problem}" in fails(
+            base(data, tmp_path, ds_config=str(tmp_path / name)), monkeypatch)
     assert "ModelConfig.num_attention_heads" in fails(base(data, tmp_path, "--tp", "8"), monkeypatch,
                                                       world=8)
     assert "--compile block with ZeRO stage 3" in fails(

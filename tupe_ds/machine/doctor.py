@@ -180,6 +180,37 @@ def report(machine: Machine, findings: list) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "checkpoint",
+            "tensorboard")  # those tupe_ds reads: each a JSON object where given
+
+
+def read_ds_config(path: str) -> dict:
+    """The DeepSpeed config at `path`; CommandRefused naming the file and what is wrong with it
+    (missing, not a file, not UTF-8 JSON, not an object, a section that is not one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise CommandRefused(f"--ds-config {path}: no such file") from None
+    except json.JSONDecodeError as error:
+        raise CommandRefused(f"--ds-config {path}: invalid JSON at line {error.lineno}: "
+                             f"{error.msg}") from None
+    except (OSError, UnicodeDecodeError, RecursionError) as error:
+        raise CommandRefused(f"--ds-config {path}: not readable as a JSON file "
+                             f"({getattr(error, 'strerror', None) or error})") from None
+    if not isinstance(config, dict):
+        raise CommandRefused(f"--ds-config {path}: a DeepSpeed config is a JSON object "
+                             f"({{...}}), not a {type(config).__name__}")
+    for section in (s for s in SECTIONS if s in config):
+        value = config[section]
+        params = value.get("params", {}) if isinstance(value, dict) else None
+        if not isinstance(params, dict):
+            raise CommandRefused(f"--ds-config {path}: \"{section}\" is " + (
+                f"{value!r:.40}, not an object ({{...}})" if params is None else
+                f"an object whose \"params\" is {params!r:.40}, not an object"))
+    return config
+
+
 def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
                  environ=os.environ, ds_config=None) -> list:
     """Every finding; the DeepSpeed config is read from `ds_config_path` unless already given
@@ -187,8 +218,7 @@ def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
     findings = environment_findings(environ, machine) + extension_lock_findings(environ)
     if ds_config_path:
         if ds_config is None:
-            with open(ds_config_path) as f:
-                ds_config = json.load(f)
+            ds_config = read_ds_config(ds_config_path)
         findings += precision_findings(ds_config, ds_config_path, machine)
         findings += optimizer_findings(ds_config, ds_config_path, machine, environ)
     if processes_here:

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 from tupe_ds.distributed.launch import processes_on_this_node
 from tupe_ds.machine import doctor
+from tupe_ds.tools.errors import CommandRefused
 from tupe_ds.train import batch_ramp, normalization, precision
 from tupe_ds.train.batch_ramp import RampSettings
 from tupe_ds.train.checkpoint.same_run import training_settings
@@ -45,10 +46,9 @@ def given_by_config(args: argparse.Namespace) -> dict:
     """{dest: (value, where)} of the flags that override the --ds-config, as the file gives them
     (--print-config; {} when it does not read)."""
     try:
-        with open(args.ds_config) as f:
-            config = json.load(f)
+        config = doctor.read_ds_config(args.ds_config)
         warmup = config_warmup(config)
-    except (OSError, TypeError, ValueError, AttributeError):
+    except (CommandRefused, TypeError, ValueError, AttributeError):
         return {}
     scheduler = config.get("scheduler") or {}
     values = {"micro_batch": config.get("train_micro_batch_size_per_gpu"),
@@ -69,7 +69,10 @@ def deepspeed_config(args: argparse.Namespace, dp: int,
     """The config the DeepSpeed engine gets for `dp` data-parallel ranks, its precision (fp32,
     fp16 or bf16), its batch split and its training settings (set_schedule); tupe-doctor's fatal
     findings on `machine` stop the run."""
-    ds_config = read_ds_config(args.ds_config)
+    try:
+        ds_config = doctor.read_ds_config(args.ds_config)
+    except CommandRefused as error:  # tupe-pretrain's refusals are Refused
+        fail(str(error))
     if args.bf16:
         refusal = precision.bf16_refusal(machine)
         if refusal:
@@ -93,16 +96,6 @@ def deepspeed_config(args: argparse.Namespace, dp: int,
     # The log line gives samples/s (train/monitor.py).
     ds_config.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
     return ds_config, dtype, split, training
-
-
-def read_ds_config(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        fail(f"--ds-config {path}: no such file")
-    except json.JSONDecodeError as error:
-        fail(f"--ds-config {path}: invalid JSON at line {error.lineno}: {error.msg}")
 
 
 def check_pipeline(args: argparse.Namespace, ds_config: dict, dtype: str) -> None:
