@@ -247,6 +247,18 @@ def test_errors_name_the_file_line_and_what_to_change(sentiment, data, tmp_path,
     assert finetune(flags) == 2
     assert "more than the model's vocabulary of 512" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out")
+    # numbers no run trains with (the last flag given wins), and a folder for a file
+    for extra, said in ((("--epochs", "0"), "--epochs 0: at least 1"),
+                        (("--lr", "nan"), "--lr nan: each a positive, finite number"),
+                        (("--lr", "1e-4", "-1"), "--lr 0.0001 -1.0: each a positive"),
+                        (("--warmup-ratio", "nan"), "--warmup-ratio nan: a share of the steps"),
+                        (("--weight-decay", "inf"), "--weight-decay inf: 0 or a positive"),
+                        (("--dropout", "1.5"), "--dropout 1.5: from 0 to below 1"),
+                        (("--max-length", "2"), "--max-length 2: at least 3 for sst2"),
+                        (("--valid", str(tmp_path)), f"{tmp_path}: a folder; give the task's")):
+        assert finetune(finetune_flags(sentiment, tmp_path / "out", *extra)) == 2
+        assert f"tupe-finetune: error: {said}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_glue_layouts_are_read(tmp_path):

@@ -54,6 +54,11 @@ def test_errors_name_what_to_change(data, tmp_path, monkeypatch):
                           ("", "not readable as a JSON file (Is a directory)")):
         assert f"--ds-config {tmp_path / name}: {problem}" in fails(
             base(data, tmp_path, ds_config=str(tmp_path / name)), monkeypatch)
+    for flags, said in ((("--lr", "nan"), "--lr nan: a learning rate is a positive, finite"),
+                        (("--lr=-1",), "--lr -1.0: a learning rate"), (("--lr", "inf"), "--lr inf"),
+                        (("--seed", str(2**64)), f"--seed {2**64}: give a whole number from 0"),
+                        (("--seed", "-1"), "--seed -1: give")):
+        assert said in fails(base(data, tmp_path, *flags), monkeypatch)
     assert "ModelConfig.num_attention_heads" in fails(base(data, tmp_path, "--tp", "8"), monkeypatch,
                                                       world=8)
     assert "--compile block with ZeRO stage 3" in fails(

@@ -21,6 +21,7 @@ from tupe_ds.tools.errors import (BatchSizeError, CommandRefused, ExportError, N
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -215,6 +216,25 @@ def given_by_task(args: argparse.Namespace) -> dict:
     return found
 
 
+def check_numbers(args: argparse.Namespace, task: Task) -> None:
+    """CommandRefused naming the first number no fine-tuning run can train with."""
+    shortest = 1 + 2 * len(task.text_columns)  # [CLS], then a token and [SEP] per text
+    for wrong, problem in (
+            (not all(0 < lr < math.inf for lr in args.lr),  # nan compares false
+             f"--lr {' '.join(map(str, args.lr))}: each a positive, finite number"),
+            (args.epochs is not None and args.epochs < 1, f"--epochs {args.epochs}: at least 1"),
+            (not 0 <= args.warmup_ratio <= 1,
+             f"--warmup-ratio {args.warmup_ratio}: a share of the steps, from 0 to 1"),
+            (not 0 <= args.weight_decay < math.inf,
+             f"--weight-decay {args.weight_decay}: 0 or a positive, finite number"),
+            (not 0 <= args.dropout < 1, f"--dropout {args.dropout}: from 0 to below 1"),
+            (args.max_length < shortest, f"--max-length {args.max_length}: at least {shortest} "
+                                         f"for {task.name} ([CLS], then a token and [SEP] per "
+                                         "text)")):
+        if wrong:
+            raise CommandRefused(problem)
+
+
 def main(argv=None) -> int:
     return entry.run("tupe-finetune", lambda: finetune(argv))
 
@@ -225,6 +245,7 @@ def finetune(argv) -> int:
     args = command_line.parse(parser(), argv, unset=given_by_task)
     launch.discover()
     task = TASKS[args.task]
+    check_numbers(args, task)
     valid = parse_valid(args.valid)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     writer = int(os.environ.get("RANK", "0")) == 0

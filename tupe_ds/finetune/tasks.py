@@ -78,6 +78,9 @@ def read_examples(path: str, task: Task, limit: Optional[int] = None) -> List[Ex
     what to change."""
     if not os.path.exists(path):
         raise TaskDataError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise TaskDataError(f"{path}: a folder; give the task's file in it (such as "
+                            f"{os.path.join(path, 'dev.tsv')})")
     rows = list(itertools.islice(_rows(path, task), limit))
     if not rows:
         raise TaskDataError(f"{path}: no examples")

@@ -4,6 +4,7 @@ tools/errors.py). The masking's shares: masking_flags.py; the --data folders and
 --index-cache: data_folders.py."""
 
 import argparse
+import math
 
 from tupe_ds.data.masking import BERT_MASKING, ELECTRA_MASKING
 from tupe_ds.model.config import COMPILE, ENCODINGS, PRESETS
@@ -229,6 +230,10 @@ def check_flags(args: argparse.Namespace) -> None:
                  "image_interval", "keep_checkpoints", "eval_samples", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1")
+    if args.lr is not None and not 0 < args.lr < math.inf:  # nan compares false
+        fail(f"--lr {args.lr}: a learning rate is a positive, finite number (such as 1e-4)")
+    if not 0 <= args.seed < 2**63:
+        fail(f"--seed {args.seed}: give a whole number from 0 to 2**63-1")
     if args.resume_from and args.resume == "never":
         fail("--resume-from with --resume never: choose one")
     if args.giving_up and not (args.resume_from or args.fresh_start):
