@@ -446,6 +446,15 @@ def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys, monkey
         cli.main(["plan", "--data", data, "--out", str(tmp_path / "cmp"), "--steps", "4",
                   "--encodings", "rope", "--seeds", ","])
     assert "argument --seeds: give at least one value" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # neither command's flag: tupe-compare's error
+        cli.main(["plan", "--data", data, "--out", str(tmp_path / "cmp"), "--steps", "4",
+                  "--encodings", "rope", "--finetune-lrr", "1e-5"])
+    assert ("tupe-compare plan: error: --finetune-lrr: not a flag of tupe-compare plan nor of "
+            "tupe-pretrain; --finetune-lrr: did you mean --finetune-lr?\nsee tupe-compare plan "
+            "--help\n") == capsys.readouterr().err
+    assert cli.main(["--help"]) == 0 and "tupe-compare report cmp/" in capsys.readouterr().out
+    assert cli.main(["report", "-h"]) == 0
+    assert capsys.readouterr().out == "usage: tupe-compare report OUT\n"
     assert "tupe-r-seed2 has 0 of 4 steps: not fine-tuned on sst2" in error_of(
         ["finetune-flags", str(tmp_path / "cmp"), "1"], capsys)
     assert "usage: tupe-compare finetune-flags OUT INDEX, INDEX below 4" in error_of(

@@ -215,13 +215,18 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+# the commands whose arguments are positional (Slurm's array tasks', and report)
+USAGE = {"report": "OUT", "run-flags": "OUT INDEX", "finetune-flags": "OUT INDEX",
+         "finetune-ended": "OUT INDEX EXIT LOG"}
+
+
 def plan_and_item(command: str, rest: list, kind: str) -> tuple:
     """(Plan, item INDEX of its `kind`, runs or finetunes) of `tupe-compare COMMAND OUT INDEX`."""
     plan = read_plan(os.path.abspath(rest[0])) if rest else None
     items = getattr(plan, kind, ())
     if plan is None or len(rest) != 2 or not rest[1].isdigit() or int(rest[1]) >= len(items):
         below = f", INDEX below {len(items)}" if plan else ""
-        raise CompareError(f"usage: tupe-compare {command} OUT INDEX{below}")
+        raise CompareError(f"usage: tupe-compare {command} {USAGE[command]}{below}")
     return plan, items[int(rest[1])]
 
 
@@ -234,10 +239,16 @@ def compare(argv) -> int:
     tasks' run-flags, finetune-flags, finetune-ended); 1 where a run or fine-tune failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("run", "plan", "report", "run-flags", "finetune-flags", "finetune-ended")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__ + f"Each command's flags: tupe-compare COMMAND --help ({', '.join(commands)})")
+        return 0
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         raise CompareError(f"the first argument is one of {', '.join(commands)}")
     command, rest = argv[0], argv[1:]
+    if command in USAGE and {"-h", "--help"} & set(rest):
+        print(f"usage: tupe-compare {command} {USAGE[command]}")
+        return 0
     if command == "plan":  # what slurm/submit_compare.sh runs before submitting the arrays
         plan, _ = planned("tupe-compare plan", rest)
         logger.info(f"{len(plan.runs)} runs planned in {plan.out}: "
@@ -259,12 +270,12 @@ def compare(argv) -> int:
     if command == "finetune-ended":  # OUT INDEX EXIT LOG: a fine-tune array task's end
         plan, finetune = plan_and_item(command, rest[:2], "finetunes")
         if len(rest) != 4 or not rest[2].isdigit():
-            raise CompareError("usage: tupe-compare finetune-ended OUT INDEX EXIT LOG")
+            raise CompareError(f"usage: tupe-compare {command} {USAGE[command]}")
         record_status(plan.out, status_name(*finetune), int(rest[2]), rest[3])
         return 0
     if command == "report":
         if len(rest) != 1:
-            raise CompareError("usage: tupe-compare report OUT")
+            raise CompareError(f"usage: tupe-compare {command} {USAGE[command]}")
         plan = read_plan(os.path.abspath(rest[0]))
         exits = {}
     else:

@@ -226,6 +226,8 @@ def resolve(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Calla
     sources.update(dict.fromkeys(on_command_line, COMMAND_LINE))
     if rest:
         to = getattr(flags[rest_into], "passes_to", None)
+        if to:
+            refuse_unknown(parser, rest, to())
         before = getattr(args, rest_into)
         setattr(args, rest_into, merged_flags(before, rest, to()) if to else [*before, *rest])
         sources[rest_into] = (COMMAND_LINE if sources[rest_into] in (DEFAULT, COMMAND_LINE) else
@@ -242,6 +244,22 @@ def resolve(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Calla
                      + ", ".join("/".join(action.option_strings) for action in missing)
                      + " (on the command line or in the --config file)")
     return args, sources
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, tokens: list,
+                   to: argparse.ArgumentParser) -> None:
+    """parser.error for the flags of `tokens`, handed on to the command `to` parses, that
+    neither command has, with the closest of both's flags (a typo of the first's is not the
+    second's error)."""
+    unknown = [group[0].split("=", 1)[0] for action, group in flag_groups(tokens, to)
+               if action is None and group[0].startswith("-") and not number(group[0])]
+    if unknown:
+        names = [option for command in (parser, to) for option in command._option_string_actions
+                 if option.startswith("--")]
+        hints = [f"; {name}: {hint}" for name in unknown if (hint := instead(to, name, name,
+                                                                              names))]
+        parser.error(f"{' '.join(unknown)}: not a flag of {parser.prog} nor of {to.prog}"
+                     + "".join(hints))
 
 
 def command_line_flags(parser: argparse.ArgumentParser, argv: list) -> set:
