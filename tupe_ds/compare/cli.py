@@ -240,7 +240,8 @@ def compare(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("run", "plan", "report", "run-flags", "finetune-flags", "finetune-ended")
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__ + f"Each command's flags: tupe-compare COMMAND --help ({', '.join(commands)})")
+        print(f"{__doc__}Each command's flags: tupe-compare COMMAND --help "
+              f"({', '.join(commands)})")
         return 0
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
