@@ -226,6 +226,8 @@ class RunFolder(RuleBasedStateMachine):
             self.note_durable(self.append(records, [attempt], kill))
             return None
         failed, chosen = [], None
+        before = history.live([*plan["records"], *(r for r in plan["appends"]
+                                                    if r["kind"] != "consent")])
         for step in plan["candidates"]:
             ckpt = self.folders[step].ckpt
             if ckpt.id not in self.bad:
@@ -235,7 +237,8 @@ class RunFolder(RuleBasedStateMachine):
                 break
             failed.append(step)
             if plan["by_hand"]:
-                raise Refusal(f"--resume-from step{step}: the checkpoint does not verify")
+                raise Refusal(f"--resume-from step{step}: the checkpoint does not verify; where "
+                              f"none does, --fresh-start --giving-up {before[-1].id}")
         newest = history.live([*plan["records"], *plan["appends"]])
         newest_id = newest[-1].id if newest else "none"
         if chosen is None and plan["candidates"] and not plan["fresh_start"]:

@@ -223,6 +223,14 @@ def test_checkpoints_none_of_which_verify_are_refused_unless_fresh_start(tmp_pat
         f"step 0, add --fresh-start --giving-up {newest_id(out, 4)} (they are then set aside in "
         f"{checkpoints}/set-aside, not deleted)")
     assert everything_in(out) == before
+    with pytest.raises(Refused) as refused:  # the older one by hand: it names the way on too
+        choose(out, resume_from="step2")
+    assert str(refused.value).endswith(
+        "--resume-from step2: the checkpoint does not verify (above). Restore its files and run "
+        "the same command; or choose another; or, where none verifies, start this run over from "
+        f"step 0: --fresh-start --giving-up {newest_id(out, 4)} (what is there is set aside, not "
+        "deleted)")
+    assert everything_in(out) == before
     chosen, said = choose(out, fresh_start=True)
     assert chosen is None
     assert (f"tupe-pretrain: no checkpoint of {checkpoints} can be resumed (above): starting anew "
@@ -344,6 +352,35 @@ def test_check_only_lists_what_is_where_and_what_a_run_would_resume(tmp_path):
         f"resuming step4, it would set aside step6 (into {checkpoints}/set-aside, not deleted)"]
     assert resume.what_is_where(str(tmp_path / "new"), None) == [
         f"{tmp_path}/new/checkpoints: no checkpoint", "a run would start from step 0"]
+
+
+def test_a_full_disk_while_setting_aside_stops_the_start_naming_the_checkpoint(
+        tmp_path, deepspeed_group, monkeypatch):
+    """No room for set-aside/ (a full disk, an inode quota): Unreadable (exit 3 on every rank)
+    naming the folders and the checkpoint resumed, nothing moved; with room, the same command
+    finishes the move the history records and resumes that checkpoint."""
+    out = tmp_path / "run"
+    for step in (2, 4, 6):
+        commit(out, step)
+    makedirs = os.makedirs
+
+    def full(path, *args, **kwargs):
+        if "set-aside" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", full)
+    with pytest.raises(reads.Unreadable) as stopped:
+        choose(out, resume_from="step4")
+    assert str(stopped.value).startswith(
+        f"could not set aside step6 in {out}/checkpoints ([Errno 28] No space left on device")
+    assert str(stopped.value).endswith(
+        "nothing was deleted, and the newest intact checkpoint is step4: run the same command "
+        "once the filesystem has space")
+    assert folder.step_folders(str(out / "checkpoints")) == [2, 4, 6]
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    chosen, said = choose(out, resume_from="step4")
+    assert chosen.candidates[0] == 4 and folder.step_folders(str(out / "checkpoints")) == [2, 4]
 
 
 def test_resume_from_applies_once_to_the_state_it_was_given_on(tmp_path, deepspeed_group):
@@ -518,6 +555,15 @@ def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_pa
         plan(kept, "step4", giving_up=id_4)
     os.remove(kept / "checkpoints" / "latest")  # what the refusal says to do to go on
     assert plan(kept, "step4", giving_up=id_4).candidates == (4,)
+    for step in (2, 4):  # none complete now: a bare --fresh-start neither passes over step6
+        (kept / "checkpoints" / f"step{step}" / "manifest.json").write_text("garbage")
+    (kept / "checkpoints" / "latest").write_text("step6")
+    with pytest.raises(ValueError, match="\\(its latest names step6, which it does not hold\\)"
+                                         ".* remove .*/latest and start this run over from step "
+                                         "0: --fresh-start"):
+        plan(kept, fresh_start=True)
+    os.remove(kept / "checkpoints" / "latest")
+    assert plan(kept, fresh_start=True).fresh_start is not None
 
     other = tmp_path / "other"
     commit(other, 2)

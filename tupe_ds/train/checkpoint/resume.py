@@ -141,7 +141,7 @@ def refuse_without_history(out: str, directory: str, complete: Dict[int, dict],
     newest = {m["lineage"]: s for s, m in sorted(complete.items())}  # per run, its newest
     lineage = complete[step]["lineage"] if step in complete else \
         complete[max(complete)]["lineage"] if complete else None
-    lost = lost_latest(directory, max(complete)) if complete else None
+    lost = lost_latest(directory, max(complete, default=-1))
     if not held or consent and giving_up == (history.checkpoint_id(complete[newest[lineage]])
                                              if complete else None) and not lost:
         return lineage  # none complete: a bare --fresh-start
@@ -157,11 +157,10 @@ def refuse_without_history(out: str, directory: str, complete: Dict[int, dict],
         "checkpoint was committed and lost, and which --resume-from or --fresh-start were spent, "
         "so the run is not guessed from the folder. Nothing was moved or deleted. Put back the "
         "history as it was last written (an older copy of it cannot tell either) and run the "
-        "same command; or " + (
-            (f"remove {directory}/latest and " if lost else "") + "go on from the newest "
-            "complete checkpoint deliberately, giving up whatever newer was lost: "
-            + " or ".join(commands) + " (an older one of the run: --resume-from stepK with the "
-            "same --giving-up)" if complete else
+        "same command; or " + (f"remove {directory}/latest and " if lost else "") + (
+            "go on from the newest complete checkpoint deliberately, giving up whatever newer "
+            "was lost: " + " or ".join(commands) + " (an older one of the run: --resume-from "
+            "stepK with the same --giving-up)" if complete else
             "start this run over from step 0: --fresh-start (what is there is set aside, not "
             "deleted; step folders of a tupe_ds before 2026-11-29, which wrote no manifest, "
             "resume with that version)"))
@@ -217,7 +216,7 @@ def resume_from_step(directory: str, resume_from: str) -> int:
 def none_resumable(directory: str, found, live: List[history.Checkpoint]) -> str:
     """The refusal of a start from step 0 over checkpoints (`found`: (stepN, why not) each;
     `live`: the history's)."""
-    fresh = "--fresh-start" + (f" --giving-up {live[-1].id}" if live else "")
+    fresh = fresh_start_command(live)
     if not found:
         return (f"{directory} holds no checkpoint, though the run's history records "
                 f"{tags(c.step for c in live)} as committed (were they moved?). Nothing was moved "
@@ -228,6 +227,10 @@ def none_resumable(directory: str, found, live: List[history.Checkpoint]) -> str
             + ". Nothing was moved or deleted. Mend them (restore their files) and run the same "
             f"command; or, to start this run over from step 0, add {fresh} (they are then "
             f"set aside in {os.path.join(directory, SET_ASIDE)}, not deleted)")
+
+
+def fresh_start_command(live: List[history.Checkpoint]) -> str:
+    return "--fresh-start" + (f" --giving-up {live[-1].id}" if live else "")
 
 
 def plan_layout(directory: str, step: int, world_size: int, tp: int, pp: int,
@@ -324,7 +327,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
     for line in [f"tupe-pretrain: checkpoint {line}: not complete, not resumed"
                  for line in plan.passed_over] + list(plan.notes):
         logger.info(line)
-    failed, chosen = {}, None
+    failed, chosen, live = {}, None, plan.live
     for step in plan.candidates:
         problems = manifest.verify(os.path.join(plan.directory, tag_of(step)))
         if not problems:
@@ -338,10 +341,14 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
         logger.info(f"tupe-pretrain: checkpoint {tag_of(step)} failed verification: "
                     + "; ".join(problems))
         failed[step] = problems
-        if plan.by_hand:
+        if plan.by_hand:  # the run as it was before this start's consent gave any up
+            before = history.live([*plan.records, *(r for r in plan.appends
+                                                     if r["kind"] != "consent")])
             raise Refused(f"--resume-from {tag_of(step)}: the checkpoint does not verify "
-                          "(above); restore its files or choose another")
-    live = plan.live
+                          "(above). Restore its files and run the same command; or choose "
+                          "another; or, where none verifies, start this run over from step 0: "
+                          + fresh_start_command(before) + " (what is there is set aside, not "
+                          "deleted)")
     if chosen is not None and plan.fresh_start:
         logger.info(f"tupe-pretrain: --fresh-start not taken: {chosen.tag} can be resumed (a "
                     "fresh start is only for a folder none of whose checkpoints can; the flag is "
@@ -374,10 +381,17 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
             new.append({**plan.fresh_start, "outcome": "applied" if taken else "not taken",
                         "gives_up": [c.id for c in live] if taken else []})
         write_history(out, list(plan.records), [*new, *moved])  # before anything moves
-        said = set_aside(plan.directory, newer, (
-            f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
-            "none could be resumed, --fresh-start") + ": failed, damaged, incomplete or left by "
-            "--resume-from")
+        try:
+            said = set_aside(plan.directory, newer, (
+                f"newer than {chosen.tag}, the checkpoint resumed" if chosen else
+                "none could be resumed, --fresh-start") + ": failed, damaged, incomplete or "
+                "left by --resume-from")
+        except OSError as error:  # a full disk or quota: the history holds what was decided
+            raise reads.Unreadable(
+                f"could not set aside {tags(newer)} in {plan.directory} "
+                f"({reads.error_text(error)}); nothing was deleted, and the newest intact "
+                f"checkpoint is {chosen.tag if chosen else 'none'}: run the same command once "
+                "the filesystem has space") from None
         if said:
             logger.info(said)
 
