@@ -265,7 +265,11 @@ def test_print_config_shows_each_environment_setting_as_the_command_uses_it(monk
                for line in capsys.readouterr().out.splitlines())
 
 
-def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset(capsys):
+def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset(capsys,
+                                                                                monkeypatch):
+    """As the run takes them: a warmup longer than --steps cut to it, a micro-batch larger than
+    a data-parallel rank's share lowered to it (for the processes a launcher here says)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit):
         load(["--data", "d", "--out", "o", "--steps", "3", "--ds-config", CPU_CONFIG,
               "--lr", "0.5", "--print-config"])
@@ -276,6 +280,20 @@ def test_print_config_shows_what_the_deepspeed_config_gives_the_flags_left_unset
             f"{CPU_CONFIG}") in printed
     assert "lr = 0.5  # command line" in printed
     assert f'# lr-schedule = "linear"  # not set: the --ds-config\'s, {CPU_CONFIG}' in printed
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 20
+    assert (f"# warmup-steps = 3  # not set: the --ds-config's, {CPU_CONFIG}: 20, cut to --steps "
+            "3") in printed
+    assert config["train_micro_batch_size_per_gpu"] == 8
+    for world, share in (("1", 4), ("2", 2)):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(SystemExit):
+            load(["--data", "d", "--out", "o", "--steps", "30", "--ds-config", CPU_CONFIG,
+                  "--global-batch", "4", "--print-config"])
+        printed = capsys.readouterr().out.splitlines()
+        assert (f"# micro-batch = {share}  # not set: the --ds-config's, {CPU_CONFIG}: 8, lowered "
+                f"to the global batch 4's share of each of {world} data-parallel rank(s)"
+                ) in printed
+        assert f"# warmup-steps = 20  # not set: the --ds-config's, {CPU_CONFIG}" in printed
 
 
 def test_print_config_shows_the_value_the_run_takes_for_each_flag_left_unset(tmp_path, capsys):

@@ -60,8 +60,21 @@ def given_by_config(args: argparse.Namespace) -> dict:
         params = scheduler.get("params") or {}
         values.update(decay_steps=params.get("decay_num_steps"),
                       decay_shape=params.get("decay_shape", "linear"))
-    where = f"the --ds-config's, {args.ds_config}"
-    return {dest: (value, where) for dest, value in values.items() if value is not None}
+    where = {dest: f"the --ds-config's, {args.ds_config}" for dest in values}
+    # what the run makes of them, for as many processes as a launcher here says (else one)
+    world = os.environ.get("WORLD_SIZE", "1")
+    dp = max(1, int(world) // (args.tp * args.pp)) if world.isdigit() else 1
+    batch, micro = args.global_batch or values["global_batch"], values["micro_batch"]
+    if args.micro_batch is None and type(batch) is type(micro) is int and batch > 0 and (
+            lowered := lowered_micro_batch(batch, micro, dp)):
+        values["micro_batch"] = lowered
+        where["micro_batch"] += (f": {micro}, lowered to the global batch {batch}'s share of "
+                                 f"each of {dp} data-parallel rank(s)")
+    warmup = values["warmup_steps"]
+    if args.warmup_steps is None and args.steps and type(warmup) is int and warmup > args.steps:
+        values["warmup_steps"] = args.steps
+        where["warmup_steps"] += f": {warmup}, cut to --steps {args.steps}"
+    return {dest: (value, where[dest]) for dest, value in values.items() if value is not None}
 
 
 def deepspeed_config(args: argparse.Namespace, dp: int,
@@ -139,12 +152,10 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
         fail(f"{args.ds_config}: train_micro_batch_size_per_gpu {json.dumps(micro)} is neither a "
              f"count of samples nor \"{MICRO_BATCH_AUTO}\"")
     note = ""
-    if args.micro_batch is None and batch % dp == 0 and batch // dp < micro:
-        # A config's micro-batch is the most one rank runs at once: with more data-parallel ranks
-        # than that many fill the global batch, each runs its share in one micro-batch.
-        note = (f"{args.ds_config}'s micro-batch {micro} lowered to {batch // dp}, each rank's "
+    if args.micro_batch is None and (lowered := lowered_micro_batch(batch, micro, dp)):
+        note = (f"{args.ds_config}'s micro-batch {micro} lowered to {lowered}, each rank's "
                 "share; --micro-batch sets it")
-        micro = batch // dp
+        micro = lowered
     if batch % (micro * dp):
         fail(f"global batch {batch} is not a multiple of micro-batch {micro} x {dp} data-parallel "
              "ranks; change --global-batch or --micro-batch")
@@ -153,6 +164,13 @@ def set_batch(args: argparse.Namespace, ds_config: dict, dp: int) -> BatchSplit:
         if problem:
             fail(problem)
     return with_micro_batch(ds_config, unsplit, micro, note)
+
+
+def lowered_micro_batch(batch: int, micro: int, dp: int) -> Optional[int]:
+    """A config's micro-batch is the most one rank runs at once: with more data-parallel ranks
+    than that many fill the global batch, each runs its share in one micro-batch (None: the
+    config's stands)."""
+    return batch // dp if batch % dp == 0 and batch // dp < micro else None
 
 
 def check_auto(args: argparse.Namespace, split: BatchSplit) -> None:
