@@ -67,7 +67,8 @@ def prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip (and count) malformed JSON lines and records without text")
     p.add_argument("--shard", type=shard, metavar="I/N",
-                   help="process the I-th of N contiguous groups of input files (needs --tokenizer)")
+                   help="process the I-th of N contiguous groups of input files (needs --tokenizer)"
+                   ).joined_by = "/"
     p.add_argument("--dedup-against", nargs="+", default=(), metavar="DIR",
                    help="folders of tupe-prep (other corpora): documents found in them, exact or "
                         "near, are removed from this one")

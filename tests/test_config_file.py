@@ -431,12 +431,17 @@ def test_tupe_preps_printed_config_reads_back_though_a_flag_of_one_or_more_is_un
     from data_prep.cli import main
 
     with pytest.raises(SystemExit):
-        main(["--print-config"])
+        main(["--shard", "1/4", "--print-config"])
     printed = capsys.readouterr().out
     assert "# dedup-against = (not set)  # default" in printed.splitlines()
+    assert 'shard = "1/4"  # command line' in printed.splitlines()  # as --shard takes it
     with pytest.raises(SystemExit) as exit_:
         main(["--config", write(tmp_path / "prep.toml", printed), "--print-config"])
     assert exit_.value.code == 0, capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", write(tmp_path / "list.toml", "shard = [1, 4]\n")])
+    assert 'shard = [1, 4]: give one value (this flag takes several in one: "1/4")' in \
+        capsys.readouterr().err
 
 
 def test_compare_prints_and_reads_the_flags_it_passes_to_tupe_pretrain(tmp_path, capsys):

@@ -387,7 +387,7 @@ def flag_value(parser, action: argparse.Action, where: str, value):
         return action.const if value else not action.const
     many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
     if isinstance(value, dict) or (isinstance(value, list) and not many):
-        typed = (f" (this flag takes several in one: \"{','.join(map(str, value))}\")"
+        typed = (f" (this flag takes several in one: \"{joined(action, value)}\")"
                  if isinstance(value, list) and action.type is not None else "")
         raise ValueError(f"{where} = {value!r}: give one value{typed}")
     items = value if isinstance(value, list) else [value]
@@ -443,7 +443,7 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
             lines.append(f"# {name} = (not set)  # {where}")
         else:
             if isinstance(value, tuple) and action.nargs is None:  # typed "A,B" (--mask-split)
-                value = ",".join(map(str, value))
+                value = joined(action, value)
             try:
                 lines.append(f"{name} = {toml_value(value)}  # {where}".encode().decode())
             except UnicodeEncodeError:  # a name of bytes that are no UTF-8 (surrogate escapes)
@@ -454,6 +454,12 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
     lines += [f"# {name} = {toml_value(value)}  # {comment_text(where)} ({what})"
               for name, value, where, what in settings.used()]
     return "\n".join(lines) + "\n"
+
+
+def joined(action: argparse.Action, values) -> str:
+    """The one string a flag whose type makes several values of it is typed as: "A,B", or
+    with the flag's own separator (`action.joined_by`: tupe-prep's --shard I/N)."""
+    return getattr(action, "joined_by", ",").join(map(str, values))
 
 
 def comment_text(text: str) -> str:
