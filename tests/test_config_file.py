@@ -145,6 +145,10 @@ def test_a_mistyped_flag_is_one_line_with_the_flag_meant_then_where_help_is(caps
         "tupe-pretrain: error: unrecognized arguments: --seq-lenght 64 --stpes=3 extra; "
         "--seq-lenght: did you mean --seq-length?; --stpes: did you mean --steps?",
         "see tupe-pretrain --help"]
+    with pytest.raises(SystemExit):  # a name cut short: the flags it begins, not --seed
+        pretrain_args(["--out", "run", "--data", "d", "--seq", "32", "--eval", "2"])
+    assert capsys.readouterr().err.splitlines()[0].endswith(
+        "--seq: did you mean --seq-len?; --eval: did you mean --eval-samples or --eval-interval?")
 
 
 def test_a_setting_given_under_two_of_its_names_is_refused_as_in_a_file(capsys):

@@ -56,8 +56,12 @@ def instead(parser: argparse.ArgumentParser, flag: str, name: str, names: list) 
     not_ours = getattr(parser, "not_ours", {})
     if flag.replace("_", "-") in not_ours:
         return not_ours[flag.replace("_", "-")]
-    close = difflib.get_close_matches(name, names, n=1)
-    return f"did you mean {close[0]}?" if close else ""
+    # a name cut short (--seq) means one it begins (--seq-len), not the closest (--seed)
+    actions, begun = parser._option_string_actions, {}
+    for option in sorted((n for n in names if n.startswith(name)), key=len):
+        begun.setdefault(actions.get(option, option), option)  # one name per setting
+    close = list(begun.values())[:3] or difflib.get_close_matches(name, names, n=1)
+    return f"did you mean {' or '.join(close)}?" if close else ""
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
