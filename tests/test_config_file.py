@@ -151,6 +151,16 @@ def test_a_mistyped_flag_is_one_line_with_the_flag_meant_then_where_help_is(caps
         "--seq: did you mean --seq-len?; --eval: did you mean --eval-samples or --eval-interval?")
 
 
+def test_help_wins_over_any_error(capsys):
+    for argv in (["-h", "--config", "/missing.toml"], ["--seq-len", "32", "--seq-length", "64",
+                                                       "--help", "--stpes", "3"]):
+        with pytest.raises(SystemExit) as exit_:
+            pretrain_args(argv)
+        assert exit_.value.code == 0
+        printed = capsys.readouterr()
+        assert printed.out.startswith("usage: tupe-pretrain") and printed.err == ""
+
+
 def test_a_setting_given_under_two_of_its_names_is_refused_as_in_a_file(capsys):
     """Megatron-LM's name beside ours: argparse kept the last (--seq-len 32 --seq-length 128
     trained at 128); a name repeated stays the last one's, as argparse's."""

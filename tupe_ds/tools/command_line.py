@@ -203,6 +203,9 @@ def resolve(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Calla
     parser does not know go into, after its --config file's (tupe-compare's flags for
     tupe-pretrain)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(argv[:argv.index("--")] if "--" in argv else argv):
+        parser.print_help()  # before any other flag's or file's error
+        raise SystemExit(0)
     flags = {action.dest: action for action in parser._actions  # what a --config file may set
              if action.option_strings and action.dest not in NOT_SETTINGS}
     on_command_line = command_line_flags(parser, argv) & flags.keys()
