@@ -189,6 +189,9 @@ def test_a_setting_given_under_two_of_its_names_is_refused_as_in_a_file(capsys):
     ("seq-len = 1\nseq-length = 2\n", "seq-length sets --seq-len a second time"),
     ('mask-split = [0.8, 0.1]\n', 'several in one: "0.8,0.1"'),
     ("seq-len = \n", "not TOML"),
+    ("verbose = true\n", "verbose is given on the command line only (--verbose; or "
+                         "TUPE_DS_VERBOSE=1 in the environment"),
+    ("print-config = true\n", "print-config is given on the command line only (--print-config)"),
 ])
 def test_a_bad_file_is_refused_naming_it_and_the_key(tmp_path, capsys, text, said):
     config = write(tmp_path / "bad.toml", text)
@@ -203,7 +206,8 @@ def test_a_bad_file_is_refused_naming_it_and_the_key(tmp_path, capsys, text, sai
 @pytest.mark.parametrize("make, said", [
     (lambda path: path.write_bytes("seed = 1\n".encode("utf-16")), "not UTF-8 text"),
     (lambda path: path.write_bytes(b"\xef\xbb\xbfseed = 1\n"), "byte-order mark"),
-    (lambda path: os.mkfifo(path), "not a regular file (a FIFO)"),  # read, it would hang
+    (lambda path: os.mkfifo(path), "c.toml: a FIFO, not a file: give a TOML file of settings"),
+    (lambda path: path.mkdir(), "c.toml: a folder, not a file: give a TOML"),  # not "remove it"
     (lambda path: path.write_text("# " + "x" * (1 << 20) + "\n"), "bytes; a settings file is"),
 ])
 def test_a_file_that_is_no_settings_file_is_refused_at_once(tmp_path, capsys, make, said):

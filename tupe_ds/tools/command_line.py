@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from tupe_ds.tools import settings
 from tupe_ds.tools.errors import NotRegularFile
 from tupe_ds.tools.files import regular_file
+from tupe_ds.tools.lock import file_kind
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ DEFAULT = "default"
 REQUIRED = "required: give it"
 # dests no file sets: --verbose is read as the command imports (third_party_warnings.py)
 NOT_SETTINGS = ("help", "config", "print_config", "local_rank", "verbose")
+COMMAND_LINE_ONLY = ("help", "config", "print-config", "verbose")  # their names, as keys
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -317,8 +319,9 @@ def read_config(parser, flags: dict, path: str) -> dict:
                          f"a few hundred")
         with open(path, "rb") as f:
             table = tomllib.load(f)
-    except NotRegularFile as error:
-        parser.error(f"--config {error}")
+    except NotRegularFile:
+        parser.error(f"--config {path}: {file_kind(os.stat(path).st_mode)}, not a file: give a "
+                     "TOML file of settings")
     except OSError as error:
         parser.error(f"--config {path}: cannot read it ({error.strerror})")
     except UnicodeDecodeError:
@@ -332,6 +335,11 @@ def read_config(parser, flags: dict, path: str) -> dict:
     values, folder = {}, os.path.dirname(os.path.abspath(path))
     for key, value in table.items():
         action = by_name.get(key) or by_name.get(key.replace("_", "-"))
+        if action is None and key.replace("_", "-") in COMMAND_LINE_ONLY:
+            parser.error(f"--config {path}: {key} is given on the command line only (--"
+                         f"{key.replace('_', '-')}"
+                         + ("; or TUPE_DS_VERBOSE=1 in the environment, which the command reads "
+                            "as it starts, before the file" if "verbose" in key else "") + ")")
         if action is None:
             hint = instead(parser, "--" + key, key, list(by_name))
             parser.error(f"--config {path}: {key} is not a setting of {parser.prog} (keys are "
