@@ -116,6 +116,14 @@ def test_doctor_command_on_this_machine(capsys, tmp_path):
     assert "torch " in out and "deepspeed " in out and "megatron-core " in out
     assert doctor.main(["--ds-config", FP16_CONFIG]) == 1  # this machine has no CUDA
     assert "ERROR: " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="2"):  # a count, as tupe-smoke's --steps --batch --seq
+        doctor.main(["--nproc", "-3"])
+    assert "tupe-doctor: error: argument --nproc: -3: at least 1" in capsys.readouterr().err
+    from tupe_ds.machine import smoke
+    for flag in ("--steps", "--batch", "--seq"):
+        with pytest.raises(SystemExit, match="2"):
+            smoke.main([flag, "0"])
+        assert f"tupe-smoke: error: argument {flag}: 0: at least 1" in capsys.readouterr().err
     (tmp_path / "list.json").write_text("[]")  # tupe-pretrain's reader: test_run_config.py
     assert doctor.main(["--ds-config", str(tmp_path / "list.json")]) == 2
     assert capsys.readouterr().err == (f"tupe-doctor: error: --ds-config {tmp_path}/list.json: a "

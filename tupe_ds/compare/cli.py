@@ -33,7 +33,7 @@ from tupe_ds.compare.recipes import RECIPES, SCHEDULE_FLAGS, modern, without
 from tupe_ds.compare.report import headline, write_report
 from tupe_ds.compare.runner import run_all
 from tupe_ds.distributed.launchers import LAUNCHERS, users_port
-from tupe_ds.finetune.flags import DEFAULT_GLOBAL_BATCH, list_of, positive
+from tupe_ds.finetune.flags import DEFAULT_GLOBAL_BATCH, list_of
 from tupe_ds.finetune.tasks import TASKS
 from tupe_ds.machine.doctor import probe
 from tupe_ds.model.config import ENCODINGS
@@ -88,9 +88,10 @@ def plan_parser(prog: str, description: str) -> argparse.ArgumentParser:
     glue.add_argument("--finetune-seeds", **list_of(int, "SEED"), help="default: 1 2 3 4 5")
     glue.add_argument("--finetune-epochs", type=int,
                       help="default: the paper's (5 for mnli, qqp, qnli, else 10)")
-    glue.add_argument("--finetune-global-batch-size", "--finetune-batch-size", type=positive,
-                      metavar="N", help="examples per optimizer step summed over the --nproc "
-                                        f"processes (default: {DEFAULT_GLOBAL_BATCH})")
+    glue.add_argument("--finetune-global-batch-size", "--finetune-batch-size",
+                      type=command_line.positive, metavar="N",
+                      help="examples per optimizer step summed over the --nproc processes "
+                           f"(default: {DEFAULT_GLOBAL_BATCH})")
     glue.add_argument("--finetune-max-length", type=int, help="tokens per example (default 512)")
     command_line.paths(p, "out", "finetune", blend=["data"])
     command_line.passes_flags(p, "pretrain_flags", pretrain_parser)

@@ -2,6 +2,7 @@
 Megatron's spelling (global) or HF's (per device)."""
 
 import argparse
+from tupe_ds.tools import command_line
 from tupe_ds.tools.errors import BatchSizeError
 
 DEFAULT_GLOBAL_BATCH = 32  # the paper's (Table 2)
@@ -30,21 +31,14 @@ class _Joined(argparse.Action):
 
 def add_batch_flags(p: argparse.ArgumentParser) -> None:
     """--global-batch-size (alias --batch-size) and --per-device-train-batch-size."""
-    p.add_argument("--global-batch-size", "--batch-size", type=positive, metavar="N",
+    p.add_argument("--global-batch-size", "--batch-size", type=command_line.positive, metavar="N",
                    help="examples per optimizer step summed over all processes, as Megatron's "
                         f"--global-batch-size (--batch-size: its earlier name; default "
                         f"{DEFAULT_GLOBAL_BATCH}, the paper's)")
-    p.add_argument("--per-device-train-batch-size", type=positive, metavar="N",
+    p.add_argument("--per-device-train-batch-size", type=command_line.positive, metavar="N",
                    help="examples per optimizer step on each process, as the HF Trainer's: the "
                         "global batch is N times the processes (no gradient accumulation); given "
                         "with --global-batch-size, the two must agree")
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: at least 1")
-    return value
 
 
 def global_batch_size(args, processes: int) -> int:

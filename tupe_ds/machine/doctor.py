@@ -238,7 +238,8 @@ def check_machine(argv) -> int:
     command_line.add_config_flags(p)
     add_verbose_flag(p)
     p.add_argument("--ds-config", help="a DeepSpeed config to check against this machine")
-    p.add_argument("--nproc", type=int, help="processes to start on this machine")
+    p.add_argument("--nproc", type=command_line.positive,
+                   help="processes to start on this machine")
     p.add_argument("--slurm", action="store_true",
                    help="inside a Slurm allocation: what the job's ranks will use, and what will "
                         "go wrong across its nodes")

@@ -80,9 +80,9 @@ def smoke(argv) -> int:
     command_line.add_config_flags(parser)
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=list(ENCODINGS))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=command_line.positive, default=30)
+    parser.add_argument("--batch", type=command_line.positive, default=8)
+    parser.add_argument("--seq", type=command_line.positive, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", choices=list(COMPILE), default="none",

@@ -66,6 +66,14 @@ def instead(parser: argparse.ArgumentParser, flag: str, name: str, names: list) 
     return f"did you mean {' or '.join(close)}?" if close else ""
 
 
+def positive(text: str) -> int:
+    """argparse's type of a count: a whole number, at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="a TOML file of settings, keys spelled as the flags (seq-length = "
