@@ -57,7 +57,8 @@ def test_errors_name_what_to_change(data, tmp_path, monkeypatch):
     for flags, said in ((("--lr", "nan"), "--lr nan: a learning rate is a positive, finite"),
                         (("--lr=-1",), "--lr -1.0: a learning rate"), (("--lr", "inf"), "--lr inf"),
                         (("--seed", str(2**64)), f"--seed {2**64}: give a whole number from 0"),
-                        (("--seed", "-1"), "--seed -1: give")):
+                        (("--seed", "-1"), "--seed -1: give"),
+                        (("--dropout", "1.5"), "--dropout 1.5: a probability from 0 to below 1")):
         assert said in fails(base(data, tmp_path, *flags), monkeypatch)
     assert "ModelConfig.num_attention_heads" in fails(base(data, tmp_path, "--tp", "8"), monkeypatch,
                                                       world=8)

@@ -232,6 +232,8 @@ def check_flags(args: argparse.Namespace) -> None:
             fail(f"--{name.replace('_', '-')} must be at least 1")
     if args.lr is not None and not 0 < args.lr < math.inf:  # nan compares false
         fail(f"--lr {args.lr}: a learning rate is a positive, finite number (such as 1e-4)")
+    if not 0 <= args.dropout < 1:
+        fail(f"--dropout {args.dropout}: a probability from 0 to below 1")
     if not 0 <= args.seed < 2**63:
         fail(f"--seed {args.seed}: give a whole number from 0 to 2**63-1")
     if args.resume_from and args.resume == "never":
