@@ -154,3 +154,26 @@ def test_a_master_port_that_is_no_port_is_said_before_any_launch(monkeypatch, va
         launchers.launcher_command("torchrun", 2, "tupe_ds.pretrain", [])
     monkeypatch.setenv("MASTER_PORT", "")  # empty: unset, as before
     assert launchers.users_port() is None
+
+
+@pytest.mark.parametrize("environ, said", [
+    ({"RANK": ""}, "RANK='' in the environment (single process)"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' in the environment (a launcher"),
+    ({"WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0 in the environment"),
+    ({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "RANK=3 with WORLD_SIZE=2"),
+])
+def test_launcher_variables_that_are_no_ranks_are_one_line_for_every_command(
+        environ, said, monkeypatch, capsys):
+    """Left in a shell or a script (RANK= exported empty): refused, with what to unset, where a
+    traceback (int(''), a division by WORLD_SIZE 0) ended every command."""
+    from tupe_ds.tools import entry
+    from tupe_ds.tools.errors import CommandRefused
+
+    with pytest.raises(CommandRefused, match=f"^{re.escape(said)}.*to run one process, unset"):
+        launch.discover(dict(environ))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert entry.run("tupe-x", lambda: launch.discover() and 0) == 2
+    assert capsys.readouterr().err.startswith(f"tupe-x: error: {said}")

@@ -26,13 +26,32 @@ import struct
 import subprocess
 from typing import MutableMapping
 
+from tupe_ds.tools.errors import CommandRefused
+
 DEFAULT_PORT = 29500
 SRUN_PORTS = (20000, 32768)  # [first, end): a port per job, below the ephemeral range
 
 
 def discover(environ: MutableMapping[str, str] = os.environ) -> str:
     """Fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in `environ` from the
-    launcher's variables; returns the launcher's name."""
+    launcher's variables; returns the launcher's name. CommandRefused where they are no ranks
+    (not whole numbers, RANK not below WORLD_SIZE)."""
+    launcher = launcher_variables(environ)
+    given = {name: environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+             if name in environ}
+    wrong = [f"{name}={value!r}" for name, value in given.items() if not value.isdigit()]
+    if not wrong and int(given.get("RANK", "0")) >= int(given.get("WORLD_SIZE", "1")):
+        wrong = [f"RANK={given.get('RANK', '0')} with WORLD_SIZE={given.get('WORLD_SIZE', '1')}"]
+    if wrong:
+        raise CommandRefused(
+            f"{', '.join(wrong)} in the environment ({launcher}): a launcher sets RANK, "
+            "WORLD_SIZE and LOCAL_RANK to whole numbers, RANK below WORLD_SIZE; to run one "
+            "process, unset them")
+    return launcher
+
+
+def launcher_variables(environ: MutableMapping[str, str]) -> str:
+    """discover's work: the variables filled, the launcher named."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         # torchrun's agent sets TORCHELASTIC_RUN_ID, the deepspeed launcher CROSS_RANK
         return ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "deepspeed"
