@@ -42,6 +42,13 @@ class PrepConfig:
 
         if self.vocab_size < 300:
             fail("--vocab-size", f"{self.vocab_size} is too small for byte-level BPE (>= 300)")
+        if self.vocab_size >= 2**31:  # the indexed data holds token ids as int32 at most
+            fail("--vocab-size", f"{self.vocab_size} is more than token ids hold (< 2**31)")
+        for option, count in (("--min-frequency", self.min_frequency),
+                              ("--min-words", self.min_words),
+                              ("--min-sentence-words", self.min_sentence_words)):
+            if count < 0:
+                fail(option, f"must be 0 or more, got {count}")
         if self.workers < 1:
             fail("--workers", f"must be at least 1, got {self.workers}")
         if self.dedup not in ("exact", "minhash", "none"):

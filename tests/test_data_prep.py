@@ -384,6 +384,10 @@ def test_configuration_errors_name_the_option(tmp_path, capsys):
         (["--shard", "3/2", "--tokenizer", source], "--shard: I/N needs 0 <= I < N"),
         (["--valid-fraction", "1.5"], "--valid-fraction: must be in [0, 1)"),
         (["--tokenizer", str(tmp_path / "missing.json")], "--tokenizer:"),
+        (["--vocab-size", str(10**23)], "--vocab-size: 100000000000000000000000 is more than"),
+        (["--min-frequency", "-1"], "--min-frequency: must be 0 or more, got -1"),
+        (["--min-words", "-3"], "--min-words: must be 0 or more"),
+        (["--min-sentence-words", "-2"], "--min-sentence-words: must be 0 or more"),
     ]:
         assert main(["--input", source, "--output", str(tmp_path / "out"), *argv]) == 2
         assert words in capsys.readouterr().err
