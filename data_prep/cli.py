@@ -142,7 +142,10 @@ def main(argv=None) -> int:
 def prep(argv) -> int:
     """tupe-prep's work: the corpus prepared (or, `tupe-prep merge`, shards merged), and what it
     holds said."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "merge" in argv and set(argv[:argv.index("merge")]) <= {"--verbose", "--quiet"}:
+        argv.remove("merge")  # the command after flags of no value: `tupe-prep --verbose merge`
+        argv.insert(0, "merge")
     try:
         if argv[:1] == ["merge"]:
             args = command_line.parse(merge_parser(), argv[1:])

@@ -393,6 +393,18 @@ def test_configuration_errors_name_the_option(tmp_path, capsys):
         assert words in capsys.readouterr().err
 
 
+def test_merge_is_the_command_after_flags_of_no_value_too(tmp_path, capsys):
+    """`tupe-prep --quiet merge ...` is merge (an unrecognized 'merge' before); a folder named
+    merge among --input stays an input."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--quiet", "merge", "--out", str(tmp_path / "m"), "s1", "--print-config"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "quiet = true  # command line" in printed and "# tupe-prep merge" in printed[0]
+    assert main(["--input", str(tmp_path / "merge"), "--out", str(tmp_path / "o")]) == 2
+    assert f"{tmp_path / 'merge'}" in capsys.readouterr().err
+
+
 def kept_texts(folder):
     tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     return [" ".join(doc) for split in ("train", "valid")
