@@ -402,6 +402,24 @@ def test_print_config_shows_wsd_and_caches_and_survives_a_device_that_cannot_sta
         capsys.readouterr().out.splitlines()
 
 
+def test_print_config_shows_the_positional_arguments_as_comments(tmp_path, capsys):
+    """They are no keys of a --config file: the printed file still reads back."""
+    from tupe_ds.export.write import main as export_main
+
+    for argv, line in ((["RUN/checkpoints", "--out", "x"],
+                        '# checkpoint = "RUN/checkpoints"  # command line (an argument: no key '
+                        'of a --config file)'),
+                       (["--out", "x"], "# checkpoint = (not given)  # an argument of the command "
+                                        "line")):
+        with pytest.raises(SystemExit):
+            export_main([*argv, "--print-config"])
+        printed = capsys.readouterr().out
+        assert line in printed.splitlines()
+    with pytest.raises(SystemExit) as exit_:
+        export_main(["--config", write(tmp_path / "e.toml", printed), "--print-config"])
+    assert exit_.value.code == 0
+
+
 def test_print_config_works_without_the_required_settings_and_shows_the_tasks_values(capsys):
     from tupe_ds.finetune.run import given_by_task, parser
 

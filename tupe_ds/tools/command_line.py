@@ -253,8 +253,8 @@ def resolve(parser: argparse.ArgumentParser, argv=None, recorded: Optional[Calla
     if args.print_config:  # the settings so far, the required ones not given among them
         if os.environ.get("RANK", "0") == "0":  # once under a launcher: a file to keep
             sources.update({action.dest: REQUIRED for action in missing})
-            print(settings_text(parser.prog, flags, args, sources, unset(args) if unset else {}),
-                  end="")
+            print(settings_text(parser.prog, flags, args, sources, unset(args) if unset else {},
+                                arguments_text(parser, args)), end="")
         raise SystemExit(0)
     if missing:
         parser.error("the following arguments are required: "
@@ -445,9 +445,9 @@ def converted_item(action: argparse.Action, where: str, item):
 
 
 def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dict,
-                  elsewhere: dict) -> str:
+                  elsewhere: dict, arguments: list = ()) -> str:
     """The settings as a TOML file for --config, each line saying where its value came from; a
-    setting with no value is a comment."""
+    setting with no value is a comment; then the `arguments` lines, and the environment's."""
     lines = [f"# {prog}: the resolved settings, each with where it came from"]
     for dest, action in flags.items():
         name = action.option_strings[0].lstrip("-")
@@ -472,11 +472,20 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
             except UnicodeEncodeError:  # a name of bytes that are no UTF-8 (surrogate escapes)
                 lines.append(f"# {name} = (bytes that are not UTF-8 text, which TOML cannot hold: "
                              f"give it on the command line)  # {where}")
+    lines += arguments
     lines.append("# the environment's settings, as this command uses them (export them: they are "
                  "no keys of a --config file)")
     lines += [f"# {name} = {toml_value(value)}  # {comment_text(where)} ({what})"
               for name, value, where, what in settings.used()]
     return "\n".join(lines) + "\n"
+
+
+def arguments_text(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """Lines of the positional arguments as given, as comments: no keys of a --config file."""
+    return [f"# {action.dest} = {toml_value(getattr(args, action.dest))}  # command line (an "
+            "argument: no key of a --config file)" if getattr(args, action.dest) not in
+            (None, []) else f"# {action.dest} = (not given)  # an argument of the command line"
+            for action in parser._actions if not action.option_strings]
 
 
 def joined(action: argparse.Action, values) -> str:
