@@ -139,7 +139,9 @@ def export_command(argv) -> int:
     command_line.add_config_flags(p)
     add_verbose_flag(p)
     p.add_argument("checkpoint", help="RUN_DIR, RUN_DIR/checkpoints (its newest) or .../stepN")
-    p.add_argument("--out", required=True, help="folder to write (replaced when complete)")
+    p.add_argument("--out", required=True,
+                   help="folder to write: a new one, or an earlier export, which is replaced "
+                        "when the new one is complete")
     p.add_argument("--format", choices=FORMATS, default="hf",
                    help="; ".join(f"{name}: {text}" for name, text in FORMATS.items()))
     p.add_argument("--tokenizer", metavar="PATH",
