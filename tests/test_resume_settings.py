@@ -7,10 +7,11 @@ decay's end, a warmup cut to --steps) is refused with both rates, or taken with
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 
-from runs import CPU_CONFIG, log, train
+from runs import CPU_CONFIG, command, environment, log, train
 from tupe_ds.tools.errors import Refused
 from tupe_ds.train.config import load
 from tupe_ds.train.schedule import WSD_TYPE, resume_rate_change
@@ -84,11 +85,27 @@ def test_check_only_on_a_finished_run_says_a_run_would_train_nothing(run, capsys
 
 @pytest.mark.slow
 def test_a_moved_rate_allowed_is_said_and_trained(run, data):
+    """And a fallback to a checkpoint of the old schedule is checked as a first choice is: step32
+    damaged, the same --steps 32 falls back to step30, refused with both rates (it trained on
+    unsaid); with --allow-training-changes, said."""
     said = train(None, 1, data, run, "--steps", "32", "--allow-training-changes")
-    assert (f"tupe-pretrain: resuming step30 with --steps 32 (--allow-training-changes): step 31 "
-            f"would run at learning rate {decay_rate(31, 32):.4g}, not the "
-            f"{decay_rate(31, 30):.4g}") in said
+    moved = (f"resuming step30 with --steps 32: step 31 would run at learning rate "
+             f"{decay_rate(31, 32):.4g}, not the {decay_rate(31, 30):.4g}")
+    assert moved.replace(":", " (--allow-training-changes):", 1) in said
     assert log(run)[31]["train/lr"] == pytest.approx(decay_rate(31, 32), rel=1e-9)
+    states = os.path.join(run, "checkpoints", "step32", "mp_rank_00_model_states.pt")
+    with open(states, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    refused = subprocess.run(command(None, 1, data, run, "--steps", "32"), env=environment(),
+                             capture_output=True, text=True, timeout=400)
+    assert refused.returncode == 2 and f"tupe-pretrain: error: {moved}" in refused.stderr, \
+        refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "failed verification" in refused.stdout  # and step32 set aside, as damage is
+    said = train(None, 1, data, run, "--steps", "32", "--allow-training-changes")
+    assert moved.replace(":", " (--allow-training-changes):", 1) in said
 
 
 @pytest.mark.slow

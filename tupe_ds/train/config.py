@@ -22,7 +22,7 @@ from tupe_ds.model.electra import PAIRS
 from tupe_ds.tools import command_line
 from tupe_ds.tools.errors import Refused, RunFolderBusy
 from tupe_ds.train import nonfinite, optimizer_boundary
-from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.checkpoint import same_run
 from tupe_ds.train.checkpoint.init_from import (InitPlan, check_branch, plan_init,
                                                 refuse_another_branch)
 from tupe_ds.train.checkpoint.resume import ResumePlan, plan_resume, what_is_where
@@ -35,7 +35,6 @@ from tupe_ds.train.objectives import OBJECTIVES
 from tupe_ds.train.run_folder import lock as folder_lock
 from tupe_ds.train.run_folder import recorded_settings
 from tupe_ds.train.run_folder.lock import RunLock
-from tupe_ds.train.schedule import ran_under, resume_rate_change
 
 CPU_CONFIG = doctor.CPU_CONFIG
 
@@ -259,24 +258,16 @@ def checked_run(args, sources, layout, ds_config, dtype, batch_split, training,
 
 def moved_rate(args: argparse.Namespace, plan: Optional[ResumePlan],
                ds_config: dict) -> Optional[ResumePlan]:
-    """A resume whose --steps moves the rate of the step after its checkpoint (a decay's end, a
-    warmup cut to --steps): refused naming both rates, or with --allow-training-changes said."""
-    if not (plan and plan.candidates and plan.candidates[0] < args.steps):
+    """same_run.moved_rate of the checkpoint a resume tries first, before any process starts (a
+    fallback's: resume.agreed); its line among the plan's notes."""
+    if not (plan and plan.candidates):
         return plan
     try:
-        schedule = manifest.read(os.path.join(plan.directory, plan.tag)).get("lr_schedule")
+        said = same_run.moved_rate(os.path.join(plan.directory, plan.tag), args.steps,
+                                   ds_config.get("scheduler"), args.allow_training_changes)
     except ValueError as error:
         fail(str(error))
-    change = resume_rate_change(schedule, plan.candidates[0], ds_config.get("scheduler"))
-    if not change:
-        return plan
-    if not args.allow_training_changes:
-        fail(f"resuming {plan.tag} with --steps {args.steps}: {change}. Resume with "
-             f"{ran_under(schedule)} to keep that schedule, or add --allow-training-changes to go "
-             "on with this one")
-    return dataclasses.replace(plan, notes=(
-        *plan.notes, f"tupe-pretrain: resuming {plan.tag} with --steps {args.steps} "
-        f"(--allow-training-changes): {change}"))
+    return dataclasses.replace(plan, notes=(*plan.notes, *said))
 
 
 def process_layout(args: argparse.Namespace, world_size: int) -> Layout:

@@ -431,6 +431,11 @@ def agreed(run) -> Start:
     try:
         changes = same_run.training_changes(os.path.join(plan.directory, plan.tag), run.training,
                                             run.allow_training_changes) if plan else []
+        if plan and plan.candidates != run.resume_plan.candidates:  # a fallback: as the first
+            for line in same_run.moved_rate(os.path.join(plan.directory, plan.tag), run.steps,
+                                            run.ds_config.get("scheduler"),
+                                            run.allow_training_changes):
+                logger.info(line)  # a note, as the first one's (config.moved_rate)
     except ValueError as error:
         raise Refused(str(error)) from None
     if plan is None and run.init_plan is not None:

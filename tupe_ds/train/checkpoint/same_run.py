@@ -3,10 +3,12 @@
 import dataclasses
 import os
 import re
+from typing import Optional
 
 from tupe_ds.data import blend_schedule, packing
 from tupe_ds.tools.files import file_digest
 from tupe_ds.train.checkpoint import manifest
+from tupe_ds.train.schedule import ran_under, resume_rate_change
 
 HOW_COMPUTED = ("tensor_parallel_size", "attention", "key_padding", "untied_as_columns",
                 "head_multiple", "compile")  # ModelConfig fields: how it is computed or split
@@ -106,6 +108,21 @@ def training_changes(step_dir: str, training: dict, allow: bool, doing="resuming
     why = " (--allow-training-changes)" if doing == "resuming" else ""
     return [f"tupe-pretrain: {doing} {os.path.basename(step_dir)} with changed training "
             f"settings{why}: {change}" for change in changes]
+
+
+def moved_rate(step_dir: str, steps: int, scheduler: Optional[dict], allow: bool) -> list:
+    """A resume of `step_dir` whose --steps moves the rate of the step after it (a decay's end,
+    a warmup cut to --steps): ValueError naming both rates; with `allow`, the line saying it."""
+    record = manifest.read(step_dir)
+    tag, schedule = os.path.basename(step_dir), record.get("lr_schedule")
+    change = resume_rate_change(schedule, record["step"], scheduler) if record["step"] < steps \
+        else ""
+    if change and not allow:
+        raise ValueError(f"resuming {tag} with --steps {steps}: {change}. Resume with "
+                         f"{ran_under(schedule)} to keep that schedule, or add "
+                         "--allow-training-changes to go on with this one")
+    return [f"tupe-pretrain: resuming {tag} with --steps {steps} (--allow-training-changes): "
+            f"{change}"] if change else []
 
 
 def init_differences(saved: dict, current: dict) -> list:
