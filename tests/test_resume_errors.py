@@ -580,6 +580,29 @@ def test_a_lost_history_never_lets_a_folder_go_back_or_become_another_run(tmp_pa
     assert plan(other, "step8", giving_up=id_8).lineage == "another run"
 
 
+def test_another_runs_history_over_the_checkpoints_names_moving_it_aside(tmp_path):
+    """A history copied from another run (or checkpoints replaced by another run's): every flag
+    is refused, nothing moved, naming what proceeds: the history moved aside, after which the
+    lost-history refusal's command does."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    for step in (2, 4, 6):
+        checkpoint(out, step, lineage="theirs")
+    commit(other, 2), commit(other, 4)
+    shutil.copy(other / history.FILE, out / history.FILE)
+    before = everything_in(out)
+    for flags in ({}, {"fresh_start": True}, {"resume_from": "step6"},
+                  {"fresh_start": True, "giving_up": newest_id(other, 4)}):
+        with pytest.raises(ValueError, match=f"^{out}/history.jsonl is the history of run mine, "
+                           f"and {out}/checkpoints holds only another run's checkpoints \\(step2, "
+                           "step4, step6, lineage theirs\\).* move this history aside \\(mv "):
+            plan(out, **flags)
+    assert everything_in(out) == before
+    os.replace(out / history.FILE, out / "history.jsonl.other")  # as it says
+    with pytest.raises(ValueError, match=f"--resume-from step6 --giving-up {newest_id(out, 6)}"):
+        plan(out)
+    assert plan(out, "step6", giving_up=newest_id(out, 6)).candidates == (6,)
+
+
 def test_check_only_names_the_checkpoint_a_new_run_starts_from(tmp_path):
     init = types.SimpleNamespace(step_dir="/runs/a/checkpoints/step4", step=4, branch=True,
                                  with_optimizer=True)

@@ -79,6 +79,16 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
         with contextlib.suppress(FileNotFoundError):  # not there within the retry window
             reads.retried(path, lambda: os.stat(path), expected=True)
             complete, damaged = survey(directory)  # a shared filesystem's listing was stale
+    if records and complete and all(m["lineage"] != lineage for m in complete.values()):
+        path = os.path.join(out, history.FILE)
+        raise ValueError(
+            f"{path} is the history of run {lineage}, and {directory} holds only another run's "
+            f"checkpoints ({tags(complete)}, lineage "
+            f"{', '.join(sorted({m['lineage'] for m in complete.values()}))}). Nothing was moved "
+            "or deleted. Put back this folder's own history and run the same command; or, to go "
+            f"on with the checkpoints here, move this history aside (mv {path} {path}.other) and "
+            "run the same command, which then names the command that goes on from their newest; "
+            f"else move them out of {directory}")
     folders = step_folders(directory)
     decision = history.decide(records, tuple(
         history.Folder(s, history.checkpoint_id(complete[s]), complete[s]["lineage"])
@@ -97,11 +107,6 @@ def plan_resume(out: str, resume: str, resume_from: Optional[str], world_size: i
             f"run's newest, {tag_of(newest)}: move {tags(foreign)} out of {directory}, "
             f"or resume this run's own with --resume-from {tag_of(newest)} (newer "
             "folders are then set aside, not deleted)")
-    if complete and not candidates and all(m["lineage"] != lineage for m in complete.values()):
-        raise ValueError(
-            f"{directory} holds no checkpoint of this run (lineage {lineage}), only another "
-            f"run's ({tags(complete)}): to continue that run here, --resume-from "
-            f"{tag_of(max(complete))}; else move them out of the folder")
     unmarked = {c.step for c in live} - set(complete) - set(damaged)
     problems = {**damaged, **{s: "no manifest.json, though the run's history records it "
                               "committed" for s in unmarked if s in folders}}
