@@ -607,10 +607,11 @@ def test_check_only_names_the_checkpoint_a_new_run_starts_from(tmp_path):
     init = types.SimpleNamespace(step_dir="/runs/a/checkpoints/step4", step=4, branch=True,
                                  with_optimizer=True)
     assert resume.what_is_where(str(tmp_path), None, init)[-1] == (
-        "a run would branch from /runs/a/checkpoints/step4 at step 4")
+        "a run would branch from /runs/a/checkpoints/step4 at step 4 once its files verify")
     weights = types.SimpleNamespace(**{**vars(init), "branch": False, "with_optimizer": False})
     assert resume.what_is_where(str(tmp_path), None, weights)[-1] == (
-        "a run would start from step 0 with the weights of /runs/a/checkpoints/step4")
+        "a run would start from step 0 with the weights of /runs/a/checkpoints/step4 once its "
+        "files verify")
 
 
 def test_a_checkpoint_without_training_settings_names_the_version_to_resume_it_with(tmp_path):

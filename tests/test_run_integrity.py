@@ -487,6 +487,8 @@ def test_a_file_that_would_run_code_never_runs_listed_unlisted_or_renamed(data, 
                str(checkpoints / "step12"), expect=2, processes=1)  # nothing of ranks here
     assert f"--init-from {checkpoints}/step12 does not verify" in said
     assert f"{checkpoints}/step12/{shard}: holds more than tensors" in said
+    assert f"such as the previous complete one: --init-from {checkpoints}/step10" in said
+    assert not (tmp_path / "new" / "history.jsonl").exists()  # a refused start records none
 
     said = run(data, out, *FLAGS, "--keep-checkpoints", "4")
     assert f"{checkpoints}/step12/{shard}: holds more than tensors" in said

@@ -62,8 +62,13 @@ def plan_init(init_from: str, with_optimizer: bool, current: dict, world_size: i
 def check_init(plan: InitPlan) -> None:
     """Collective, before the engine is built: Refused unless the checkpoint's files verify."""
     if problems := manifest.verify(plan.step_dir):
+        directory, step = os.path.split(os.path.normpath(plan.step_dir))
+        older = [s for s in folders.survey(directory)[0] if s < folders.step_of(step)]
         raise Refused(f"--init-from {plan.step_dir} does not verify: " + "; ".join(problems)
-                      + "; give another checkpoint")
+                      + "; give another checkpoint" + (
+                          f", such as the previous complete one: --init-from "
+                          f"{os.path.join(directory, folders.tag_of(max(older)))}" if older
+                          else ""))
 
 
 def init_from(engine, plan: InitPlan) -> None:

@@ -270,10 +270,11 @@ def what_is_where(out: str, plan: Optional[ResumePlan], init_plan=None) -> List[
             lines.append(f"resuming {plan.tag}, it would set aside {tags(newer)} (into "
                          f"{os.path.join(directory, SET_ASIDE)}, not deleted)")
     elif init_plan is not None:
-        lines.append(f"a run would branch from {init_plan.step_dir} at step {init_plan.step}"
-                     if init_plan.branch else f"a run would start from step 0 with the weights "
-                     f"of {init_plan.step_dir}" + (" and its optimizer state"
-                                                   if init_plan.with_optimizer else ""))
+        lines.append((f"a run would branch from {init_plan.step_dir} at step {init_plan.step}"
+                      if init_plan.branch else f"a run would start from step 0 with the weights "
+                      f"of {init_plan.step_dir}" + (" and its optimizer state"
+                                                    if init_plan.with_optimizer else ""))
+                     + " once its files verify")
     else:
         lines.append("a run would start from step 0" + (
             ", setting the damaged checkpoints aside (--fresh-start)" if plan and plan.fresh_start
@@ -430,6 +431,9 @@ def agreed(run) -> Start:
     Refused where it may not make them; or the --init-from checked."""
     lineage = run.resume_plan.lineage if run.resume_plan else (
         history.lineage(history.read(run.out) or []) or uuid.uuid4().hex)
+    initialised = run.resume_plan is None and run.init_plan is not None
+    if initialised:  # before the start is recorded: a refused one leaves no attempt
+        init_from.check_init(run.init_plan)
     plan = choose(run.resume_plan, run.layout.world_size, run.layout.tp, run.layout.pp,
                   run.ds_config.get("zero_optimization", {}).get("stage", 0),
                   (run.out, history.attempt_fields(lineage, run.settings, run.setting_sources)))
@@ -443,7 +447,7 @@ def agreed(run) -> Start:
                 logger.info(line)  # a note, as the first one's (config.moved_rate)
     except ValueError as error:
         raise Refused(str(error)) from None
-    if plan is None and run.init_plan is not None:
+    if plan is None and run.init_plan is not None and not initialised:  # none could be resumed
         init_from.check_init(run.init_plan)
     run.ds_config.setdefault("checkpoint", {})["load_universal"] = bool(
         plan and plan.resharding and plan.resharding.convert)
