@@ -84,6 +84,28 @@ def test_slurms_warning_before_the_first_step_ends_the_job_saying_why(data, tmp_
     assert not (tmp_path / "run" / "run.lock").exists()
 
 
+@pytest.mark.slow
+def test_slurms_warning_while_the_libraries_import_ends_the_job_saying_why(data, tmp_path):
+    """From the moment tupe-pretrain's module runs (python -m, as srun starts it), not once its
+    imports are done: SIGUSR1's default action ended the process silently (-10)."""
+    process = subprocess.Popen([sys.executable, "-m", "tupe_ds.pretrain",
+                                *flags(data, tmp_path / "run")], env=environment(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    caught, deadline = 0, time.time() + 120
+    while not caught >> (signal.SIGUSR1 - 1) & 1:  # its handler installed
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        with open(f"/proc/{process.pid}/status") as status:
+            caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1],
+                         16)
+        time.sleep(0.01)
+    process.send_signal(signal.SIGUSR1)
+    said = process.communicate(timeout=300)[0]
+    assert process.returncode == 3, said[-4000:]
+    assert "Traceback" not in said and "the job is not requeued" in said
+    assert "SIGUSR1 while starting" in said or "stopping before step 1 on SIGUSR1" in said
+    assert not (tmp_path / "run" / "run.lock").exists()
+
+
 def test_a_second_ctrl_c_ends_the_process_at_once():
     """As a user at a terminal expects (and a process waiting in a collective too): SIGINT's
     default action, no traceback, nothing saved."""

@@ -31,8 +31,22 @@ def interrupted_while_starting(signum, frame):
     raise SystemExit(130)  # no traceback; pretrain()'s finally releases run.lock
 
 
-if __name__ == "__main__":  # python -m: from before the imports below (StopSignal's in train())
+def warned_while_starting(signum, frame):
+    os.write(2, b"tupe-pretrain: SIGUSR1 while starting: nothing was trained, there is nothing to "
+                b"save. SIGUSR1 is Slurm's warning before the time limit (or sent by hand): the "
+                b"job is not requeued, as every attempt would stop the same way; raise sbatch's "
+                b"--time above the warning's lead plus the start-up, then submit the same command "
+                b"again\n")
+    raise SystemExit(3)  # as stop_signal.before_first_step: slurm/srun_requeue.sh requeues 0
+
+
+def listen_while_starting() -> None:
     signal.signal(signal.SIGINT, interrupted_while_starting)
+    signal.signal(signal.SIGUSR1, warned_while_starting)  # its default action ends the process
+
+
+if __name__ == "__main__":  # python -m: from before the imports below (StopSignal's in train())
+    listen_while_starting()
 
 from tupe_ds.distributed import launch
 from tupe_ds.distributed.parallel import end_distributed
@@ -54,7 +68,7 @@ def main(argv=None) -> int:
 def pretrain(argv) -> int:
     """Checks the run (load: a Refused, or an Unreadable run folder, every rank alike, before
     any process group), then trains it or, with --check-only, says what a start would do."""
-    signal.signal(signal.SIGINT, interrupted_while_starting)  # tupe-pretrain's entry point
+    listen_while_starting()  # tupe-pretrain's entry point
     launcher = launch.discover()  # RANK, WORLD_SIZE, ... from deepspeed, torchrun, srun or mpirun
     safe_load.weights_only_everywhere()  # DeepSpeed's own loads included
     # everything checkable is checked before any process group starts; rank 0 holds OUT/run.lock
