@@ -693,3 +693,25 @@ def test_an_older_copy_of_the_history_put_back_does_not_send_the_run_back(tmp_pa
     (new / "checkpoints").mkdir(parents=True)
     (new / "checkpoints" / ".keep").touch()
     assert plan(new) is None
+
+
+def test_an_older_copy_that_knows_none_of_the_newer_checkpoints_is_refused(tmp_path,
+                                                                            deepspeed_group):
+    """A copy made before a --resume-from step2 went back and the run saved a new step4 and
+    step6: the script's --resume-from step2 would apply again, setting those aside unsaid. Two
+    complete checkpoints of the run that the history never recorded (a commit cut short leaves
+    one): refused, whatever the flags, nothing moved."""
+    out = tmp_path / "run"
+    for step in (2, 4, 6):
+        commit(out, step)
+    copy = (out / history.FILE).read_bytes()
+    assert choose(out, resume_from="step2")[0].candidates == (2,)
+    commit(out, 4), commit(out, 6)
+    (out / history.FILE).write_bytes(copy)
+    before = everything_in(out)
+    for flags in ({}, {"resume_from": "step2"}):
+        with pytest.raises(ValueError, match="the folder holds step4, step6 of this run, "
+                                             "complete, which its history .* never recorded .*"
+                                             "is it an older copy, put back\\?"):
+            plan(out, **flags)
+    assert everything_in(out) == before

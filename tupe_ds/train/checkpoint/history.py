@@ -161,6 +161,14 @@ def decide(records: List[dict], folders: Tuple[Folder, ...], flags: Flags,
     appends = [record("committed", id=f.id, step=f.step, lineage=f.lineage, adopted=True)
                for f in complete.values() if f.lineage == run_lineage
                and (f.id, f.step) not in committed]
+    if records and len(appends) > 1:  # a commit cut short leaves one; an older copy, several
+        return Decision(refusal=(
+            f"the folder holds {tags(a['step'] for a in appends)} of this run, complete, which "
+            f"its history ({FILE}) never recorded (id {', '.join(a['id'] for a in appends)}): "
+            "is it an older copy, put back? Nothing was moved or deleted. Put back the history "
+            "as it was last written and run the same command; or move it aside (mv "
+            f"{FILE} {FILE}.old) and run the same command, which then names the command that "
+            "goes on from the newest checkpoint"))
     # by step: adopted checkpoints are recorded after those committed since
     state = sorted(live([*records, *appends]), key=lambda c: c.step)
     consent, notes, refusal = consent_of(records, flags, state, complete)
