@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (file, function): where ending the process is the point. The SIGINT handler of tupe-pretrain's
 # start, and --print-config, which ends its command as argparse's --help does.
 ENDS_THE_PROCESS = {("tupe_ds/pretrain.py", "interrupted_while_starting"),
+                    ("tupe_ds/pretrain.py", "warned_while_starting"),
                     ("tupe_ds/tools/command_line.py", "resolve")}
 
 

@@ -602,8 +602,13 @@ def plan_resume(out: str):
 
 
 def begun(out: str) -> None:
-    """The history a run of lineage L has once it started (its first start's record)."""
-    history.append(out, [], [history.record("attempt", lineage="L")])
+    """The history a run of lineage L has once it started and saved the complete checkpoints of
+    L in its folder (a history that never recorded two of them is an older copy)."""
+    complete = folder.survey(os.path.join(out, "checkpoints"))[0]
+    history.append(out, [], [history.record("attempt", lineage="L"), *(
+        history.record("committed", id=history.checkpoint_id(record), step=step, lineage="L",
+                       files=record["files"])
+        for step, record in sorted(complete.items()) if record["lineage"] == "L")])
 
 
 @at_most(60)
