@@ -4,6 +4,7 @@ had them."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -94,9 +95,12 @@ def test_export_errors_name_what_is_missing(tmp_path):
         export(str(step), str(tmp_path / "out"))
 
 
-def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
-    """--out a run folder, a folder of exports or notes, or a file: refused before the checkpoint
-    is read, nothing changed; an earlier export (either format) would be replaced."""
+def test_export_replaces_only_an_earlier_export(tmp_path, capsys, monkeypatch):
+    """--out a run folder, a folder of exports or notes, an export with a file of the user's
+    beside it, a file, the working directory, or one whose .tmp holds someone's files: refused
+    before the checkpoint is read, nothing changed; an earlier export (either format, or a link
+    to one) would be replaced."""
+    from tupe_ds.export.formats import check_out
     from tupe_ds.export.write import main as export_main
 
     run = tmp_path / "run"
@@ -105,27 +109,38 @@ def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
     exports = tmp_path / "exports"
     (exports / "other-model").mkdir(parents=True)
     (exports / "notes.txt").write_text("important")
-    beside = tmp_path / "beside"
-    beside.mkdir()
-    for name in ("model.safetensors", "config.json", "notes.txt"):
-        (beside / name).write_text("x")
-    a_file = tmp_path / "a-file"
-    a_file.write_text("x")
-    before = sorted(str(p) for p in tmp_path.rglob("*"))
-    for out, shown in ((run, "checkpoints, history.jsonl"), (exports, "notes.txt, other-model"),
-                       (beside, "notes.txt"), (a_file, "is a file")):
-        assert export_main([str(run / "checkpoints"), "--out", str(out)]) == 2
-        assert f"--out {out} " in capsys.readouterr().err
-        with pytest.raises(ExportError, match=shown):
-            export(str(run / "checkpoints"), str(out))
-    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
     hf = ("README.md", "config.json", "configuration_tupe.py", "model.safetensors",
           "modeling_tupe.py", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")
-    for files in (hf, ("model.safetensors", "config.json", "vocab-32k.json"), ()):
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    for name in (*hf, "eval_results.json"):
+        (beside / name).write_text("{}")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    kept = tmp_path / "kept"
+    (tmp_path / "kept.tmp").mkdir()
+    (tmp_path / "kept.tmp" / "notes.txt").write_text("precious")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for out, shown in ((run, "checkpoints, history.jsonl"), (exports, "notes.txt, other-model"),
+                       (beside, "eval_results.json"), (a_file, "(it is a file)"),
+                       (kept, f"{kept}.tmp holds notes.txt")):
+        assert export_main([str(run / "checkpoints"), "--out", str(out)]) == 2
+        assert f"--out {out}: " in capsys.readouterr().err
+        with pytest.raises(ExportError, match=re.escape(shown)):
+            export(str(run / "checkpoints"), str(out))
+    monkeypatch.chdir(exports / "other-model")
+    for out in (".", str(exports)):
+        with pytest.raises(ExportError, match="is the working directory or a folder above it"):
+            check_out(out)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    tupe = ("model.safetensors", "config.json", "vocab-32k.json")
+    for files in (hf, tupe, ()):
         earlier = tmp_path / f"earlier-{len(files)}"
         earlier.mkdir()
         for name in files:
-            (earlier / name).write_text("x")
+            (earlier / name).write_text('{"kind": "bert-mlm", "model": {}}')
+        (tmp_path / f"link-{len(files)}").symlink_to(earlier)
+        assert check_out(str(tmp_path / f"link-{len(files)}") + "/") == str(earlier)
         with pytest.raises(ExportError, match="not a complete DeepSpeed checkpoint"):
             export(str(tmp_path / "a-file"), str(earlier))  # got past --out's check
 

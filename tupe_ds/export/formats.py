@@ -27,26 +27,57 @@ FORMATS = {
 }
 
 
-def check_out(out: str) -> None:
-    """ExportError unless `out` is missing, an empty folder or a model folder an export wrote,
-    which the export replaces (files only: model.safetensors, config.json, and else only what an
-    export writes: README.md, the model's code, .json); nothing else is ever deleted."""
+# what an hf export writes (the tupe format: model.safetensors, config.json and its tokenizer)
+HF_FILES = {"model.safetensors", "config.json", "README.md", *CODE_FILES, "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json"}
+
+
+def check_out(out: str) -> str:
+    """The folder an export of --out `out` writes: its real path (a symbolic link's target).
+    ExportError unless it is missing, an empty folder or an earlier export (which the export
+    replaces), outside the working directory, with no .tmp beside it but a killed export's:
+    nothing else is ever deleted."""
+    real = os.path.realpath(out)
+    if os.path.commonpath([real, os.path.realpath(os.getcwd())]) == real:
+        raise ExportError(f"--out {out} is the working directory or a folder above it: give a "
+                          "folder outside it")
+    for path, complete in ((real, True), (real + ".tmp", False)):
+        if theirs := not_exported(path, complete):
+            raise ExportError(
+                f"--out {out}: {path} holds {', '.join(theirs[:5])}"
+                f"{' ...' if len(theirs) > 5 else ''}, which no export of tupe-export wrote: "
+                "nothing was changed. Give a new folder (or an earlier export, which is "
+                "replaced) as --out" + ("" if complete else f", or move {path} aside"))
+    return real
+
+
+def not_exported(folder: str, complete: bool) -> list:
+    """What `folder` holds that an export does not write ([]: nothing, or no folder there); not
+    `complete` (a killed export's .tmp), any part of an export."""
+    if not os.path.lexists(folder):
+        return []
+    if not os.path.isdir(folder):
+        return ["(it is a file)"]
+    names = sorted(os.listdir(folder))
+    others = [name for name in names
+              if name not in HF_FILES or os.path.isdir(os.path.join(folder, name))]
+    if len(others) == 1 and os.path.isfile(os.path.join(folder, others[0])) and tupe_format(
+            folder):
+        others = []  # the tupe format's tokenizer, copied under its own name after config.json
+    if complete and names and not others and not {"model.safetensors", "config.json"} <= set(
+            names):
+        return names
+    return others
+
+
+def tupe_format(folder: str) -> bool:
+    """Whether `folder`'s config.json is the tupe format's."""
     try:
-        names = sorted(os.listdir(out))
-    except FileNotFoundError:
-        return
-    except NotADirectoryError:
-        raise ExportError(f"--out {out} is a file, not a folder: give a folder (a new one, or "
-                          "an earlier export, which is replaced)") from None
-    written = {"model.safetensors", "config.json", "README.md", *CODE_FILES}
-    theirs = [name for name in names if os.path.isdir(os.path.join(out, name))
-              or name not in written and not name.endswith(".json")]
-    if names and (theirs or not {"model.safetensors", "config.json"} <= set(names)):
-        shown = theirs or names
-        raise ExportError(
-            f"--out {out} holds {', '.join(shown[:5])}{' ...' if len(shown) > 5 else ''}, "
-            "which is no model folder tupe-export wrote: nothing was changed. Give a new folder "
-            "(or an earlier export, which is replaced) as --out")
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and {"kind", "model"} <= config.keys()
 
 
 def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind: str,
@@ -57,7 +88,7 @@ def save_exported(out: str, state: Dict[str, Tensor], config: ModelConfig, kind:
     model card."""
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-    check_out(out)
+    out = check_out(out)
     with replacing_folder(out) as folder:
         if format == "hf":
             write_folder(folder, state, config, kind, tokenizer, source,
