@@ -127,7 +127,7 @@ def test_doctor_command_on_this_machine(capsys, tmp_path):
     (tmp_path / "list.json").write_text("[]")  # tupe-pretrain's reader: test_run_config.py
     assert doctor.main(["--ds-config", str(tmp_path / "list.json")]) == 2
     assert capsys.readouterr().err == (f"tupe-doctor: error: --ds-config {tmp_path}/list.json: a "
-                                       "DeepSpeed config is a JSON object ({...}), not a list\n")
+                                       "DeepSpeed config is a JSON object ({...}), not []\n")
 
 
 def test_pretraining_config_fails_before_work_on_the_wrong_hardware(data, tmp_path, monkeypatch):

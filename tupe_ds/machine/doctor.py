@@ -13,6 +13,7 @@ run.
 from tupe_ds.tools import startup  # noqa: F401  (first: the collector paused while they import)
 from tupe_ds.tools.third_party_warnings import add_verbose_flag  # filters import warnings
 import json
+import math
 import os
 import shutil
 import sys
@@ -23,7 +24,9 @@ from tupe_ds.machine.cluster_check import Finding, slurm_report
 from tupe_ds.machine.cuda_arch import VARIABLE as ARCH_LIST, deepspeed_arch_list
 from tupe_ds.machine.extension_locks import extension_locks, is_stale, lock_text
 from tupe_ds.tools import command_line, entry
-from tupe_ds.tools.errors import CommandRefused
+from tupe_ds.tools.errors import CommandRefused, NotRegularFile
+from tupe_ds.tools.files import regular_file
+from tupe_ds.tools.lock import file_kind
 
 BF16_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores
 FP16_CAPABILITY = (6, 0)  # Pascal P100 and newer: native fp16 arithmetic
@@ -186,29 +189,54 @@ SECTIONS = ("optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "chec
 
 def read_ds_config(path: str) -> dict:
     """The DeepSpeed config at `path`; CommandRefused naming the file and what is wrong with it
-    (missing, not a file, not UTF-8 JSON, not an object, a section that is not one)."""
+    (missing, not a regular file, not UTF-8 JSON, not an object, a section or its params that is
+    not one, a number that is NaN or infinite)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(regular_file(path), encoding="utf-8") as f:  # a FIFO would hang the read
             config = json.load(f)
     except FileNotFoundError:
         raise CommandRefused(f"--ds-config {path}: no such file") from None
     except json.JSONDecodeError as error:
         raise CommandRefused(f"--ds-config {path}: invalid JSON at line {error.lineno}: "
                              f"{error.msg}") from None
+    except NotRegularFile:
+        raise CommandRefused(f"--ds-config {path}: {file_kind(os.stat(path).st_mode)}, not a "
+                             "file: give a DeepSpeed config (JSON)") from None
     except (OSError, UnicodeDecodeError, RecursionError) as error:
         raise CommandRefused(f"--ds-config {path}: not readable as a JSON file "
                              f"({getattr(error, 'strerror', None) or error})") from None
     if not isinstance(config, dict):
         raise CommandRefused(f"--ds-config {path}: a DeepSpeed config is a JSON object "
-                             f"({{...}}), not a {type(config).__name__}")
+                             f"({{...}}), not {json.dumps(config)[:40]}")
     for section in (s for s in SECTIONS if s in config):
         value = config[section]
-        params = value.get("params", {}) if isinstance(value, dict) else None
-        if not isinstance(params, dict):
-            raise CommandRefused(f"--ds-config {path}: \"{section}\" is " + (
-                f"{value!r:.40}, not an object ({{...}})" if params is None else
-                f"an object whose \"params\" is {params!r:.40}, not an object"))
+        wrong = (section, value) if not isinstance(value, dict) else \
+            (f"{section}.params", value["params"]) if not isinstance(
+                value.get("params", {}), dict) else None
+        if wrong:
+            raise CommandRefused(f"--ds-config {path}: \"{wrong[0]}\" is "
+                                 f"{json.dumps(wrong[1])[:40]}, not an object ({{...}})")
+    if bad := next(not_finite(config), None):
+        raise CommandRefused(f"--ds-config {path}: \"{bad}\" is not a finite number")
+    params = config.get("scheduler", {}).get("params", {})
+    if steps := next((k for k, v in params.items() if k.endswith("_steps") and type(v) is not int),
+                     None):
+        raise CommandRefused(f"--ds-config {path}: \"scheduler.params.{steps}\" is "
+                             f"{json.dumps(params[steps])[:40]}, not a whole number of steps")
     return config
+
+
+def not_finite(value, where: str = ""):
+    """The dotted names of the NaN and infinite numbers in a JSON value (Python's json reads
+    NaN and Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from not_finite(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from not_finite(item, f"{where}[{index}]")
 
 
 def all_findings(machine: Machine, ds_config_path=None, processes_here=None,
