@@ -124,6 +124,9 @@ def test_doctor_command_on_this_machine(capsys, tmp_path):
         with pytest.raises(SystemExit, match="2"):
             smoke.main([flag, "0"])
         assert f"tupe-smoke: error: argument {flag}: 0: at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        smoke.main(["--lr", "nan"])
+    assert "tupe-smoke: error: --lr nan: a learning rate is a positive" in capsys.readouterr().err
     (tmp_path / "list.json").write_text("[]")  # tupe-pretrain's reader: test_run_config.py
     assert doctor.main(["--ds-config", str(tmp_path / "list.json")]) == 2
     assert capsys.readouterr().err == (f"tupe-doctor: error: --ds-config {tmp_path}/list.json: a "

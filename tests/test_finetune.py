@@ -255,6 +255,7 @@ def test_errors_name_the_file_line_and_what_to_change(sentiment, data, tmp_path,
                         (("--weight-decay", "inf"), "--weight-decay inf: 0 or a positive"),
                         (("--dropout", "1.5"), "--dropout 1.5: from 0 to below 1"),
                         (("--max-length", "2"), "--max-length 2: at least 3 for sst2"),
+                        (("--seeds", "1", "-1"), "--seeds 1 -1: each a whole number from 0"),
                         (("--valid", str(tmp_path)), f"{tmp_path}: a folder; give the task's")):
         assert finetune(finetune_flags(sentiment, tmp_path / "out", *extra)) == 2
         assert f"tupe-finetune: error: {said}" in capsys.readouterr().err

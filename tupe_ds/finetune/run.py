@@ -222,6 +222,8 @@ def check_numbers(args: argparse.Namespace, task: Task) -> None:
     for wrong, problem in (
             (not all(0 < lr < math.inf for lr in args.lr),  # nan compares false
              f"--lr {' '.join(map(str, args.lr))}: each a positive, finite number"),
+            (not all(0 <= seed < 2**32 for seed in args.seeds),
+             f"--seeds {' '.join(map(str, args.seeds))}: each a whole number from 0 to 2**32-1"),
             (args.epochs is not None and args.epochs < 1, f"--epochs {args.epochs}: at least 1"),
             (not 0 <= args.warmup_ratio <= 1,
              f"--warmup-ratio {args.warmup_ratio}: a share of the steps, from 0 to 1"),

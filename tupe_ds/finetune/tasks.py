@@ -79,8 +79,9 @@ def read_examples(path: str, task: Task, limit: Optional[int] = None) -> List[Ex
     if not os.path.exists(path):
         raise TaskDataError(f"{path}: no such file")
     if os.path.isdir(path):
-        raise TaskDataError(f"{path}: a folder; give the task's file in it (such as "
-                            f"{os.path.join(path, 'dev.tsv')})")
+        raise TaskDataError(f"{path}: a folder; give the task's file in it ("
+                            f"{os.path.join(path, 'train.tsv')} to --train, "
+                            f"{os.path.join(path, 'dev.tsv')} to --valid)")
     rows = list(itertools.islice(_rows(path, task), limit))
     if not rows:
         raise TaskDataError(f"{path}: no examples")

@@ -93,6 +93,8 @@ def smoke(argv) -> int:
     args = command_line.parse(parser, argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 to see the loss move")
+    if not 0 < args.lr < math.inf:  # nan compares false
+        parser.error(f"--lr {args.lr}: a learning rate is a positive, finite number")
 
     print(f"preset {args.preset}, batch {args.batch} x {args.seq} tokens, {args.steps} AdamW steps, "
           f"device {accelerator_device()}")
