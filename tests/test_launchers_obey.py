@@ -161,6 +161,11 @@ def test_a_master_port_that_is_no_port_is_said_before_any_launch(monkeypatch, va
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' in the environment (a launcher"),
     ({"WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0 in the environment"),
     ({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "RANK=3 with WORLD_SIZE=2"),
+    ({"RANK": "\u00b2", "WORLD_SIZE": "4"}, "RANK='\u00b2' in the environment"),
+    ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, "RANK='x' in the environment (mpirun)"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "the launcher's variables in the environment are incomplete "
+                                    "('OMPI_COMM_WORLD_SIZE')"),
 ])
 def test_launcher_variables_that_are_no_ranks_are_one_line_for_every_command(
         environ, said, monkeypatch, capsys):
@@ -169,8 +174,9 @@ def test_launcher_variables_that_are_no_ranks_are_one_line_for_every_command(
     from tupe_ds.tools import entry
     from tupe_ds.tools.errors import CommandRefused
 
-    with pytest.raises(CommandRefused, match=f"^{re.escape(said)}.*to run one process, unset"):
+    with pytest.raises(CommandRefused, match=f"^{re.escape(said)}.*unset"):
         launch.discover(dict(environ))
+    assert launch.discover({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"})  # as some set it
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():

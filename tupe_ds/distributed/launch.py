@@ -35,18 +35,29 @@ SRUN_PORTS = (20000, 32768)  # [first, end): a port per job, below the ephemeral
 def discover(environ: MutableMapping[str, str] = os.environ) -> str:
     """Fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in `environ` from the
     launcher's variables; returns the launcher's name. CommandRefused where they are no ranks
-    (not whole numbers, RANK not below WORLD_SIZE)."""
-    launcher = launcher_variables(environ)
+    (RANK or WORLD_SIZE not a whole number, RANK not below WORLD_SIZE, LOCAL_RANK not a number)
+    or a launcher's are missing."""
+    try:
+        launcher = launcher_variables(environ)
+    except (KeyError, ValueError) as error:  # a launcher's variable missing, or a port no number
+        raise CommandRefused(
+            f"the launcher's variables in the environment are incomplete ({error}): start the "
+            "command through the launcher that sets them all, or unset them to run one "
+            "process") from None
     given = {name: environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
              if name in environ}
-    wrong = [f"{name}={value!r}" for name, value in given.items() if not value.isdigit()]
+    wrong = [f"{name}={value!r}" for name, value in given.items()
+             if not (value.lstrip("-") if name == "LOCAL_RANK" else value).isascii()
+             or not (value.lstrip("-") if name == "LOCAL_RANK" else value).isdigit()]
     if not wrong and int(given.get("RANK", "0")) >= int(given.get("WORLD_SIZE", "1")):
         wrong = [f"RANK={given.get('RANK', '0')} with WORLD_SIZE={given.get('WORLD_SIZE', '1')}"]
     if wrong:
+        source = {"srun": "SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID",
+                  "mpirun": "OMPI_COMM_WORLD_* (or PMI_*)"}.get(launcher, "them")
         raise CommandRefused(
-            f"{', '.join(wrong)} in the environment ({launcher}): a launcher sets RANK, "
-            "WORLD_SIZE and LOCAL_RANK to whole numbers, RANK below WORLD_SIZE; to run one "
-            "process, unset them")
+            f"{', '.join(wrong)} in the environment ({launcher}): a launcher sets RANK and "
+            "WORLD_SIZE to whole numbers, RANK below WORLD_SIZE, and LOCAL_RANK to a number; "
+            f"to run one process, unset {source}")
     return launcher
 
 
@@ -82,10 +93,11 @@ def processes_on_this_node(environ: MutableMapping[str, str] = os.environ) -> in
     """How many processes of the run the launcher starts on this machine (1 when it does not
     say): torchrun, deepspeed, mpirun (OpenMPI, MPICH) or a Slurm job's tasks per node."""
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        if name in environ:
+        if environ.get(name, "").isascii() and environ.get(name, "").isdigit():
             return int(environ[name])
-    if "SLURM_NTASKS_PER_NODE" in environ:  # "8", or "8(x2)" for 2 nodes of 8
-        return int(environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    per_node = environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "8", or "8(x2)"
+    if per_node.isascii() and per_node.isdigit():
+        return int(per_node)
     return 1
 
 

@@ -74,5 +74,6 @@ def launcher_rank(environ: MutableMapping[str, str] = os.environ) -> int:
     slurm = ["SLURM_PROCID"] if "SLURM_STEP_ID" in environ else []  # a step's task, not the script
     for name in ["RANK", *slurm, "OMPI_COMM_WORLD_RANK", "PMI_RANK"]:
         if name in environ:  # a value that is no rank is discover's error, said by work()
-            return int(environ[name]) if environ[name].isdigit() else 0
+            return int(environ[name]) if environ[name].isascii() and environ[name].isdigit() \
+                else 0
     return 0
