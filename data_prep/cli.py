@@ -143,7 +143,8 @@ def prep(argv) -> int:
     """tupe-prep's work: the corpus prepared (or, `tupe-prep merge`, shards merged), and what it
     holds said."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "merge" in argv and set(argv[:argv.index("merge")]) <= {"--verbose", "--quiet"}:
+    if "merge" in argv and set(argv[:argv.index("merge")]) <= {"--verbose", "--quiet",
+                                                               "--print-config"}:
         argv.remove("merge")  # the command after flags of no value: `tupe-prep --verbose merge`
         argv.insert(0, "merge")
     try:

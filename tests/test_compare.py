@@ -455,6 +455,8 @@ def test_the_plan_is_checked_before_anything_runs(data, tmp_path, capsys, monkey
     assert cli.main(["--help"]) == 0 and "tupe-compare report cmp/" in capsys.readouterr().out
     assert cli.main(["report", "-h"]) == 0
     assert capsys.readouterr().out == "usage: tupe-compare report OUT\n"
+    assert cli.main(["--verbose", "report", "-h"]) == 0  # --verbose before the command too
+    assert capsys.readouterr().out == "usage: tupe-compare report OUT\n"
     assert "tupe-r-seed2 has 0 of 4 steps: not fine-tuned on sst2" in error_of(
         ["finetune-flags", str(tmp_path / "cmp"), "1"], capsys)
     assert "usage: tupe-compare finetune-flags OUT INDEX, INDEX below 4" in error_of(

@@ -146,9 +146,10 @@ def test_a_mistyped_flag_is_one_line_with_the_flag_meant_then_where_help_is(caps
         "--seq-lenght: did you mean --seq-length?; --stpes: did you mean --steps?",
         "see tupe-pretrain --help"]
     with pytest.raises(SystemExit):  # a name cut short: the flags it begins, not --seed
-        pretrain_args(["--out", "run", "--data", "d", "--seq", "32", "--eval", "2"])
+        pretrain_args(["--out", "run", "--data", "d", "--seq", "32", "--eval", "2", "--l", "1"])
     assert capsys.readouterr().err.splitlines()[0].endswith(
-        "--seq: did you mean --seq-len?; --eval: did you mean --eval-samples or --eval-interval?")
+        "--seq: did you mean --seq-len?; --eval: did you mean --eval-samples or --eval-interval?"
+        "; --l: did you mean --lr?")  # not --local_rank, hidden from --help
 
 
 def test_help_wins_over_any_error(capsys):
@@ -180,6 +181,7 @@ def test_a_setting_given_under_two_of_its_names_is_refused_as_in_a_file(capsys):
 @pytest.mark.parametrize("text, said", [
     ("seqlen = 1\n", "seqlen is not a setting of tupe-pretrain"),
     ("seqlen = 1\n", "did you mean seq-len?"),
+    ("seq = 1\n", "did you mean seq-len?"),  # one name per setting
     ('seq-len = "many"\n', "seq-len = 'many': invalid int value"),
     ('pos-encoding = "sinusoid"\n', "pos-encoding = 'sinusoid': choose one of"),
     ("bf16 = 1\n", "bf16 = 1: give true or false"),
@@ -417,6 +419,14 @@ def test_print_config_shows_the_positional_arguments_as_comments(tmp_path, capsy
         assert line in printed.splitlines()
     with pytest.raises(SystemExit) as exit_:
         export_main(["--config", write(tmp_path / "e.toml", printed), "--print-config"])
+    assert exit_.value.code == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a name of bytes that are no UTF-8: escaped, as a comment
+        export_main(["RUN\udcff", "--out", "x", "--print-config"])
+    printed = capsys.readouterr().out
+    assert '# checkpoint = "RUN\\udcff"  # command line' in printed
+    with pytest.raises(SystemExit) as exit_:
+        export_main(["--config", write(tmp_path / "f.toml", printed), "--print-config"])
     assert exit_.value.code == 0
 
 

@@ -397,7 +397,7 @@ def test_merge_is_the_command_after_flags_of_no_value_too(tmp_path, capsys):
     """`tupe-prep --quiet merge ...` is merge (an unrecognized 'merge' before); a folder named
     merge among --input stays an input."""
     with pytest.raises(SystemExit) as exit_:
-        main(["--quiet", "merge", "--out", str(tmp_path / "m"), "s1", "--print-config"])
+        main(["--quiet", "--print-config", "merge", "--out", str(tmp_path / "m"), "s1"])
     assert exit_.value.code == 0
     printed = capsys.readouterr().out.splitlines()
     assert "quiet = true  # command line" in printed and "# tupe-prep merge" in printed[0]

@@ -376,7 +376,7 @@ def test_a_full_disk_while_setting_aside_stops_the_start_naming_the_checkpoint(
         f"could not set aside step6 in {out}/checkpoints ([Errno 28] No space left on device")
     assert str(stopped.value).endswith(
         "nothing was deleted, and the newest intact checkpoint is step4: run the same command "
-        "once the filesystem has space")
+        "once the filesystem lets it (space, quota, or what is in the way)")
     assert folder.step_folders(str(out / "checkpoints")) == [2, 4, 6]
     monkeypatch.setattr(os, "makedirs", makedirs)
     chosen, said = choose(out, resume_from="step4")

@@ -239,6 +239,8 @@ def compare(argv) -> int:
     """tupe-compare's work: its first argument's command (plan, run, report, and the Slurm array
     tasks' run-flags, finetune-flags, finetune-ended); 1 where a run or fine-tune failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = ["--verbose"] if "--verbose" in argv[:1] else []  # read at import: before the command
+    argv = argv[len(verbose):]
     commands = ("run", "plan", "report", "run-flags", "finetune-flags", "finetune-ended")
     if argv[:1] in (["-h"], ["--help"]):
         print(f"{__doc__}Each command's flags: tupe-compare COMMAND --help "
@@ -252,7 +254,7 @@ def compare(argv) -> int:
         print(f"usage: tupe-compare {command} {USAGE[command]}")
         return 0
     if command == "plan":  # what slurm/submit_compare.sh runs before submitting the arrays
-        plan, _ = planned("tupe-compare plan", rest)
+        plan, _ = planned("tupe-compare plan", [*verbose, *rest])
         logger.info(f"{len(plan.runs)} runs planned in {plan.out}: "
                     + ", ".join(run.name for run in plan.runs))
         if plan.tasks:
@@ -281,7 +283,7 @@ def compare(argv) -> int:
         plan = read_plan(os.path.abspath(rest[0]))
         exits = {}
     else:
-        plan, launcher = planned("tupe-compare run", rest)
+        plan, launcher = planned("tupe-compare run", [*verbose, *rest])
         exits = run_all(plan, launcher)
     report = write_report(plan)
     logger.info(summary(report))

@@ -58,10 +58,13 @@ def instead(parser: argparse.ArgumentParser, flag: str, name: str, names: list) 
     not_ours = getattr(parser, "not_ours", {})
     if flag.replace("_", "-") in not_ours:
         return not_ours[flag.replace("_", "-")]
-    # a name cut short (--seq) means one it begins (--seq-len), not the closest (--seed)
+    # a name cut short (--seq) means one it begins (--seq-len), not the closest (--seed); one
+    # name per setting (TOML's keys are the flags without dashes), none hidden from --help
     actions, begun = parser._option_string_actions, {}
     for option in sorted((n for n in names if n.startswith(name)), key=len):
-        begun.setdefault(actions.get(option, option), option)  # one name per setting
+        action = actions.get(option) or actions.get("--" + option)
+        if len(name.lstrip("-")) >= 2 and getattr(action, "help", "") != argparse.SUPPRESS:
+            begun.setdefault(action or option, option)
     close = list(begun.values())[:3] or difflib.get_close_matches(name, names, n=1)
     return f"did you mean {' or '.join(close)}?" if close else ""
 
@@ -482,7 +485,8 @@ def settings_text(prog: str, flags: dict, args: argparse.Namespace, sources: dic
 
 def arguments_text(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:
     """Lines of the positional arguments as given, as comments: no keys of a --config file."""
-    return [f"# {action.dest} = {toml_value(getattr(args, action.dest))}  # command line (an "
+    return [f"# {action.dest} = {comment_text(toml_value(getattr(args, action.dest)))}  # "
+            "command line (an "
             "argument: no key of a --config file)" if getattr(args, action.dest) not in
             (None, []) else f"# {action.dest} = (not given)  # an argument of the command line"
             for action in parser._actions if not action.option_strings]

@@ -397,7 +397,7 @@ def choose(plan: Optional[ResumePlan], world_size: int, tp: int, pp: int, zero_s
                 f"could not set aside {tags(newer)} in {plan.directory} "
                 f"({reads.error_text(error)}); nothing was deleted, and the newest intact "
                 f"checkpoint is {chosen.tag if chosen else 'none'}: run the same command once "
-                "the filesystem has space") from None
+                "the filesystem lets it (space, quota, or what is in the way)") from None
         if said:
             logger.info(said)
 
