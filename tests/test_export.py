@@ -120,10 +120,15 @@ def test_export_replaces_only_an_earlier_export(tmp_path, capsys, monkeypatch):
     kept = tmp_path / "kept"
     (tmp_path / "kept.tmp").mkdir()
     (tmp_path / "kept.tmp" / "notes.txt").write_text("precious")
+    results = tmp_path / "results"  # an earlier tupe-format export, and the user's file
+    results.mkdir()
+    (results / "config.json").write_text('{"kind": "bert-mlm", "model": {}}')
+    for name in ("model.safetensors", "tokenizer.json", "results.txt"):
+        (results / name).write_text("x")
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     for out, shown in ((run, "checkpoints, history.jsonl"), (exports, "notes.txt, other-model"),
                        (beside, "eval_results.json"), (a_file, "(it is a file)"),
-                       (kept, f"{kept}.tmp holds notes.txt")):
+                       (kept, f"{kept}.tmp holds notes.txt"), (results, "results.txt")):
         assert export_main([str(run / "checkpoints"), "--out", str(out)]) == 2
         assert f"--out {out}: " in capsys.readouterr().err
         with pytest.raises(ExportError, match=re.escape(shown)):
@@ -137,8 +142,8 @@ def test_export_replaces_only_an_earlier_export(tmp_path, capsys, monkeypatch):
     for files in (hf, tupe, ()):
         earlier = tmp_path / f"earlier-{len(files)}"
         earlier.mkdir()
-        for name in files:
-            (earlier / name).write_text('{"kind": "bert-mlm", "model": {}}')
+        for name in files:  # a tupe config.json; a tokenizer file
+            (earlier / name).write_text('{"kind": "bert-mlm", "model": {}, "added_tokens": []}')
         (tmp_path / f"link-{len(files)}").symlink_to(earlier)
         assert check_out(str(tmp_path / f"link-{len(files)}") + "/") == str(earlier)
         with pytest.raises(ExportError, match="not a complete DeepSpeed checkpoint"):

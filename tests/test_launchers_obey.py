@@ -162,6 +162,7 @@ def test_a_master_port_that_is_no_port_is_said_before_any_launch(monkeypatch, va
     ({"WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0 in the environment"),
     ({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "RANK=3 with WORLD_SIZE=2"),
     ({"RANK": "\u00b2", "WORLD_SIZE": "4"}, "RANK='\u00b2' in the environment"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "--1"}, "LOCAL_RANK='--1' in the environment"),
     ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "h",
       "MASTER_PORT": "1"}, "RANK='x' in the environment (mpirun)"),
     ({"OMPI_COMM_WORLD_RANK": "0"}, "the launcher's variables in the environment are incomplete "

@@ -48,17 +48,24 @@ def test_errors_name_what_to_change(data, tmp_path, monkeypatch):
     (tmp_path / "string.json").write_text('{"train_batch_size": 16, "optimizer": "AdamW"}')
     (tmp_path / "params.json").write_text('{"scheduler": {"type": "WarmupLR", "params": [1]}}')
     (tmp_path / "nan.json").write_text('{"optimizer": {"params": {"betas": [0.9, NaN]}}}')
-    (tmp_path / "steps.json").write_text('{"scheduler": {"params": {"warmup_num_steps": "20"}}}')
     for name, problem in (("latin1.json", "not readable as a JSON file ('utf-8' codec"),
                           ("list.json", "a DeepSpeed config is a JSON object ({...}), not []"),
                           ("string.json", "\"optimizer\" is \"AdamW\", not an object"),
                           ("params.json", "\"scheduler.params\" is [1], not an object"),
                           ("nan.json", "\"optimizer.params.betas[1]\" is not a finite number"),
-                          ("steps.json", "\"scheduler.params.warmup_num_steps\" is \"20\", not "
-                                         "a whole number of steps"),
                           ("", "a folder, not a file: give a DeepSpeed config (JSON)")):
         assert f"--ds-config {tmp_path / name}: {problem}" in fails(
             base(data, tmp_path, ds_config=str(tmp_path / name)), monkeypatch)
+    with open(CPU_CONFIG) as f:  # tupe-pretrain writes --steps into total_num_steps
+        config = json.load(f)
+    config["scheduler"]["params"].update(total_num_steps="auto", warmup_num_steps="20")
+    (tmp_path / "steps.json").write_text(json.dumps(config))
+    assert (f"{tmp_path / 'steps.json'}: the scheduler's warmup_num_steps is \"20\", not a whole "
+            "number of steps; give one there, or --warmup-steps N") in fails(
+        base(data, tmp_path, ds_config=str(tmp_path / "steps.json")), monkeypatch)
+    assert load(base(data, tmp_path, "--warmup-steps", "3", ds_config=str(tmp_path / "steps.json"),
+                     out=str(tmp_path / "auto")) + ["--check-only"]).ds_config["scheduler"][
+        "params"]["total_num_steps"] == 10
     for flags, said in ((("--lr", "nan"), "--lr nan: a learning rate is a positive, finite"),
                         (("--lr=-1",), "--lr -1.0: a learning rate"), (("--lr", "inf"), "--lr inf"),
                         (("--seed", str(2**64)), f"--seed {2**64}: give a whole number from 0"),

@@ -47,8 +47,7 @@ def discover(environ: MutableMapping[str, str] = os.environ) -> str:
     given = {name: environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
              if name in environ}
     wrong = [f"{name}={value!r}" for name, value in given.items()
-             if not (value.lstrip("-") if name == "LOCAL_RANK" else value).isascii()
-             or not (value.lstrip("-") if name == "LOCAL_RANK" else value).isdigit()]
+             if not re.fullmatch("-?[0-9]+" if name == "LOCAL_RANK" else "[0-9]+", value)]
     if not wrong and int(given.get("RANK", "0")) >= int(given.get("WORLD_SIZE", "1")):
         wrong = [f"RANK={given.get('RANK', '0')} with WORLD_SIZE={given.get('WORLD_SIZE', '1')}"]
     if wrong:

@@ -61,13 +61,23 @@ def not_exported(folder: str, complete: bool) -> list:
     names = sorted(os.listdir(folder))
     others = [name for name in names
               if name not in HF_FILES or os.path.isdir(os.path.join(folder, name))]
-    if len(others) == 1 and os.path.isfile(os.path.join(folder, others[0])) and tupe_format(
-            folder):
+    if len(others) == 1 and "tokenizer.json" not in names and tupe_format(folder) and \
+            tokenizer_file(os.path.join(folder, others[0])):
         others = []  # the tupe format's tokenizer, copied under its own name after config.json
     if complete and names and not others and not {"model.safetensors", "config.json"} <= set(
             names):
         return names
     return others
+
+
+def tokenizer_file(path: str) -> bool:
+    """Whether `path` is a tokenizers JSON file (as tupe-prep writes one)."""
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(content, dict) and {"model", "added_tokens"} <= content.keys()
 
 
 def tupe_format(folder: str) -> bool:

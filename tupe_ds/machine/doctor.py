@@ -218,11 +218,6 @@ def read_ds_config(path: str) -> dict:
                                  f"{json.dumps(wrong[1])[:40]}, not an object ({{...}})")
     if bad := next(not_finite(config), None):
         raise CommandRefused(f"--ds-config {path}: \"{bad}\" is not a finite number")
-    params = config.get("scheduler", {}).get("params", {})
-    if steps := next((k for k, v in params.items() if k.endswith("_steps") and type(v) is not int),
-                     None):
-        raise CommandRefused(f"--ds-config {path}: \"scheduler.params.{steps}\" is "
-                             f"{json.dumps(params[steps])[:40]}, not a whole number of steps")
     return config
 
 

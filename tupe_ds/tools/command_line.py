@@ -61,11 +61,13 @@ def instead(parser: argparse.ArgumentParser, flag: str, name: str, names: list) 
     # a name cut short (--seq) means one it begins (--seq-len), not the closest (--seed); one
     # name per setting (TOML's keys are the flags without dashes), none hidden from --help
     actions, begun = parser._option_string_actions, {}
-    for option in sorted((n for n in names if n.startswith(name)), key=len):
-        action = actions.get(option) or actions.get("--" + option)
-        if len(name.lstrip("-")) >= 2 and getattr(action, "help", "") != argparse.SUPPRESS:
-            begun.setdefault(action or option, option)
-    close = list(begun.values())[:3] or difflib.get_close_matches(name, names, n=1)
+    shown = [n for n in names if getattr(actions.get(n) or actions.get("--" + n), "help", "")
+             != argparse.SUPPRESS]
+    if len(name.lstrip("-")) < 2:
+        return ""
+    for option in sorted((n for n in shown if n.startswith(name)), key=len):
+        begun.setdefault(actions.get(option) or actions.get("--" + option) or option, option)
+    close = list(begun.values())[:3] or difflib.get_close_matches(name, shown, n=1)
     return f"did you mean {' or '.join(close)}?" if close else ""
 
 

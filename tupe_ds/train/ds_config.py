@@ -234,6 +234,11 @@ def set_schedule(args: argparse.Namespace, ds_config: dict) -> dict:
         ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
         if "warmup_max_lr" in scheduler:
             scheduler["warmup_max_lr"] = args.lr
+    for key, flag in (("warmup_num_steps", "--warmup-steps"), ("decay_num_steps",
+                                                               "--decay-steps")):
+        if key in scheduler and type(scheduler[key]) is not int:  # "auto", 20.0, "20"
+            fail(f"{args.ds_config}: the scheduler's {key} is {json.dumps(scheduler[key])}, not a "
+                 f"whole number of steps; give one there, or {flag} N")
     asked = training_settings(ds_config)
     if args.lr_schedule is not None and scheduler.get("warmup_num_steps", 0) < 1:
         fail(f"--lr-schedule {args.lr_schedule}: {args.ds_config} gives no warmup "
