@@ -178,8 +178,9 @@ def test_launcher_variables_that_are_no_ranks_are_one_line_for_every_command(
     with pytest.raises(CommandRefused, match=f"^{re.escape(said)}.*unset"):
         launch.discover(dict(environ))
     assert launch.discover({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"})  # as some set it
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so that what discover() fills in is undone
+        monkeypatch.delenv(name)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert entry.run("tupe-x", lambda: launch.discover() and 0) == 2
